@@ -1,0 +1,154 @@
+//! The seam between a front end (HTTP server, CLI) and the engine.
+//!
+//! A front end builds a [`GenerationRequest`], calls
+//! [`InferenceService::submit`], and reads [`GenerationEvent`]s from the
+//! returned stream until a `Finished` or `Failed` event. Dropping the stream
+//! cancels the request at the engine's next step.
+
+use serde::{Deserialize, Serialize};
+
+/// One chat message, as the chat template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` (or `tool`).
+    pub role: String,
+    /// Plain text content.
+    pub content: String,
+}
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Messages rendered through the model's chat template with
+    /// `add_generation_prompt = true`.
+    Chat(Vec<ChatMessage>),
+    /// Raw text, tokenized as-is (special tokens as the tokenizer adds them).
+    Text(String),
+    /// Token ids, used as-is.
+    Tokens(Vec<u32>),
+}
+
+/// Sampling parameters of one request. Validated by the front end.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax). Otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1]; 1 disables it.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 disables it.
+    pub top_k: usize,
+    /// Drop tokens whose probability is below `min_p` times the top
+    /// probability; 0 disables it.
+    pub min_p: f32,
+    /// Seed of the request's random generator; `None` picks one.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (temperature 0).
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+}
+
+/// A validated request for the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    /// Upper bound on completion tokens (>= 1). The engine may stop earlier
+    /// at EOS or at the model's context length.
+    pub max_tokens: usize,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-sequence token was sampled (it is not part of the text).
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+/// Token accounting of one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens in the (rendered) prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated, including a final EOS token.
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Timing of one finished request, in seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    /// Time from submission to the first completion token (TTFT).
+    pub time_to_first_token_s: f64,
+    /// Time spent in prefill forwards.
+    pub prefill_s: f64,
+    /// Time spent from the first to the last completion token.
+    pub decode_s: f64,
+}
+
+/// One event on a request's stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerationEvent {
+    /// New text. `text` may be empty when a token ends inside a multi-byte
+    /// character (it is held back until the character is complete).
+    Delta { token: u32, text: String },
+    /// The request ended normally. `text` is what was held back, if anything.
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+        timings: Timings,
+    },
+    /// The request failed inside the engine; nothing else was affected.
+    Failed { message: String },
+}
+
+/// The receiving end of a request's events.
+pub type EventStream = tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>;
+
+/// Why a request was refused before it ran.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SubmitError {
+    /// The request cannot be served as asked (HTTP 400). `param` names the
+    /// offending field where there is one.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+    },
+    /// The engine is gone or shutting down (HTTP 503).
+    #[error("engine unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// What a front end needs from an engine. Implemented by the real engine
+/// handle and by test fakes.
+pub trait InferenceService: Send + Sync + 'static {
+    /// The name the model is served under (`--alias` or the directory name).
+    fn model_id(&self) -> &str;
+    /// The model's context length in tokens.
+    fn context_length(&self) -> usize;
+    /// Validate, tokenize and queue a request; events arrive on the stream.
+    fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError>;
+}

@@ -1,0 +1,8 @@
+//! The mlxcel engine: turns validated generation requests into token streams.
+//!
+//! One OS thread owns the model and its KV cache; request handlers talk to it
+//! through channels (see `../../shared/ARCHITECTURE.md`, "Threads and memory").
+//! Text work (tokenizer, chat template, incremental detokenization) and the
+//! sampler live here too, so the CLI and the HTTP server share one engine.
+
+pub mod api;

@@ -1,0 +1,1 @@
+//! KV cache storage (see ARCHITECTURE.md, crates/kv).

@@ -1,0 +1,1 @@
+//! HTTP layer (see ARCHITECTURE.md, crates/server).
