@@ -1,0 +1,98 @@
+// Thin C++ shim between cxx and MLX's C++ API (mlx/mlx.h).
+// Every function may throw; the Rust side declares each as returning
+// `Result`, so cxx turns a C++ exception into `cxx::Exception`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "mlx/mlx.h"
+#include "rust/cxx.h"
+
+namespace mlxcel {
+
+using mlx::core::array;
+using ArrayPtr = std::unique_ptr<array>;
+
+// A list of arrays built from Rust (for eval, concatenate, save).
+struct ArrayList {
+  std::vector<array> items;
+};
+
+// A loaded safetensors file: name -> array (lazy until evaluated).
+struct TensorMap {
+  std::unordered_map<std::string, array> tensors;
+  std::unordered_map<std::string, std::string> metadata;
+};
+
+// creation and inspection
+ArrayPtr from_f32(rust::Slice<const float> data, rust::Slice<const int32_t> shape);
+ArrayPtr from_i32(rust::Slice<const int32_t> data, rust::Slice<const int32_t> shape);
+ArrayPtr from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> shape);
+ArrayPtr scalar_f32(float v);
+ArrayPtr clone_array(const array& a);
+rust::Vec<int32_t> shape(const array& a);
+int32_t dtype_code(const array& a);
+size_t nbytes(const array& a);
+rust::Vec<float> to_f32_vec(const array& a);
+rust::Vec<int32_t> to_i32_vec(const array& a);
+rust::Vec<uint32_t> to_u32_vec(const array& a);
+
+std::unique_ptr<ArrayList> new_array_list();
+void array_list_push(ArrayList& list, const array& a);
+
+// evaluation
+void eval_one(const array& a);
+void eval_many(const ArrayList& arrays);
+void async_eval_many(const ArrayList& arrays);
+
+// ops
+ArrayPtr astype(const array& a, int32_t dtype);
+ArrayPtr add(const array& a, const array& b);
+ArrayPtr subtract(const array& a, const array& b);
+ArrayPtr multiply(const array& a, const array& b);
+ArrayPtr divide(const array& a, const array& b);
+ArrayPtr sigmoid(const array& a);
+ArrayPtr matmul(const array& a, const array& b);
+ArrayPtr reshape(const array& a, rust::Slice<const int32_t> shape);
+ArrayPtr transpose(const array& a, rust::Slice<const int32_t> axes);
+ArrayPtr softmax(const array& a, int32_t axis);
+ArrayPtr argmax(const array& a, int32_t axis, bool keepdims);
+ArrayPtr take(const array& a, const array& indices, int32_t axis);
+ArrayPtr concatenate(const ArrayList& arrays, int32_t axis);
+ArrayPtr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop);
+ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
+                      rust::Slice<const int32_t> stop);
+ArrayPtr zeros(rust::Slice<const int32_t> shape, int32_t dtype);
+ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
+                          bool transpose, int32_t group_size, int32_t bits);
+ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
+                    int32_t bits);
+
+ArrayPtr linalg_inv(const array& a);
+
+// fast ops
+ArrayPtr rms_norm(const array& x, const array& weight, float eps);
+ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
+ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
+                        const array& offsets);
+ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
+                    const array& freqs);
+ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
+ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
+
+// io
+std::unique_ptr<TensorMap> load_safetensors(rust::Str path);
+rust::Vec<rust::String> tensor_names(const TensorMap& m);
+ArrayPtr tensor_take(TensorMap& m, rust::Str name);
+void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
+                      const ArrayList& arrays);
+
+// device
+bool gpu_available();
+void use_device(bool gpu);
+rust::String version();
+
+}  // namespace mlxcel

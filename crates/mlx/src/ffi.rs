@@ -1,0 +1,122 @@
+//! The cxx bridge. Every function returns `Result`: cxx catches the C++
+//! exception and hands back its `what()` as the error message.
+
+#[cxx::bridge(namespace = "mlxcel")]
+pub(crate) mod bridge {
+    unsafe extern "C++" {
+        include!("mlxcel-mlx/include/shim.h");
+
+        #[namespace = "mlx::core"]
+        type array;
+        type ArrayList;
+        type TensorMap;
+
+        fn from_f32(data: &[f32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn from_i32(data: &[i32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn from_u32(data: &[u32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn scalar_f32(v: f32) -> Result<UniquePtr<array>>;
+        fn clone_array(a: &array) -> Result<UniquePtr<array>>;
+        fn shape(a: &array) -> Result<Vec<i32>>;
+        fn dtype_code(a: &array) -> Result<i32>;
+        fn nbytes(a: &array) -> Result<usize>;
+        fn to_f32_vec(a: &array) -> Result<Vec<f32>>;
+        fn to_i32_vec(a: &array) -> Result<Vec<i32>>;
+        fn to_u32_vec(a: &array) -> Result<Vec<u32>>;
+
+        fn new_array_list() -> Result<UniquePtr<ArrayList>>;
+        fn array_list_push(list: Pin<&mut ArrayList>, a: &array) -> Result<()>;
+        fn eval_one(a: &array) -> Result<()>;
+        fn eval_many(arrays: &ArrayList) -> Result<()>;
+        fn async_eval_many(arrays: &ArrayList) -> Result<()>;
+
+        fn astype(a: &array, dtype: i32) -> Result<UniquePtr<array>>;
+        fn add(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn subtract(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn sigmoid(a: &array) -> Result<UniquePtr<array>>;
+        fn matmul(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn reshape(a: &array, shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn transpose(a: &array, axes: &[i32]) -> Result<UniquePtr<array>>;
+        fn softmax(a: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn argmax(a: &array, axis: i32, keepdims: bool) -> Result<UniquePtr<array>>;
+        fn take(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<array>>;
+        fn slice(a: &array, start: &[i32], stop: &[i32]) -> Result<UniquePtr<array>>;
+        fn slice_update(
+            src: &array,
+            update: &array,
+            start: &[i32],
+            stop: &[i32],
+        ) -> Result<UniquePtr<array>>;
+        fn zeros(shape: &[i32], dtype: i32) -> Result<UniquePtr<array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn quantized_matmul(
+            x: &array,
+            w: &array,
+            scales: &array,
+            biases: &array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<array>>;
+        fn dequantize(
+            w: &array,
+            scales: &array,
+            biases: &array,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<array>>;
+
+        fn linalg_inv(a: &array) -> Result<UniquePtr<array>>;
+
+        fn rms_norm(x: &array, weight: &array, eps: f32) -> Result<UniquePtr<array>>;
+        fn rope(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            scale: f32,
+            offset: i32,
+        ) -> Result<UniquePtr<array>>;
+        fn rope_positions(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            scale: f32,
+            offsets: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn rope_freqs(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            scale: f32,
+            offset: i32,
+            freqs: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn sdpa(
+            q: &array,
+            k: &array,
+            v: &array,
+            scale: f32,
+            mask_mode: &str,
+        ) -> Result<UniquePtr<array>>;
+        fn sdpa_masked(
+            q: &array,
+            k: &array,
+            v: &array,
+            scale: f32,
+            mask: &array,
+        ) -> Result<UniquePtr<array>>;
+
+        fn load_safetensors(path: &str) -> Result<UniquePtr<TensorMap>>;
+        fn tensor_names(m: &TensorMap) -> Result<Vec<String>>;
+        fn tensor_take(m: Pin<&mut TensorMap>, name: &str) -> Result<UniquePtr<array>>;
+        fn save_safetensors(path: &str, names: &[String], arrays: &ArrayList) -> Result<()>;
+
+        fn gpu_available() -> Result<bool>;
+        fn use_device(gpu: bool) -> Result<()>;
+        fn version() -> Result<String>;
+    }
+}

@@ -1,0 +1,327 @@
+//! Operations on [`Array`]s. All are lazy: they build graph nodes; nothing is
+//! computed until [`eval`], [`async_eval`] or a `to_vec_*` call.
+
+use crate::ffi::bridge;
+use crate::{Array, Dtype, Error, Result};
+use cxx::UniquePtr;
+
+fn list(arrays: &[&Array]) -> Result<UniquePtr<bridge::ArrayList>> {
+    let mut l = bridge::new_array_list()?;
+    for a in arrays {
+        let pinned = l
+            .as_mut()
+            .ok_or_else(|| Error("null array list".into()))?;
+        bridge::array_list_push(pinned, a.raw())?;
+    }
+    Ok(l)
+}
+
+fn list_ref(l: &UniquePtr<bridge::ArrayList>) -> Result<&bridge::ArrayList> {
+    l.as_ref().ok_or_else(|| Error("null array list".into()))
+}
+
+/// Evaluates all `arrays` (one graph evaluation).
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    let l = list(arrays)?;
+    Ok(bridge::eval_many(list_ref(&l)?)?)
+}
+
+/// Starts evaluating `arrays` without waiting; a later [`eval`] or read waits.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    let l = list(arrays)?;
+    Ok(bridge::async_eval_many(list_ref(&l)?)?)
+}
+
+/// Concatenates `arrays` along `axis`.
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let l = list(arrays)?;
+    Array::wrap(bridge::concatenate(list_ref(&l)?, axis))
+}
+
+/// An array of zeros.
+pub fn zeros(shape: &[i32], dtype: Dtype) -> Result<Array> {
+    Array::wrap(bridge::zeros(shape, dtype as i32))
+}
+
+/// `softmax(q kᵀ · scale + mask) v`, MLX's fused attention.
+///
+/// Shapes: `q` `[batch, heads, q_len, head_dim]`, `k`/`v`
+/// `[batch, kv_heads, k_len, head_dim]` (grouped-query: `heads` is a multiple
+/// of `kv_heads`). `mask`: [`AttentionMask::None`], [`AttentionMask::Causal`]
+/// (lower-right aligned: query `i` sees keys `..= k_len - q_len + i`), or an
+/// additive/boolean array broadcastable to `[batch, heads, q_len, k_len]`.
+pub fn scaled_dot_product_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    match mask {
+        AttentionMask::None => Array::wrap(bridge::sdpa(q.raw(), k.raw(), v.raw(), scale, "")),
+        AttentionMask::Causal => {
+            Array::wrap(bridge::sdpa(q.raw(), k.raw(), v.raw(), scale, "causal"))
+        }
+        AttentionMask::Array(m) => Array::wrap(bridge::sdpa_masked(
+            q.raw(),
+            k.raw(),
+            v.raw(),
+            scale,
+            m.raw(),
+        )),
+    }
+}
+
+/// The mask argument of [`scaled_dot_product_attention`].
+#[derive(Debug, Clone)]
+pub enum AttentionMask {
+    /// Every query sees every key.
+    None,
+    /// Causal, aligned to the last key.
+    Causal,
+    /// An explicit mask: boolean (true = visible) or additive float.
+    Array(Array),
+}
+
+/// A tensor file loaded lazily from disk.
+pub struct SafeTensors(UniquePtr<bridge::TensorMap>);
+
+// SAFETY: the map is only touched through `&mut self` or `&self` reads of
+// the key set; the arrays it hands out are `Send` (see `Array`).
+unsafe impl Send for SafeTensors {}
+
+impl SafeTensors {
+    /// Loads a `.safetensors` file (tensors stay lazy until evaluated).
+    ///
+    /// # Errors
+    /// Missing or malformed file.
+    pub fn load(path: &std::path::Path) -> Result<SafeTensors> {
+        let p = path
+            .to_str()
+            .ok_or_else(|| Error(format!("non-UTF-8 path {}", path.display())))?;
+        let m = bridge::load_safetensors(p)?;
+        Ok(SafeTensors(m))
+    }
+
+    /// Names of the tensors not yet taken.
+    pub fn names(&self) -> Vec<String> {
+        self.0
+            .as_ref()
+            .and_then(|m| bridge::tensor_names(m).ok())
+            .unwrap_or_default()
+    }
+
+    /// Removes and returns the tensor `name`.
+    ///
+    /// # Errors
+    /// No tensor of that name.
+    pub fn take(&mut self, name: &str) -> Result<Array> {
+        let m = self
+            .0
+            .as_mut()
+            .ok_or_else(|| Error("null tensor map".into()))?;
+        Array::wrap(bridge::tensor_take(m, name))
+    }
+}
+
+/// Saves named arrays to a `.safetensors` file.
+pub fn save_safetensors(path: &std::path::Path, tensors: &[(String, &Array)]) -> Result<()> {
+    let p = path
+        .to_str()
+        .ok_or_else(|| Error(format!("non-UTF-8 path {}", path.display())))?;
+    let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
+    let arrays: Vec<&Array> = tensors.iter().map(|(_, a)| *a).collect();
+    let l = list(&arrays)?;
+    Ok(bridge::save_safetensors(p, &names, list_ref(&l)?)?)
+}
+
+impl Array {
+    /// Element type conversion.
+    pub fn astype(&self, dtype: Dtype) -> Result<Array> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        Array::wrap(bridge::astype(self.raw(), dtype as i32))
+    }
+
+    /// Elementwise `self + other` with broadcasting.
+    pub fn add(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::add(self.raw(), other.raw()))
+    }
+
+    /// Elementwise `self - other` with broadcasting.
+    pub fn subtract(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::subtract(self.raw(), other.raw()))
+    }
+
+    /// Elementwise `self * other` with broadcasting.
+    pub fn multiply(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::multiply(self.raw(), other.raw()))
+    }
+
+    /// Elementwise `self / other` with broadcasting.
+    pub fn divide(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::divide(self.raw(), other.raw()))
+    }
+
+    /// Elementwise logistic sigmoid.
+    pub fn sigmoid(&self) -> Result<Array> {
+        Array::wrap(bridge::sigmoid(self.raw()))
+    }
+
+    /// SiLU (`x · sigmoid(x)`), the Llama MLP activation.
+    pub fn silu(&self) -> Result<Array> {
+        self.multiply(&self.sigmoid()?)
+    }
+
+    /// Matrix product over the last two axes, broadcasting the rest.
+    pub fn matmul(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::matmul(self.raw(), other.raw()))
+    }
+
+    /// Same data, new shape (one `-1` is inferred).
+    pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
+        Array::wrap(bridge::reshape(self.raw(), shape))
+    }
+
+    /// Permutes axes.
+    pub fn transpose(&self, axes: &[i32]) -> Result<Array> {
+        Array::wrap(bridge::transpose(self.raw(), axes))
+    }
+
+    /// Swaps the last two axes of a 2-D array (`[a, b] -> [b, a]`).
+    pub fn t(&self) -> Result<Array> {
+        self.transpose(&[1, 0])
+    }
+
+    /// Softmax along `axis`, computed in float32 for lower-precision input.
+    pub fn softmax(&self, axis: i32) -> Result<Array> {
+        Array::wrap(bridge::softmax(self.raw(), axis))
+    }
+
+    /// Index of the first maximum along `axis`.
+    pub fn argmax(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Array::wrap(bridge::argmax(self.raw(), axis, keepdims))
+    }
+
+    /// Gathers `indices` along `axis` (embedding lookup is `take(ids, 0)`).
+    pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Array::wrap(bridge::take(self.raw(), indices.raw(), axis))
+    }
+
+    /// The sub-array `[start, stop)` on every axis.
+    pub fn slice(&self, start: &[i32], stop: &[i32]) -> Result<Array> {
+        Array::wrap(bridge::slice(self.raw(), start, stop))
+    }
+
+    /// A copy of `self` with `[start, stop)` replaced by `update`.
+    pub fn slice_update(&self, update: &Array, start: &[i32], stop: &[i32]) -> Result<Array> {
+        Array::wrap(bridge::slice_update(self.raw(), update.raw(), start, stop))
+    }
+
+    /// `self @ dequantize(w)ᵀ` (`transpose = true`) for MLX affine-quantized
+    /// `w` (`[out, in · bits / 32]` uint32) with `scales`/`biases`
+    /// `[out, in / group_size]`.
+    pub fn quantized_matmul(
+        &self,
+        w: &Array,
+        scales: &Array,
+        biases: &Array,
+        transpose: bool,
+        group_size: i32,
+        bits: i32,
+    ) -> Result<Array> {
+        Array::wrap(bridge::quantized_matmul(
+            self.raw(),
+            w.raw(),
+            scales.raw(),
+            biases.raw(),
+            transpose,
+            group_size,
+            bits,
+        ))
+    }
+
+    /// Dequantizes MLX affine-quantized `self` (see [`Array::quantized_matmul`])
+    /// to `[out, in]` in the scales' dtype.
+    pub fn dequantize(
+        &self,
+        scales: &Array,
+        biases: &Array,
+        group_size: i32,
+        bits: i32,
+    ) -> Result<Array> {
+        Array::wrap(bridge::dequantize(
+            self.raw(),
+            scales.raw(),
+            biases.raw(),
+            group_size,
+            bits,
+        ))
+    }
+
+    /// Matrix inverse of a square float32 matrix (on the CPU stream, as MLX
+    /// requires). A singular matrix fails inside `eval` (LAPACK's LU), which
+    /// is how the tests exercise an error raised during evaluation.
+    pub fn linalg_inv(&self) -> Result<Array> {
+        Array::wrap(bridge::linalg_inv(self.raw()))
+    }
+
+    /// RMSNorm over the last axis: `x / sqrt(mean(x²) + eps) · weight`.
+    pub fn rms_norm(&self, weight: &Array, eps: f32) -> Result<Array> {
+        Array::wrap(bridge::rms_norm(self.raw(), weight.raw(), eps))
+    }
+
+    /// Rotary position embedding (RoFormer, Su et al. 2021) over the first
+    /// `dims` features of the last axis; `self` is `[batch, heads, seq, head_dim]`
+    /// and token `i` of the sequence gets absolute position `offset + i`.
+    pub fn rope(
+        &self,
+        dims: i32,
+        traditional: bool,
+        base: f32,
+        scale: f32,
+        offset: i32,
+    ) -> Result<Array> {
+        Array::wrap(bridge::rope(self.raw(), dims, traditional, base, scale, offset))
+    }
+
+    /// RoPE with a per-row start position: `offsets` is int32 `[batch]`.
+    pub fn rope_at(
+        &self,
+        dims: i32,
+        traditional: bool,
+        base: f32,
+        scale: f32,
+        offsets: &Array,
+    ) -> Result<Array> {
+        Array::wrap(bridge::rope_positions(
+            self.raw(),
+            dims,
+            traditional,
+            base,
+            scale,
+            offsets.raw(),
+        ))
+    }
+
+    /// RoPE with explicit inverse frequencies `freqs` (`[dims / 2]`), as used
+    /// by Llama 3's scaled RoPE.
+    pub fn rope_with_freqs(
+        &self,
+        dims: i32,
+        traditional: bool,
+        scale: f32,
+        offset: i32,
+        freqs: &Array,
+    ) -> Result<Array> {
+        Array::wrap(bridge::rope_freqs(
+            self.raw(),
+            dims,
+            traditional,
+            scale,
+            offset,
+            freqs.raw(),
+        ))
+    }
+}

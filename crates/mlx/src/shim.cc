@@ -1,0 +1,185 @@
+// Implementation of the cxx shim over MLX. See include/shim.h.
+#include "mlxcel-mlx/include/shim.h"
+
+#include <stdexcept>
+
+namespace mx = mlx::core;
+
+namespace mlxcel {
+namespace {
+
+mx::Shape to_shape(rust::Slice<const int32_t> s) { return mx::Shape(s.begin(), s.end()); }
+
+ArrayPtr wrap(array a) { return std::make_unique<array>(std::move(a)); }
+
+// Dtype codes shared with the Rust `Dtype` enum (crates/mlx/src/dtype.rs).
+mx::Dtype dtype_from_code(int32_t c) {
+  switch (c) {
+    case 0: return mx::bool_;
+    case 1: return mx::uint8;
+    case 2: return mx::uint16;
+    case 3: return mx::uint32;
+    case 4: return mx::uint64;
+    case 5: return mx::int8;
+    case 6: return mx::int16;
+    case 7: return mx::int32;
+    case 8: return mx::int64;
+    case 9: return mx::float16;
+    case 10: return mx::float32;
+    case 11: return mx::float64;
+    case 12: return mx::bfloat16;
+    case 13: return mx::complex64;
+    default: throw std::invalid_argument("[mlxcel] unknown dtype code " + std::to_string(c));
+  }
+}
+
+std::vector<int> to_ints(rust::Slice<const int32_t> s) { return std::vector<int>(s.begin(), s.end()); }
+
+}  // namespace
+
+ArrayPtr from_f32(rust::Slice<const float> data, rust::Slice<const int32_t> shape) {
+  auto sh = to_shape(shape);
+  return wrap(array(data.data(), sh, mx::float32));
+}
+ArrayPtr from_i32(rust::Slice<const int32_t> data, rust::Slice<const int32_t> shape) {
+  auto sh = to_shape(shape);
+  return wrap(array(data.data(), sh, mx::int32));
+}
+ArrayPtr from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> shape) {
+  auto sh = to_shape(shape);
+  return wrap(array(data.data(), sh, mx::uint32));
+}
+ArrayPtr scalar_f32(float v) { return wrap(array(v)); }
+ArrayPtr clone_array(const array& a) { return wrap(a); }
+
+rust::Vec<int32_t> shape(const array& a) {
+  rust::Vec<int32_t> out;
+  for (auto d : a.shape()) out.push_back(d);
+  return out;
+}
+
+int32_t dtype_code(const array& a) {
+  return static_cast<int32_t>(a.dtype().val());
+}
+
+size_t nbytes(const array& a) { return a.nbytes(); }
+
+template <typename T>
+static rust::Vec<T> to_vec(const array& a, mx::Dtype dt) {
+  array c = mx::contiguous(mx::astype(a, dt));
+  c.eval();
+  rust::Vec<T> out;
+  out.reserve(c.size());
+  const T* p = c.data<T>();
+  for (size_t i = 0; i < c.size(); ++i) out.push_back(p[i]);
+  return out;
+}
+rust::Vec<float> to_f32_vec(const array& a) { return to_vec<float>(a, mx::float32); }
+rust::Vec<int32_t> to_i32_vec(const array& a) { return to_vec<int32_t>(a, mx::int32); }
+rust::Vec<uint32_t> to_u32_vec(const array& a) { return to_vec<uint32_t>(a, mx::uint32); }
+
+std::unique_ptr<ArrayList> new_array_list() { return std::make_unique<ArrayList>(); }
+void array_list_push(ArrayList& list, const array& a) { list.items.push_back(a); }
+
+void eval_one(const array& a) { mx::eval({a}); }
+void eval_many(const ArrayList& arrays) { mx::eval(arrays.items); }
+void async_eval_many(const ArrayList& arrays) { mx::async_eval(arrays.items); }
+
+ArrayPtr astype(const array& a, int32_t dtype) { return wrap(mx::astype(a, dtype_from_code(dtype))); }
+ArrayPtr add(const array& a, const array& b) { return wrap(mx::add(a, b)); }
+ArrayPtr subtract(const array& a, const array& b) { return wrap(mx::subtract(a, b)); }
+ArrayPtr multiply(const array& a, const array& b) { return wrap(mx::multiply(a, b)); }
+ArrayPtr divide(const array& a, const array& b) { return wrap(mx::divide(a, b)); }
+ArrayPtr sigmoid(const array& a) { return wrap(mx::sigmoid(a)); }
+ArrayPtr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
+ArrayPtr reshape(const array& a, rust::Slice<const int32_t> shape) {
+  return wrap(mx::reshape(a, to_shape(shape)));
+}
+ArrayPtr transpose(const array& a, rust::Slice<const int32_t> axes) {
+  return wrap(mx::transpose(a, to_ints(axes)));
+}
+ArrayPtr softmax(const array& a, int32_t axis) { return wrap(mx::softmax(a, axis, /*precise=*/true)); }
+ArrayPtr argmax(const array& a, int32_t axis, bool keepdims) {
+  return wrap(mx::argmax(a, axis, keepdims));
+}
+ArrayPtr take(const array& a, const array& indices, int32_t axis) {
+  return wrap(mx::take(a, indices, axis));
+}
+ArrayPtr concatenate(const ArrayList& arrays, int32_t axis) {
+  return wrap(mx::concatenate(arrays.items, axis));
+}
+ArrayPtr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop) {
+  return wrap(mx::slice(a, to_shape(start), to_shape(stop)));
+}
+ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
+                      rust::Slice<const int32_t> stop) {
+  return wrap(mx::slice_update(src, update, to_shape(start), to_shape(stop)));
+}
+ArrayPtr zeros(rust::Slice<const int32_t> shape, int32_t dtype) {
+  return wrap(mx::zeros(to_shape(shape), dtype_from_code(dtype)));
+}
+ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
+                          bool transpose, int32_t group_size, int32_t bits) {
+  return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, "affine"));
+}
+ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
+                    int32_t bits) {
+  return wrap(mx::dequantize(w, scales, biases, group_size, bits, "affine"));
+}
+
+ArrayPtr linalg_inv(const array& a) {
+  return wrap(mx::linalg::inv(a, mx::Device(mx::Device::cpu)));
+}
+
+ArrayPtr rms_norm(const array& x, const array& weight, float eps) {
+  return wrap(mx::fast::rms_norm(x, weight, eps));
+}
+ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {
+  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
+}
+ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
+                        const array& offsets) {
+  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offsets));
+}
+ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
+                    const array& freqs) {
+  return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
+}
+ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
+}
+ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
+}
+
+std::unique_ptr<TensorMap> load_safetensors(rust::Str path) {
+  auto [tensors, metadata] = mx::load_safetensors(std::string(path));
+  auto m = std::make_unique<TensorMap>();
+  m->tensors = std::move(tensors);
+  m->metadata = std::move(metadata);
+  return m;
+}
+rust::Vec<rust::String> tensor_names(const TensorMap& m) {
+  rust::Vec<rust::String> out;
+  for (auto& kv : m.tensors) out.push_back(rust::String(kv.first));
+  return out;
+}
+ArrayPtr tensor_take(TensorMap& m, rust::Str name) {
+  auto it = m.tensors.find(std::string(name));
+  if (it == m.tensors.end()) throw std::out_of_range("no tensor named " + std::string(name));
+  auto a = wrap(it->second);
+  m.tensors.erase(it);
+  return a;
+}
+void save_safetensors(rust::Str path, rust::Slice<const rust::String> names, const ArrayList& arrays) {
+  if (names.size() != arrays.items.size()) throw std::invalid_argument("names/arrays length mismatch");
+  std::unordered_map<std::string, array> m;
+  for (size_t i = 0; i < names.size(); ++i) m.insert({std::string(names[i]), arrays.items[i]});
+  mx::save_safetensors(std::string(path), m);
+}
+
+bool gpu_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
+void use_device(bool gpu) { mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)); }
+rust::String version() { return rust::String(mx::version()); }
+
+}  // namespace mlxcel

@@ -1,0 +1,137 @@
+//! Values of the bridged operations, checked against hand-computed results.
+
+use mlxcel_mlx::{scaled_dot_product_attention, Array, AttentionMask, Dtype};
+
+fn close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= tol, "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn matmul_and_elementwise() {
+    let a = Array::from_f32(&[1., 2., 3., 4., 5., 6.], &[2, 3]).unwrap();
+    let b = Array::from_f32(&[1., 0., 0., 1., 1., 1.], &[3, 2]).unwrap();
+    let c = a.matmul(&b).unwrap();
+    assert_eq!(c.shape(), vec![2, 2]);
+    assert_eq!(c.to_vec_f32().unwrap(), vec![4., 5., 10., 11.]);
+    let s = c.add(&Array::scalar(1.0).unwrap()).unwrap();
+    assert_eq!(s.to_vec_f32().unwrap(), vec![5., 6., 11., 12.]);
+    let silu = Array::from_f32(&[0.0, 1.0], &[2]).unwrap().silu().unwrap();
+    close(&silu.to_vec_f32().unwrap(), &[0.0, 0.731_058_6], 1e-6);
+}
+
+#[test]
+fn take_slice_concat_argmax() {
+    let table = Array::from_f32(&[0., 1., 10., 11., 20., 21.], &[3, 2]).unwrap();
+    let ids = Array::from_u32(&[2, 0], &[2]).unwrap();
+    let rows = table.take(&ids, 0).unwrap();
+    assert_eq!(rows.to_vec_f32().unwrap(), vec![20., 21., 0., 1.]);
+    let tail = table.slice(&[1, 1], &[3, 2]).unwrap();
+    assert_eq!(tail.to_vec_f32().unwrap(), vec![11., 21.]);
+    let cat = mlxcel_mlx::concatenate(&[&rows, &table], 0).unwrap();
+    assert_eq!(cat.shape(), vec![5, 2]);
+    let upd = table
+        .slice_update(&Array::from_f32(&[7., 8.], &[1, 2]).unwrap(), &[1, 0], &[2, 2])
+        .unwrap();
+    assert_eq!(upd.to_vec_f32().unwrap(), vec![0., 1., 7., 8., 20., 21.]);
+    let am = Array::from_f32(&[1., 3., 3., 0.], &[1, 4])
+        .unwrap()
+        .argmax(-1, false)
+        .unwrap();
+    assert_eq!(am.to_vec_u32().unwrap(), vec![1], "first index of the max");
+}
+
+#[test]
+fn rms_norm_matches_formula() {
+    let x = Array::from_f32(&[1., 2., 3., 4.], &[1, 4]).unwrap();
+    let w = Array::from_f32(&[1., 1., 2., 2.], &[4]).unwrap();
+    let y = x.rms_norm(&w, 1e-5).unwrap().to_vec_f32().unwrap();
+    let rms = ((1. + 4. + 9. + 16.) / 4.0f32 + 1e-5).sqrt();
+    close(&y, &[1. / rms, 2. / rms, 6. / rms, 8. / rms], 1e-5);
+}
+
+#[test]
+fn rope_rotates_pairs_by_position() {
+    // head_dim 2, non-traditional: (x0, x1) rotated by angle pos * base^0 = pos.
+    let x = Array::from_f32(&[1., 0., 1., 0.], &[1, 1, 2, 2]).unwrap();
+    let y = x.rope(2, false, 10000.0, 1.0, 3).unwrap();
+    let v = y.to_vec_f32().unwrap();
+    close(&v, &[3f32.cos(), 3f32.sin(), 4f32.cos(), 4f32.sin()], 1e-5);
+    let offsets = Array::from_i32(&[3], &[1]).unwrap();
+    let z = x.rope_at(2, false, 10000.0, 1.0, &offsets).unwrap();
+    close(&z.to_vec_f32().unwrap(), &v, 1e-6);
+}
+
+#[test]
+fn sdpa_causal_matches_manual() {
+    // One head, 2 queries, 2 keys, head_dim 1: causal means query 0 sees key 0 only.
+    let q = Array::from_f32(&[1., 1.], &[1, 1, 2, 1]).unwrap();
+    let k = Array::from_f32(&[0., 1.], &[1, 1, 2, 1]).unwrap();
+    let v = Array::from_f32(&[10., 20.], &[1, 1, 2, 1]).unwrap();
+    let out = scaled_dot_product_attention(&q, &k, &v, 1.0, &AttentionMask::Causal)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    let p1 = 1f32.exp() / (1.0 + 1f32.exp());
+    close(&out, &[10.0, 10.0 * (1.0 - p1) + 20.0 * p1], 1e-5);
+    let full = scaled_dot_product_attention(&q, &k, &v, 1.0, &AttentionMask::None)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    close(&full, &[10.0 * (1.0 - p1) + 20.0 * p1; 2], 1e-5);
+}
+
+#[test]
+fn quantized_matmul_equals_dequantized_dense() {
+    // Build a quantized weight by hand: 4-bit, group 32, 2 output rows, 32 inputs.
+    // Packed: 8 nibbles per uint32, little end first; value q at column j.
+    let mut packed = Vec::new();
+    for row in 0..2u32 {
+        for word in 0..4u32 {
+            let mut w = 0u32;
+            for n in 0..8u32 {
+                let q = (row * 3 + word * 8 + n) % 16;
+                w |= q << (4 * n);
+            }
+            packed.push(w);
+        }
+    }
+    let w = Array::from_u32(&packed, &[2, 4]).unwrap();
+    let scales = Array::from_f32(&[0.5, 0.25], &[2, 1]).unwrap();
+    let biases = Array::from_f32(&[-1.0, 2.0], &[2, 1]).unwrap();
+    let dense = w.dequantize(&scales, &biases, 32, 4).unwrap();
+    assert_eq!(dense.shape(), vec![2, 32]);
+    let d = dense.to_vec_f32().unwrap();
+    assert_eq!(d[0], -1.0); // q=0
+    assert_eq!(d[32 + 1], 0.25 * 4.0 + 2.0); // row 1, col 1: q = 3 + 1 = 4
+    let x: Vec<f32> = (0..32).map(|i| i as f32 / 10.0).collect();
+    let x = Array::from_f32(&x, &[1, 32]).unwrap();
+    let qm = x
+        .quantized_matmul(&w, &scales, &biases, true, 32, 4)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    let dm = x.matmul(&dense.t().unwrap()).unwrap().to_vec_f32().unwrap();
+    close(&qm, &dm, 1e-3);
+}
+
+#[test]
+fn dtype_roundtrip_and_safetensors() {
+    let a = Array::from_f32(&[1.5, -2.0], &[2]).unwrap();
+    let h = a.astype(Dtype::Float16).unwrap();
+    assert_eq!(h.dtype(), Dtype::Float16);
+    assert_eq!(h.nbytes(), 4);
+    let dir = std::env::temp_dir().join(format!("mlxcel-st-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.safetensors");
+    mlxcel_mlx::save_safetensors(&path, &[("a".into(), &a), ("h".into(), &h)]).unwrap();
+    let mut st = mlxcel_mlx::SafeTensors::load(&path).unwrap();
+    let mut names = st.names();
+    names.sort();
+    assert_eq!(names, vec!["a", "h"]);
+    assert_eq!(st.take("h").unwrap().to_vec_f32().unwrap(), vec![1.5, -2.0]);
+    assert!(st.take("h").is_err(), "taken twice");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
