@@ -1,1 +1,16 @@
-fn main() {}
+//! `mlxcel-server -m <model-dir>`: the OpenAI-compatible HTTP server.
+
+use clap::Parser;
+
+/// OpenAI-compatible LLM inference server on MLX.
+#[derive(Debug, Parser)]
+#[command(name = "mlxcel-server", version)]
+struct Cli {
+    #[command(flatten)]
+    serve: mlxcel::ServeArgs,
+}
+
+fn main() -> anyhow::Result<()> {
+    mlxcel::init_logging();
+    mlxcel::serve(Cli::parse().serve)
+}

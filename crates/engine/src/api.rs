@@ -111,10 +111,12 @@ pub struct Timings {
 /// One event on a request's stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerationEvent {
-    /// New text. `text` may be empty when a token ends inside a multi-byte
-    /// character (it is held back until the character is complete).
+    /// New text, completed by `token`. `text` may be empty when a token ends
+    /// inside a multi-byte character (it is held back until the character
+    /// is complete). An EOS token is sent only when held-back text is left.
     Delta { token: u32, text: String },
-    /// The request ended normally. `text` is what was held back, if anything.
+    /// The request ended normally; every piece of text was sent in a
+    /// `Delta` before this event.
     Finished {
         reason: FinishReason,
         usage: Usage,

@@ -6,3 +6,11 @@
 //! sampler live here too, so the CLI and the HTTP server share one engine.
 
 pub mod api;
+pub mod chat_template;
+pub mod detokenizer;
+pub mod engine;
+pub mod loader;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use engine::{Engine, EngineConfig, EngineError, EngineInfo};

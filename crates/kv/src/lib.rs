@@ -1,1 +1,32 @@
-//! KV cache storage (see ARCHITECTURE.md, crates/kv).
+//! KV cache bookkeeping (see ARCHITECTURE.md, crates/kv): the paged block
+//! pool, per-sequence block tables and the prefix cache. Plain Rust, no MLX:
+//! the tensor side (pool arrays, gather, scatter, block copies) follows the
+//! plain-data instructions these types return.
+//!
+//! Units: a *position* is an absolute token index in a sequence (its RoPE
+//! position); a *block* holds `block_size` consecutive positions; a *slot* is
+//! one token's place inside one block.
+//!
+//! - [`BlockPool`] (pool.rs): block ids, reference counts, the LRU free queue
+//!   and the hash → block map. Knows nothing of sequences or models.
+//! - [`BlockHash`] (hash.rs): the stable, seeded chained hash of a full block.
+//! - [`SequenceBlocks`] (sequence.rs): one sequence's `[start, end)` and its
+//!   block table; grows by [`SequenceBlocks::append_slots`], shrinks only by
+//!   [`SequenceBlocks::truncate_tail`] and [`SequenceBlocks::drop_front`].
+//! - [`PrefixCache`] (prefix.rs): longest-prefix lookup and donation of full
+//!   blocks, and its counters.
+//!
+//! The engine thread owns one pool; every call is synchronous and O(blocks
+//! touched), except the `counts`/`check_invariants` helpers, O(pool).
+
+mod error;
+mod hash;
+mod pool;
+mod prefix;
+mod sequence;
+
+pub use error::{KvError, PoolExhausted};
+pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
+pub use pool::{BlockCounts, BlockId, BlockPool};
+pub use prefix::{PrefixCache, PrefixCacheStats};
+pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};

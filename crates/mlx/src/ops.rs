@@ -8,9 +8,7 @@ use cxx::UniquePtr;
 fn list(arrays: &[&Array]) -> Result<UniquePtr<bridge::ArrayList>> {
     let mut l = bridge::new_array_list()?;
     for a in arrays {
-        let pinned = l
-            .as_mut()
-            .ok_or_else(|| Error("null array list".into()))?;
+        let pinned = l.as_mut().ok_or_else(|| Error("null array list".into()))?;
         bridge::array_list_push(pinned, a.raw())?;
     }
     Ok(l)
@@ -283,7 +281,14 @@ impl Array {
         scale: f32,
         offset: i32,
     ) -> Result<Array> {
-        Array::wrap(bridge::rope(self.raw(), dims, traditional, base, scale, offset))
+        Array::wrap(bridge::rope(
+            self.raw(),
+            dims,
+            traditional,
+            base,
+            scale,
+            offset,
+        ))
     }
 
     /// RoPE with a per-row start position: `offsets` is int32 `[batch]`.

@@ -21,7 +21,9 @@ fn bad_input_lengths_are_errors() {
     let a = Array::from_f32(&[1., 2.], &[2]).unwrap();
     assert!(a.reshape(&[3]).is_err());
     assert!(a.dim(5).is_err());
-    assert!(mlxcel_mlx::SafeTensors::load(std::path::Path::new("/nonexistent.safetensors")).is_err());
+    assert!(
+        mlxcel_mlx::SafeTensors::load(std::path::Path::new("/nonexistent.safetensors")).is_err()
+    );
 }
 
 #[test]
@@ -32,10 +34,17 @@ fn failure_inside_eval_is_an_error() {
     let err = inv.eval().unwrap_err();
     assert!(err.0.contains("LU factorization failed"), "{err}");
     // A fresh failing graph with a consumer fails the same way through a read.
-    let consumer = singular.linalg_inv().unwrap().add(&Array::scalar(1.0).unwrap()).unwrap();
+    let consumer = singular
+        .linalg_inv()
+        .unwrap()
+        .add(&Array::scalar(1.0).unwrap())
+        .unwrap();
     let err = consumer.to_vec_f32().unwrap_err();
     assert!(err.0.contains("factorization"), "{err}");
     // The next evaluation on the same thread works, and so does a good inverse.
-    let good = Array::from_f32(&[2., 0., 0., 4.], &[2, 2]).unwrap().linalg_inv().unwrap();
+    let good = Array::from_f32(&[2., 0., 0., 4.], &[2, 2])
+        .unwrap()
+        .linalg_inv()
+        .unwrap();
     assert_eq!(good.to_vec_f32().unwrap(), vec![0.5, 0., 0., 0.25]);
 }

@@ -33,7 +33,11 @@ fn take_slice_concat_argmax() {
     let cat = mlxcel_mlx::concatenate(&[&rows, &table], 0).unwrap();
     assert_eq!(cat.shape(), vec![5, 2]);
     let upd = table
-        .slice_update(&Array::from_f32(&[7., 8.], &[1, 2]).unwrap(), &[1, 0], &[2, 2])
+        .slice_update(
+            &Array::from_f32(&[7., 8.], &[1, 2]).unwrap(),
+            &[1, 0],
+            &[2, 2],
+        )
         .unwrap();
     assert_eq!(upd.to_vec_f32().unwrap(), vec![0., 1., 7., 8., 20., 21.]);
     let am = Array::from_f32(&[1., 3., 3., 0.], &[1, 4])

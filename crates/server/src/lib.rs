@@ -1,1 +1,188 @@
-//! HTTP layer (see ARCHITECTURE.md, crates/server).
+//! mlxcel's HTTP layer: OpenAI-compatible routes over an
+//! [`InferenceService`] (see ARCHITECTURE.md, crates/server).
+//!
+//! [`router`] builds the whole application without a socket, so tests drive
+//! it with `tower::ServiceExt::oneshot`; [`serve`] runs it on a listener with
+//! graceful shutdown. Every request body is parsed at the edge into a
+//! [`validate::ValidatedChatRequest`]; every error a client sees is an
+//! [`error::ApiError`], turned into the OpenAI error body in one place.
+
+pub mod error;
+mod extract;
+pub mod openai;
+mod routes;
+mod sse;
+pub mod validate;
+
+use std::future::{Future, IntoFuture};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::DefaultBodyLimit;
+use axum::http::Request;
+use axum::response::sse::KeepAlive;
+use axum::routing::{get, post};
+use axum::Router;
+use mlxcel_engine::api::InferenceService;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
+use tracing::Level;
+
+/// Settings of the HTTP layer, built once from the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpConfig {
+    /// Largest accepted request body; larger ones get 413.
+    pub body_limit_bytes: usize,
+    /// `max_tokens` of a request that sets neither `max_tokens` nor
+    /// `max_completion_tokens` (the engine clamps it to the context).
+    pub default_max_tokens: usize,
+    /// Interval of SSE keep-alive comments on a quiet stream.
+    pub keep_alive_interval: Duration,
+    /// After the shutdown signal, how long [`serve`] waits for open requests
+    /// (streams included) before it returns anyway.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            body_limit_bytes: 4 * 1024 * 1024,
+            default_max_tokens: 512,
+            keep_alive_interval: Duration::from_secs(15),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What every handler shares: the engine behind its trait, and the config.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    service: Arc<dyn InferenceService>,
+    config: HttpConfig,
+    started_at: u64,
+}
+
+impl AppState {
+    /// State over `service` with the default [`HttpConfig`].
+    pub fn new(service: Arc<dyn InferenceService>) -> Self {
+        Self::with_config(service, HttpConfig::default())
+    }
+
+    /// State over `service` with `config`.
+    pub fn with_config(service: Arc<dyn InferenceService>, config: HttpConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                service,
+                config,
+                started_at: openai::unix_now(),
+            }),
+        }
+    }
+
+    /// The engine.
+    pub fn service(&self) -> &dyn InferenceService {
+        self.inner.service.as_ref()
+    }
+
+    /// The HTTP settings.
+    pub fn config(&self) -> &HttpConfig {
+        &self.inner.config
+    }
+
+    /// Unix seconds at which this state was made (the model's `created`).
+    pub fn started_at(&self) -> u64 {
+        self.inner.started_at
+    }
+
+    fn keep_alive(&self) -> KeepAlive {
+        KeepAlive::new().interval(self.inner.config.keep_alive_interval)
+    }
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("model_id", &self.service().model_id())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The whole HTTP application. Every request gets an `x-request-id` (the
+/// client's, or a new UUID), echoed in the response and recorded on the
+/// request's tracing span.
+pub fn router(state: AppState) -> Router {
+    let body_limit = state.config().body_limit_bytes;
+    let trace = TraceLayer::new_for_http()
+        .make_span_with(|request: &Request<Body>| {
+            let request_id = request
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-");
+            tracing::info_span!(
+                "http_request",
+                request_id,
+                method = %request.method(),
+                path = %request.uri().path(),
+            )
+        })
+        .on_response(DefaultOnResponse::new().level(Level::INFO));
+    Router::new()
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/models", get(routes::list_models))
+        .route("/v1/models/{*id}", get(routes::retrieve_model))
+        .route("/health", get(routes::health))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(body_limit))
+        // Layers run outermost last: set the id, then trace, then echo it.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(trace)
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .with_state(state)
+}
+
+/// Serves [`router`] on `listener` until `shutdown` completes, then stops
+/// accepting connections and waits for open requests, at most
+/// [`HttpConfig::shutdown_grace`] (an open stream would otherwise hold
+/// shutdown for as long as it generates).
+pub async fn serve<F>(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let grace = state.config().shutdown_grace;
+    let (signalled_tx, mut signalled_rx) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutdown signal received; draining open requests");
+        let _ = signalled_tx.send(true);
+    };
+    let server = axum::serve(listener, router(state))
+        .with_graceful_shutdown(signal)
+        .into_future();
+    let deadline = async move {
+        // An error means the sender is gone without a signal: never expire.
+        if signalled_rx.wait_for(|signalled| *signalled).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        result = server => result,
+        () = deadline => {
+            tracing::warn!(?grace, "open requests outlived the shutdown grace period; closing");
+            Ok(())
+        }
+    }
+}

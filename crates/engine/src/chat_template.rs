@@ -1,0 +1,426 @@
+//! Hugging Face chat templates (Jinja), rendered with `minijinja`.
+//!
+//! The environment mirrors the one `transformers` builds in
+//! `utils/chat_template_utils.py` (`_compile_jinja_template`):
+//! `trim_blocks` and `lstrip_blocks` on, trailing newline of the template
+//! dropped, loop controls (`break`/`continue`), and the globals
+//! `raise_exception(msg)` and `strftime_now(fmt)`; its `tojson` filter is
+//! Python's `json.dumps` (no HTML escaping, `", "`/`": "` separators,
+//! optional `indent`). Python string/dict methods (`.strip()`,
+//! `.startswith()`, `.split()`, `.items()`, ...) come from
+//! `minijinja-contrib`'s `pycompat`. The context holds `messages`,
+//! `add_generation_prompt`, `tools` (none), `documents` (none), and
+//! `bos_token`/`eos_token` when the tokenizer config defines them (like
+//! `transformers`' `special_tokens_map`, they are undefined otherwise).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{AutoEscape, Environment, Error, ErrorKind};
+use serde::Serialize;
+
+use crate::api::ChatMessage;
+use crate::tokenizer::{bos_eos_strings, read_json_opt, TextError};
+
+/// Name of the one template in the environment.
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// A compiled chat template plus the BOS/EOS strings it is rendered with.
+/// Compiled once; `Send + Sync`, so one instance serves every request.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Loads the model's chat template: `dir/chat_template.jinja` if it
+    /// exists, else `chat_template` in `dir/tokenizer_config.json` (a string,
+    /// or a list of `{name, template}` of which `default` is used), else
+    /// `chat_template` in `dir/chat_template.json`. BOS/EOS strings come from
+    /// `tokenizer_config.json` (or `special_tokens_map.json`).
+    ///
+    /// Returns `Ok(None)` when the model has no template. Errors: unreadable
+    /// or malformed files, a list without a `default` entry, or a template
+    /// that does not compile ([`TextError::TemplateSyntax`]).
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, TextError> {
+        let Some(source) = find_template_source(dir)? else {
+            return Ok(None);
+        };
+        let (bos_token, eos_token) = bos_eos_strings(dir)?;
+        Self::new(source, bos_token, eos_token).map(Some)
+    }
+
+    /// Compiles `source` (Jinja text) with the given special-token strings.
+    ///
+    /// Errors: [`TextError::TemplateSyntax`] when the source does not parse.
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, TextError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        env.set_auto_escape_callback(|_| AutoEscape::None);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.into())
+            .map_err(|e| TextError::TemplateSyntax(e.to_string()))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Renders `messages` to the prompt text. With `add_generation_prompt`,
+    /// the template appends the header of an assistant turn (e.g.
+    /// `<|im_start|>assistant\n`).
+    ///
+    /// Errors (both fit a 400 response): [`TextError::TemplateException`]
+    /// with the template's own message when it calls `raise_exception`
+    /// (e.g. "Conversation roles must alternate ..."), and
+    /// [`TextError::TemplateRender`] for any other failure on these
+    /// messages.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TextError::TemplateRender(e.to_string()))?;
+        let mut ctx: BTreeMap<&str, Value> = BTreeMap::new();
+        ctx.insert("messages", Value::from_serialize(messages));
+        ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
+        ctx.insert("tools", Value::from(()));
+        ctx.insert("documents", Value::from(()));
+        if let Some(bos) = &self.bos_token {
+            ctx.insert("bos_token", Value::from(bos.as_str()));
+        }
+        if let Some(eos) = &self.eos_token {
+            ctx.insert("eos_token", Value::from(eos.as_str()));
+        }
+        template.render(ctx).map_err(render_error)
+    }
+
+    /// The BOS string the template is rendered with.
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// The EOS string the template is rendered with.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+}
+
+/// Finds the template text in a model directory (see
+/// [`ChatTemplate::from_model_dir`] for the order).
+fn find_template_source(dir: &Path) -> Result<Option<String>, TextError> {
+    let jinja = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&jinja) {
+        Ok(text) => return Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(TextError::Io {
+                path: jinja,
+                source,
+            })
+        }
+    }
+    for file in ["tokenizer_config.json", "chat_template.json"] {
+        let path = dir.join(file);
+        let Some(config) = read_json_opt(&path)? else {
+            continue;
+        };
+        match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::String(s)) => return Ok(Some(s.clone())),
+            Some(serde_json::Value::Array(list)) => {
+                let default = list
+                    .iter()
+                    .find(|entry| entry.get("name").and_then(|n| n.as_str()) == Some("default"));
+                return match default.and_then(|e| e.get("template")?.as_str()) {
+                    Some(s) => Ok(Some(s.to_owned())),
+                    None => Err(TextError::InvalidModelFile {
+                        path,
+                        message: "chat_template list has no template named \"default\"".into(),
+                    }),
+                };
+            }
+            Some(_) => {
+                return Err(TextError::InvalidModelFile {
+                    path,
+                    message: "chat_template is neither a string nor a list".into(),
+                })
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Marks an error raised by the template's own `raise_exception` call.
+#[derive(Debug)]
+struct RaisedByTemplate(String);
+
+impl std::fmt::Display for RaisedByTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RaisedByTemplate {}
+
+/// `raise_exception(message)`: fails the render with the template's message.
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message.clone())
+        .with_source(RaisedByTemplate(message)))
+}
+
+/// Turns a render error into a [`TextError`], keeping a template's own
+/// `raise_exception` message verbatim.
+fn render_error(err: Error) -> TextError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = source {
+        if let Some(raised) = e.downcast_ref::<RaisedByTemplate>() {
+            return TextError::TemplateException(raised.0.clone());
+        }
+        source = e.source();
+    }
+    TextError::TemplateRender(err.to_string())
+}
+
+/// `strftime_now(format)`: the local time formatted like Python's
+/// `datetime.now().strftime(format)` (chrono's strftime, which shares the
+/// common specifiers `%d %b %B %Y %m %H %M %S %A %a ...`).
+fn strftime_now(format: &str) -> Result<String, Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item<'_>> = StrftimeItems::new(format).collect();
+    if items.iter().any(|item| matches!(item, Item::Error)) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: unsupported format {format:?}"),
+        ));
+    }
+    let mut out = String::new();
+    write!(
+        out,
+        "{}",
+        chrono::Local::now().format_with_items(items.iter())
+    )
+    .map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: cannot format {format:?}"),
+        )
+    })?;
+    Ok(out)
+}
+
+/// `tojson` as `transformers` defines it: `json.dumps(x, ensure_ascii=False,
+/// indent=None)`. Keyword arguments `indent` (int) and `ensure_ascii`
+/// (bool) are honoured; others are an error.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let mut buf = Vec::new();
+    let result = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut buf, fmt))
+        }
+        None => value.serialize(&mut serde_json::Serializer::with_formatter(
+            &mut buf,
+            PythonCompact,
+        )),
+    };
+    result.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json = String::from_utf8(buf)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(if ensure_ascii == Some(true) {
+        escape_non_ascii(&json)
+    } else {
+        json
+    })
+}
+
+/// Python's `json.dumps` default separators: `", "` and `": "`.
+struct PythonCompact;
+
+impl serde_json::ser::Formatter for PythonCompact {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
+/// `ensure_ascii=True`: every non-ASCII char as `\uXXXX` (UTF-16, lowercase
+/// hex, as Python writes it). Non-ASCII can only occur inside JSON strings,
+/// so escaping the whole text is exact.
+fn escape_non_ascii(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                let _ = write!(out, "\\u{unit:04x}");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    fn render_src(src: &str, messages: &[ChatMessage]) -> Result<String, TextError> {
+        ChatTemplate::new(src, Some("<s>".into()), Some("</s>".into()))?.render(messages, true)
+    }
+
+    #[test]
+    fn is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ChatTemplate>();
+    }
+
+    #[test]
+    fn python_string_methods_work() {
+        let src = "{{ messages[0].content.strip() }}|{{ messages[0].content.startswith(' a') }}|\
+                   {{ messages[0].content.split(',') | length }}";
+        assert_eq!(
+            render_src(src, &[msg("user", " a,b,c ")]).unwrap(),
+            "a,b,c|True|3"
+        );
+    }
+
+    #[test]
+    fn loop_controls_work() {
+        let src = "{% for m in messages %}{% if loop.index0 == 1 %}{% continue %}{% endif %}\
+                   {{ m.content }}{% if loop.index0 == 2 %}{% break %}{% endif %}{% endfor %}";
+        let msgs = [
+            msg("user", "a"),
+            msg("user", "b"),
+            msg("user", "c"),
+            msg("user", "d"),
+        ];
+        assert_eq!(render_src(src, &msgs).unwrap(), "ac");
+    }
+
+    #[test]
+    fn raise_exception_keeps_the_templates_message() {
+        let src = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}ok";
+        let err = render_src(src, &[msg("system", "x")]).unwrap_err();
+        match err {
+            TextError::TemplateException(m) => assert_eq!(m, "System role not supported"),
+            other => panic!("wrong error: {other:?}"),
+        }
+        assert_eq!(render_src(src, &[msg("user", "x")]).unwrap(), "ok");
+    }
+
+    #[test]
+    fn other_render_failures_are_render_errors() {
+        let err = render_src(
+            "{{ messages[0].content.nosuchmethod() }}",
+            &[msg("user", "x")],
+        )
+        .unwrap_err();
+        assert!(matches!(err, TextError::TemplateRender(_)), "{err:?}");
+        let err = ChatTemplate::new("{% if %}", None, None).unwrap_err();
+        assert!(matches!(err, TextError::TemplateSyntax(_)), "{err:?}");
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        // json.dumps({"a": [1, "é<>"], "b": None}) and with indent=2.
+        let src = "{{ {'a': [1, 'é<>'], 'b': none} | tojson }}";
+        assert_eq!(
+            render_src(src, &[]).unwrap(),
+            r#"{"a": [1, "é<>"], "b": null}"#
+        );
+        let src = "{{ {'a': [1, 'é<>'], 'b': none} | tojson(indent=2) }}";
+        assert_eq!(
+            render_src(src, &[]).unwrap(),
+            "{\n  \"a\": [\n    1,\n    \"é<>\"\n  ],\n  \"b\": null\n}"
+        );
+        let src = "{{ 'é😀' | tojson(ensure_ascii=true) }}";
+        assert_eq!(render_src(src, &[]).unwrap(), r#""\u00e9\ud83d\ude00""#);
+    }
+
+    #[test]
+    fn strftime_now_formats_the_local_date() {
+        let want = chrono::Local::now().format("%Y-%m-%d").to_string();
+        let got = render_src("{{ strftime_now('%Y-%m-%d') }}", &[]).unwrap();
+        assert_eq!(got, want);
+        assert!(render_src("{{ strftime_now('%Q%') }}", &[]).is_err());
+    }
+
+    #[test]
+    fn missing_special_tokens_are_undefined() {
+        let t =
+            ChatTemplate::new("[{{ bos_token }}]{{ bos_token is defined }}", None, None).unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "[]False");
+    }
+
+    #[test]
+    fn trailing_newline_and_block_whitespace_follow_transformers() {
+        let src = "{% for m in messages %}\n  {% if true %}\n{{ m.content }}\n  {% endif %}\n{% endfor %}\n";
+        let msgs = [msg("user", "a"), msg("user", "b")];
+        // jinja2 with trim_blocks + lstrip_blocks renders "a\nb\n".
+        assert_eq!(render_src(src, &msgs).unwrap(), "a\nb\n");
+    }
+}

@@ -1,0 +1,458 @@
+//! Text <-> token ids, through a Hugging Face `tokenizer.json`.
+//!
+//! [`TextTokenizer`] wraps the `tokenizers` crate (the Rust core of HF
+//! `tokenizers`), so byte-level BPE (GPT-2, SmolLM2, Qwen2, Llama-3) and
+//! sentencepiece-style BPE with byte fallback (Llama-2, Mistral) both decode
+//! and encode exactly as `transformers` does with a fast tokenizer.
+//!
+//! How prompts are tokenized follows mlx-lm 0.32 (`mlx_lm/generate.py`,
+//! `mlx_lm/server.py`, `mlx_lm/tokenizer_utils.py`):
+//! - a rendered chat template is encoded with `add_special_tokens = false`,
+//!   because the template itself writes the BOS (and every other special
+//!   token) it wants: [`TextTokenizer::encode_chat_prompt`];
+//! - raw text adds the tokenizer's special tokens unless the text already
+//!   starts with the BOS string: [`TextTokenizer::encode_text_prompt`].
+//!
+//! [`TextError`], the error type of all of the crate's text modules, lives
+//! here too.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value as Json;
+
+/// Errors of the text side of the engine: tokenizer, chat template,
+/// detokenizer.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// A model file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A model file is not valid JSON.
+    #[error("cannot parse {path}: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// `tokenizer.json` could not be loaded by the `tokenizers` crate.
+    #[error("cannot load tokenizer {path}: {message}")]
+    TokenizerLoad { path: PathBuf, message: String },
+    /// A model file parsed but holds something we cannot use (for example a
+    /// `chat_template` that is neither a string nor a list of named
+    /// templates).
+    #[error("invalid {path}: {message}")]
+    InvalidModelFile { path: PathBuf, message: String },
+    /// Encoding text failed inside the tokenizer.
+    #[error("tokenizer encode failed: {0}")]
+    Encode(String),
+    /// Decoding ids failed inside the tokenizer.
+    #[error("tokenizer decode failed: {0}")]
+    Decode(String),
+    /// The chat template does not compile (a problem of the model, found at
+    /// load time).
+    #[error("chat template does not compile: {0}")]
+    TemplateSyntax(String),
+    /// The template called `raise_exception(message)`: the messages are not
+    /// acceptable to this model (HTTP 400; the message is the template's own).
+    #[error("{0}")]
+    TemplateException(String),
+    /// Rendering failed for another reason (undefined operation, type error
+    /// on the given messages). Shown to the client as a 400.
+    #[error("chat template error: {0}")]
+    TemplateRender(String),
+}
+
+/// A tokenizer loaded from a model directory, plus the special-token strings
+/// the chat template needs. Cheap to share: `Send + Sync`, all methods take
+/// `&self`.
+#[derive(Debug, Clone)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    /// Ids of special added tokens (skipped by `decode(.., true)`), sorted.
+    special_ids: Vec<u32>,
+    /// Ids of the `<0xNN>` tokens when the decoder has `ByteFallback`
+    /// (sentencepiece style), sorted; empty otherwise.
+    byte_fallback_ids: Vec<u32>,
+}
+
+impl TextTokenizer {
+    /// Loads `dir/tokenizer.json`, and the BOS/EOS strings from
+    /// `dir/tokenizer_config.json` (falling back to
+    /// `dir/special_tokens_map.json`, as `transformers` merges both).
+    ///
+    /// Errors: [`TextError::TokenizerLoad`] when `tokenizer.json` is missing
+    /// or invalid; [`TextError::Io`]/[`TextError::Json`] when a config file
+    /// exists but cannot be read or parsed.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, TextError> {
+        let path = dir.join("tokenizer.json");
+        let inner =
+            tokenizers::Tokenizer::from_file(&path).map_err(|e| TextError::TokenizerLoad {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let (bos_token, eos_token) = bos_eos_strings(dir)?;
+        let mut special_ids: Vec<u32> = inner
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, token)| token.special)
+            .map(|(&id, _)| id)
+            .collect();
+        special_ids.sort_unstable();
+        let mut byte_fallback_ids: Vec<u32> = if decoder_has_byte_fallback(&inner) {
+            (0..=255u8)
+                .filter_map(|b| inner.token_to_id(&format!("<0x{b:02X}>")))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        byte_fallback_ids.sort_unstable();
+        Ok(Self {
+            inner,
+            bos_token,
+            eos_token,
+            special_ids,
+            byte_fallback_ids,
+        })
+    }
+
+    /// Whether `id` is a special added token (BOS, EOS, `<|im_end|>`, ...),
+    /// which `decode(.., skip_special_tokens = true)` drops.
+    pub fn is_special_token(&self, id: u32) -> bool {
+        self.special_ids.binary_search(&id).is_ok()
+    }
+
+    /// Whether the decoder turns byte tokens `<0xNN>` back into bytes
+    /// (`ByteFallback`, as in Llama-2/Mistral sentencepiece tokenizers).
+    /// Such a decoder decodes a run of byte tokens all at once: if the run
+    /// is not valid UTF-8, *every* byte of it becomes U+FFFD.
+    pub fn has_byte_fallback(&self) -> bool {
+        !self.byte_fallback_ids.is_empty()
+    }
+
+    /// Whether `id` is a `<0xNN>` byte token of a `ByteFallback` decoder.
+    pub fn is_byte_fallback_token(&self, id: u32) -> bool {
+        self.byte_fallback_ids.binary_search(&id).is_ok()
+    }
+
+    /// Encodes `text` to token ids. With `add_special_tokens`, the
+    /// tokenizer's post-processor adds what the model expects around a
+    /// single sequence (e.g. `<s>` for Llama-2, `<|begin_of_text|>` for
+    /// Llama-3; nothing for Qwen2/SmolLM2). Special-token strings inside
+    /// `text` (e.g. `<|im_start|>`) always become their single ids.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        self.inner
+            .encode_fast(text, add_special_tokens)
+            .map(|enc| enc.get_ids().to_vec())
+            .map_err(|e| TextError::Encode(e.to_string()))
+    }
+
+    /// Encodes a prompt rendered by the chat template exactly as mlx-lm 0.32
+    /// and `transformers.apply_chat_template(tokenize=True)` do: with
+    /// `add_special_tokens = false`. The template already wrote the BOS if
+    /// the model wants one; adding it again would double it.
+    pub fn encode_chat_prompt(&self, rendered: &str) -> Result<Vec<u32>, TextError> {
+        self.encode(rendered, false)
+    }
+
+    /// Encodes a raw (non-chat) prompt the way mlx-lm 0.32's
+    /// `stream_generate` does: special tokens are added unless the model has
+    /// a BOS string and `text` already starts with it.
+    pub fn encode_text_prompt(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let add_special_tokens = match &self.bos_token {
+            Some(bos) => !text.starts_with(bos.as_str()),
+            None => true,
+        };
+        self.encode(text, add_special_tokens)
+    }
+
+    /// Decodes ids to text. Ids outside the vocabulary are ignored (as the
+    /// `tokenizers` crate does). With `skip_special_tokens`, special tokens
+    /// (BOS, EOS, `<|im_end|>`, ...) produce no text.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TextError::Decode(e.to_string()))
+    }
+
+    /// Number of ids the tokenizer knows, added tokens included. The
+    /// model's embedding table may be larger (padded); never smaller.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of a token given its exact vocabulary string (e.g.
+    /// `"<|im_end|>"`, or `"Ġthe"` for a byte-level BPE piece).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The vocabulary string of an id, if the id exists.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The BOS string from `tokenizer_config.json` (`bos_token`), if any.
+    /// Passed to the chat template as `bos_token`.
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// The EOS string from `tokenizer_config.json` (`eos_token`), if any.
+    /// Passed to the chat template as `eos_token`.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+}
+
+/// The ids that end a generation: the union of `eos_token_id` in
+/// `generation_config.json`, `eos_token_id` in `config.json` (top level, or
+/// under `text_config` for multimodal configs; each an int or a list of
+/// ints), and the id of the tokenizer's `eos_token` string. Deduplicated,
+/// in that order of first appearance.
+///
+/// mlx-lm 0.32 uses generation_config's value when present, else config's,
+/// plus the tokenizer's EOS; the union is a superset of that and never stops
+/// on a token neither file names. Missing or unreadable files contribute
+/// nothing (logged at `warn` when a file exists but cannot be parsed).
+pub fn eos_token_ids(dir: &Path, tok: &TextTokenizer) -> Vec<u32> {
+    let mut ids: Vec<u32> = Vec::new();
+    let mut push = |id: u32| {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    };
+    for file in ["generation_config.json", "config.json"] {
+        let path = dir.join(file);
+        let json = match read_json_opt(&path) {
+            Ok(json) => json,
+            Err(e) => {
+                tracing::warn!(error = %e, "ignoring eos_token_id of an unreadable file");
+                None
+            }
+        };
+        let Some(json) = json else { continue };
+        let value = json
+            .get("eos_token_id")
+            .or_else(|| json.get("text_config").and_then(|t| t.get("eos_token_id")));
+        for id in json_ids(value) {
+            push(id);
+        }
+    }
+    if let Some(id) = tok.eos_token().and_then(|eos| tok.token_to_id(eos)) {
+        push(id);
+    }
+    ids
+}
+
+/// Whether the tokenizer's decoder (or one in its `Sequence`) is
+/// `ByteFallback`, read from the decoder's serialized form.
+fn decoder_has_byte_fallback(inner: &tokenizers::Tokenizer) -> bool {
+    inner
+        .get_decoder()
+        .and_then(|d| serde_json::to_value(d).ok())
+        .is_some_and(|json| json_has_type(&json, "ByteFallback"))
+}
+
+/// Whether a JSON tree has an object with `"type": ty` anywhere.
+fn json_has_type(json: &Json, ty: &str) -> bool {
+    match json {
+        Json::Object(map) => {
+            map.get("type").and_then(Json::as_str) == Some(ty)
+                || map.values().any(|v| json_has_type(v, ty))
+        }
+        Json::Array(items) => items.iter().any(|v| json_has_type(v, ty)),
+        _ => false,
+    }
+}
+
+/// Ids from a JSON value that is an int or a list of ints (other shapes give
+/// nothing).
+fn json_ids(value: Option<&Json>) -> Vec<u32> {
+    let as_id = |v: &Json| v.as_u64().and_then(|n| u32::try_from(n).ok());
+    match value {
+        Some(Json::Array(items)) => items.iter().filter_map(as_id).collect(),
+        Some(v) => as_id(v).into_iter().collect(),
+        None => Vec::new(),
+    }
+}
+
+/// The `(bos_token, eos_token)` strings of a model directory: from
+/// `tokenizer_config.json`, else from `special_tokens_map.json` (both
+/// optional).
+pub(crate) fn bos_eos_strings(dir: &Path) -> Result<(Option<String>, Option<String>), TextError> {
+    let config = read_json_opt(&dir.join("tokenizer_config.json"))?;
+    let special = read_json_opt(&dir.join("special_tokens_map.json"))?;
+    let lookup = |key: &str| {
+        config
+            .as_ref()
+            .and_then(|c| special_token_string(c.get(key)))
+            .or_else(|| {
+                special
+                    .as_ref()
+                    .and_then(|s| special_token_string(s.get(key)))
+            })
+    };
+    Ok((lookup("bos_token"), lookup("eos_token")))
+}
+
+/// A special token as `tokenizer_config.json` writes it: a string, or an
+/// `AddedToken` object `{"content": "...", ...}`; `null` or absent is `None`.
+pub(crate) fn special_token_string(value: Option<&Json>) -> Option<String> {
+    match value? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(map) => map.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// Reads and parses a JSON file; `Ok(None)` when it does not exist.
+pub(crate) fn read_json_opt(path: &Path) -> Result<Option<Json>, TextError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(TextError::Io {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| TextError::Json {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    fn load(name: &str) -> TextTokenizer {
+        TextTokenizer::from_model_dir(&fixture(name)).expect("fixture tokenizer loads")
+    }
+
+    #[test]
+    fn is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<TextTokenizer>();
+    }
+
+    // Reference ids from the Python `tokenizers` 0.23.3 package in .venv:
+    // Tokenizer.from_file(f"{d}/tokenizer.json").encode(s).ids
+    #[test]
+    fn byte_level_encode_matches_python_tokenizers() {
+        let tok = load("bytelevel");
+        let ids = tok.encode("Hello world! 🙂 你好", true).unwrap();
+        assert_eq!(
+            ids,
+            [323, 358, 223, 380, 357, 3, 269, 250, 227, 223, 401, 402]
+        );
+        assert_eq!(tok.decode(&ids, true).unwrap(), "Hello world! 🙂 你好");
+        assert_eq!(tok.encode(" leading", true).unwrap(), [418, 329, 260, 73]);
+        assert_eq!(tok.vocab_size(), 420);
+    }
+
+    #[test]
+    fn sentencepiece_encode_matches_python_tokenizers() {
+        let tok = load("spm");
+        let ids = tok.encode("Hello world! 🙂 你好", true).unwrap();
+        let want = [
+            1, 362, 404, 352, 313, 302, 335, 291, 283, 36, 313, 243, 162, 156, 133, 313, 231, 192,
+            163, 321,
+        ];
+        assert_eq!(ids, want);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "Hello world! 🙂 你好");
+        assert_eq!(tok.decode(&ids, false).unwrap(), "<s> Hello world! 🙂 你好");
+        assert_eq!(
+            tok.encode(" leading", true).unwrap(),
+            [1, 313, 313, 351, 390, 330, 286]
+        );
+    }
+
+    #[test]
+    fn special_token_strings_become_single_ids() {
+        let tok = load("bytelevel");
+        let ids = tok
+            .encode_chat_prompt("<|im_start|>user\nHi<|im_end|>")
+            .unwrap();
+        assert_eq!(ids.first(), Some(&1));
+        assert_eq!(ids.last(), Some(&2));
+        assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
+        assert_eq!(tok.id_to_token(2).as_deref(), Some("<|im_end|>"));
+    }
+
+    #[test]
+    fn chat_prompts_never_get_a_second_bos() {
+        let tok = load("spm");
+        assert_eq!(tok.bos_token(), Some("<s>"));
+        assert_eq!(tok.eos_token(), Some("</s>"));
+        let rendered = "<s>[INST] Hi [/INST]";
+        let ids = tok.encode_chat_prompt(rendered).unwrap();
+        assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 1);
+        assert_eq!(ids[0], 1);
+        // Raw text: BOS added unless already there (mlx-lm stream_generate).
+        assert_eq!(tok.encode_text_prompt(rendered).unwrap(), ids);
+        assert_eq!(tok.encode_text_prompt("Hi").unwrap()[0], 1);
+        assert_eq!(
+            tok.encode_text_prompt("Hi").unwrap(),
+            tok.encode("Hi", true).unwrap()
+        );
+    }
+
+    #[test]
+    fn eos_ids_are_the_ordered_union_of_all_sources() {
+        let dir = fixture("bytelevel");
+        let tok = load("bytelevel");
+        // generation_config: [2, 0]; config: 2; tokenizer_config: "<|im_end|>" = 2.
+        assert_eq!(eos_token_ids(&dir, &tok), [2, 0]);
+        let spm = fixture("spm");
+        assert_eq!(eos_token_ids(&spm, &load("spm")), [2]);
+    }
+
+    #[test]
+    fn special_tokens_parse_in_both_shapes() {
+        let obj: Json = serde_json::json!({"content": "<s>", "lstrip": false});
+        assert_eq!(special_token_string(Some(&obj)).as_deref(), Some("<s>"));
+        let s: Json = serde_json::json!("</s>");
+        assert_eq!(special_token_string(Some(&s)).as_deref(), Some("</s>"));
+        assert_eq!(special_token_string(Some(&Json::Null)), None);
+        let list: Json = serde_json::json!([1, 2, -1, "x"]);
+        assert_eq!(json_ids(Some(&list)), [1, 2]);
+        assert_eq!(json_ids(Some(&serde_json::json!(7))), [7]);
+    }
+
+    #[test]
+    fn byte_fallback_and_special_ids_are_known() {
+        let spm = load("spm");
+        assert!(spm.has_byte_fallback());
+        assert!(spm.is_byte_fallback_token(3)); // <0x00>
+        assert!(spm.is_byte_fallback_token(258)); // <0xFF>
+        assert!(!spm.is_byte_fallback_token(259));
+        assert!(spm.is_special_token(1) && spm.is_special_token(2));
+        assert!(!spm.is_special_token(3));
+        let bl = load("bytelevel");
+        assert!(!bl.has_byte_fallback());
+        assert!(bl.is_special_token(0) && bl.is_special_token(2));
+        assert!(!bl.is_special_token(3));
+    }
+
+    #[test]
+    fn missing_tokenizer_is_a_load_error() {
+        let err = TextTokenizer::from_model_dir(Path::new("/nonexistent/model")).unwrap_err();
+        assert!(matches!(err, TextError::TokenizerLoad { .. }), "{err}");
+    }
+}

@@ -1,0 +1,325 @@
+//! `config.json` of an MLX (Hugging Face layout) checkpoint.
+
+use crate::ModelError;
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Affine quantization parameters (MLX `quantize`, mode `affine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct QuantSpec {
+    /// Elements sharing one scale and bias (32, 64 or 128).
+    pub group_size: i32,
+    /// Bits per element (2, 3, 4, 5, 6 or 8).
+    pub bits: i32,
+}
+
+/// The `quantization` entry: global parameters plus per-module overrides
+/// (mlx_lm writes `"model.layers.0.mlp.down_proj": {"group_size":..,"bits":..}`
+/// or `false` for a module left unquantized).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Quantization {
+    pub default: Option<QuantSpec>,
+    pub overrides: HashMap<String, Option<QuantSpec>>,
+}
+
+impl Quantization {
+    fn from_json(v: &serde_json::Value) -> Result<Self, ModelError> {
+        let obj = match v {
+            serde_json::Value::Object(o) => o,
+            _ => return Ok(Self::default()),
+        };
+        let mut q = Quantization::default();
+        if let (Some(g), Some(b)) = (obj.get("group_size"), obj.get("bits")) {
+            q.default = Some(QuantSpec {
+                group_size: as_i32(g, "quantization.group_size")?,
+                bits: as_i32(b, "quantization.bits")?,
+            });
+        }
+        if let Some(mode) = obj.get("mode").and_then(|m| m.as_str()) {
+            if mode != "affine" {
+                return Err(ModelError::Unsupported(format!(
+                    "quantization mode {mode} (only affine)"
+                )));
+            }
+        }
+        for (k, val) in obj {
+            match val {
+                serde_json::Value::Bool(false) => {
+                    q.overrides.insert(k.clone(), None);
+                }
+                serde_json::Value::Object(_) => {
+                    let spec: QuantSpec = serde_json::from_value(val.clone())
+                        .map_err(|e| ModelError::Config(format!("quantization.{k}: {e}")))?;
+                    q.overrides.insert(k.clone(), Some(spec));
+                }
+                _ => {}
+            }
+        }
+        Ok(q)
+    }
+
+    /// The parameters of module `path` (e.g. `model.layers.0.self_attn.q_proj`).
+    pub fn for_module(&self, path: &str) -> Option<QuantSpec> {
+        match self.overrides.get(path) {
+            Some(spec) => *spec,
+            None => self.default,
+        }
+    }
+}
+
+fn as_i32(v: &serde_json::Value, what: &str) -> Result<i32, ModelError> {
+    v.as_i64()
+        .and_then(|x| i32::try_from(x).ok())
+        .ok_or_else(|| ModelError::Config(format!("{what} must be an integer")))
+}
+
+/// RoPE frequency scaling from `rope_scaling`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Positions divided by `factor` (`"type": "linear"`).
+    Linear { factor: f32 },
+    /// Llama 3.1 wavelength-dependent scaling (`"rope_type": "llama3"`).
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: String,
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: f32,
+    vocab_size: usize,
+    #[serde(default = "default_rope_theta")]
+    rope_theta: f32,
+    #[serde(default)]
+    rope_traditional: bool,
+    rope_scaling: Option<serde_json::Value>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    #[serde(default)]
+    mlp_bias: bool,
+    max_position_embeddings: Option<usize>,
+    torch_dtype: Option<String>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    quantization: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_rope_theta() -> f32 {
+    10000.0
+}
+
+/// The model hyper-parameters mlxcel uses, with family defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `llama` or `qwen2` (the families of `mlxcel-llama`).
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    /// Per-head feature size (default `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub vocab_size: usize,
+    pub rope_theta: f32,
+    pub rope_traditional: bool,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    /// Biases on q/k/v projections (qwen2: always).
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// Context length in tokens (`max_position_embeddings`).
+    pub max_position_embeddings: usize,
+    /// Checkpoint dtype name (`torch_dtype`), e.g. `float16`.
+    pub torch_dtype: Option<String>,
+    /// Sliding attention window in tokens, when the model uses one.
+    pub sliding_window: Option<usize>,
+    pub quantization: Quantization,
+    /// `eos_token_id` from config.json (int or list).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Reads `dir/config.json`.
+    ///
+    /// # Errors
+    /// Missing file, malformed JSON, missing keys, unsupported features.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ModelError::Io(format!("{}: {e}", path.display())))?;
+        Self::from_json_str(&text)
+    }
+
+    /// Parses the text of a `config.json`.
+    pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
+        let raw: RawConfig =
+            serde_json::from_str(text).map_err(|e| ModelError::Config(e.to_string()))?;
+        let is_qwen2 = raw.model_type == "qwen2";
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let heads = raw.num_attention_heads;
+        if heads == 0 || !raw.hidden_size.is_multiple_of(heads) && raw.head_dim.is_none() {
+            return Err(ModelError::Config(
+                "hidden_size must be a multiple of num_attention_heads".into(),
+            ));
+        }
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(ModelError::Config(
+                "num_attention_heads must be a multiple of num_key_value_heads".into(),
+            ));
+        }
+        let sliding_window = match (raw.sliding_window, raw.use_sliding_window) {
+            (Some(w), Some(true)) => Some(w),
+            (Some(w), None) if !is_qwen2 => Some(w),
+            _ => None,
+        };
+        Ok(ModelConfig {
+            rope_scaling: parse_rope_scaling(raw.rope_scaling.as_ref())?,
+            quantization: raw
+                .quantization
+                .as_ref()
+                .map(Quantization::from_json)
+                .transpose()?
+                .unwrap_or_default(),
+            eos_token_ids: ids_from_json(raw.eos_token_id.as_ref()),
+            head_dim: raw.head_dim.unwrap_or(raw.hidden_size / heads),
+            num_key_value_heads: kv_heads,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(true),
+            qkv_bias: is_qwen2 || attention_bias,
+            o_bias: !is_qwen2 && attention_bias,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            model_type: raw.model_type,
+            hidden_size: raw.hidden_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            intermediate_size: raw.intermediate_size,
+            num_attention_heads: heads,
+            rms_norm_eps: raw.rms_norm_eps,
+            vocab_size: raw.vocab_size,
+            rope_theta: raw.rope_theta,
+            rope_traditional: raw.rope_traditional,
+            mlp_bias: raw.mlp_bias,
+            torch_dtype: raw.torch_dtype,
+            sliding_window,
+        })
+    }
+}
+
+/// Token ids from a JSON int or list of ints (`eos_token_id`).
+pub fn ids_from_json(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, ModelError> {
+    let Some(obj) = v.and_then(|v| v.as_object()) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    let f = |k: &str, d: f32| obj.get(k).and_then(|x| x.as_f64()).map_or(d, |x| x as f32);
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: f("factor", 1.0),
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: f("factor", 1.0),
+            low_freq_factor: f("low_freq_factor", 1.0),
+            high_freq_factor: f("high_freq_factor", 4.0),
+            original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
+        }),
+        other => Err(ModelError::Unsupported(format!(
+            "rope_scaling type {other}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smollm2_style_config() {
+        let c = ModelConfig::from_json_str(
+            r#"{"model_type":"llama","hidden_size":576,"num_hidden_layers":30,
+            "intermediate_size":1536,"num_attention_heads":9,"num_key_value_heads":3,
+            "rms_norm_eps":1e-5,"vocab_size":49152,"rope_theta":100000.0,
+            "tie_word_embeddings":true,"max_position_embeddings":8192,"eos_token_id":2,
+            "quantization":{"group_size":32,"bits":4,"mode":"affine",
+              "model.embed_tokens":{"group_size":64,"bits":8},"lm_head":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.head_dim, 64);
+        assert_eq!(c.num_key_value_heads, 3);
+        assert!(c.tie_word_embeddings && !c.qkv_bias && !c.o_bias);
+        assert_eq!(c.eos_token_ids, vec![2]);
+        let q = &c.quantization;
+        assert_eq!(
+            q.for_module("model.layers.0.mlp.up_proj"),
+            Some(QuantSpec {
+                group_size: 32,
+                bits: 4
+            })
+        );
+        assert_eq!(
+            q.for_module("model.embed_tokens"),
+            Some(QuantSpec {
+                group_size: 64,
+                bits: 8
+            })
+        );
+        assert_eq!(q.for_module("lm_head"), None);
+    }
+
+    #[test]
+    fn qwen2_defaults_and_errors() {
+        let c = ModelConfig::from_json_str(
+            r#"{"model_type":"qwen2","hidden_size":896,"num_hidden_layers":24,
+            "intermediate_size":4864,"num_attention_heads":14,"num_key_value_heads":2,
+            "rms_norm_eps":1e-6,"vocab_size":151936,"rope_theta":1000000.0,
+            "sliding_window":32768,"use_sliding_window":false,"eos_token_id":[151645,151643]}"#,
+        )
+        .unwrap();
+        assert!(
+            c.qkv_bias && !c.o_bias && c.tie_word_embeddings,
+            "mlx_lm ties by default"
+        );
+        assert_eq!(c.sliding_window, None);
+        assert_eq!(c.eos_token_ids, vec![151645, 151643]);
+        let bad = ModelConfig::from_json_str(r#"{"model_type":"llama"}"#);
+        assert!(matches!(bad, Err(ModelError::Config(_))));
+        let rope = ModelConfig::from_json_str(
+            r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,
+            "intermediate_size":8,"num_attention_heads":2,"rms_norm_eps":1e-5,
+            "vocab_size":10,"rope_scaling":{"type":"yarn","factor":4.0}}"#,
+        );
+        assert!(matches!(rope, Err(ModelError::Unsupported(_))));
+    }
+}

@@ -1,0 +1,76 @@
+//! Rotary position embedding (Su et al. 2021, "RoFormer"), with the
+//! frequency scalings of `rope_scaling` (linear; Llama 3.1's, after
+//! Meta's reference `apply_scaling` and mlx_lm's `Llama3RoPE`).
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::ModelError;
+use mlxcel_mlx::Array;
+
+/// RoPE over the first `dims` features of each head.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    /// Position multiplier (1/factor for linear scaling).
+    scale: f32,
+    /// Explicit inverse frequencies `[dims / 2]` (Llama 3 scaling).
+    freqs: Option<Array>,
+}
+
+impl Rope {
+    /// From the model config.
+    pub fn new(config: &ModelConfig) -> Result<Self, ModelError> {
+        let dims = config.head_dim as i32;
+        let mut rope = Rope {
+            dims,
+            traditional: config.rope_traditional,
+            base: config.rope_theta,
+            scale: 1.0,
+            freqs: None,
+        };
+        match config.rope_scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => rope.scale = 1.0 / factor,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_ctx,
+            } => {
+                let low_wavelen = old_ctx / low_freq_factor;
+                let high_wavelen = old_ctx / high_freq_factor;
+                let half = (dims / 2) as usize;
+                let freqs: Vec<f32> = (0..half)
+                    .map(|i| {
+                        // Wavelength-dependent period, as a multiple of the base period.
+                        let f = config.rope_theta.powf((2 * i) as f32 / dims as f32);
+                        let wavelen = 2.0 * std::f32::consts::PI * f;
+                        if wavelen > low_wavelen {
+                            f * factor
+                        } else if wavelen < high_wavelen {
+                            f
+                        } else {
+                            let smooth = (old_ctx / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            f / ((1.0 - smooth) / factor + smooth)
+                        }
+                    })
+                    .collect();
+                rope.freqs = Some(Array::from_f32(&freqs, &[half as i32])?);
+            }
+        }
+        Ok(rope)
+    }
+
+    /// Rotates `x` `[batch, heads, seq, head_dim]`; token `i` is at absolute
+    /// position `offset + i`.
+    pub fn apply(&self, x: &Array, offset: usize) -> Result<Array, ModelError> {
+        let offset = i32::try_from(offset)
+            .map_err(|_| ModelError::Unsupported(format!("position {offset} too large")))?;
+        Ok(match &self.freqs {
+            None => x.rope(self.dims, self.traditional, self.base, self.scale, offset)?,
+            Some(f) => x.rope_with_freqs(self.dims, self.traditional, self.scale, offset, f)?,
+        })
+    }
+}

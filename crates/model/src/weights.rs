@@ -1,0 +1,107 @@
+//! Weight loading from MLX-format safetensors (single file or sharded with
+//! `model.safetensors.index.json`).
+
+use crate::ModelError;
+use mlxcel_mlx::{Array, SafeTensors};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// All tensors of a checkpoint, by name; each is taken once.
+pub struct Weights {
+    files: Vec<SafeTensors>,
+    index: HashMap<String, usize>,
+}
+
+impl Weights {
+    /// Opens every `*.safetensors` shard of `dir` (lazily: data is read when
+    /// a tensor is first evaluated).
+    ///
+    /// # Errors
+    /// No shard, unreadable shard, or a shard named in the index missing.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let shards = shard_paths(dir)?;
+        let mut files = Vec::with_capacity(shards.len());
+        let mut index = HashMap::new();
+        for (i, path) in shards.iter().enumerate() {
+            tracing::info!(shard = %path.display(), "loading weights");
+            let st = SafeTensors::load(path)
+                .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+            for name in st.names() {
+                index.insert(name, i);
+            }
+            files.push(st);
+        }
+        Ok(Weights { files, index })
+    }
+
+    /// Whether tensor `name` exists (and was not taken yet).
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Removes and returns tensor `name`.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingWeight`] when the checkpoint has no such tensor.
+    pub fn take(&mut self, name: &str) -> Result<Array, ModelError> {
+        let i = self
+            .index
+            .remove(name)
+            .ok_or_else(|| ModelError::MissingWeight(name.to_string()))?;
+        Ok(self.files[i].take(name)?)
+    }
+
+    /// Takes `name` if present.
+    pub fn take_opt(&mut self, name: &str) -> Result<Option<Array>, ModelError> {
+        if self.contains(name) {
+            self.take(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Names not taken yet (a model checks that none of its own are left).
+    pub fn remaining(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.index.keys().cloned().collect();
+        v.sort();
+        v
+    }
+}
+
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| ModelError::Io(format!("{}: {e}", index.display())))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", index.display())))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::Weights("index has no weight_map".into()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| ModelError::Io(format!("{}: {e}", dir.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    found.sort();
+    if found.is_empty() {
+        return Err(ModelError::Weights(format!(
+            "no .safetensors files in {}",
+            dir.display()
+        )));
+    }
+    Ok(found)
+}

@@ -1,0 +1,190 @@
+//! The one place where an error becomes an OpenAI error body.
+//!
+//! Every failure a client can see — a validation rule, a malformed body, an
+//! unknown route, an engine refusal or failure — is an [`ApiError`]. Its
+//! [`IntoResponse`] impl and [`ApiError::body`] (used for the error event of a
+//! stream) are the only code that builds
+//! `{"error":{"message","type","param","code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mlxcel_engine::api::SubmitError;
+use serde::Serialize;
+
+use crate::validate::ValidationError;
+
+/// OpenAI's `type` for errors the client caused.
+const INVALID_REQUEST: &str = "invalid_request_error";
+/// OpenAI's `type` for errors on the server's side.
+const SERVER_ERROR: &str = "server_error";
+
+/// The error body sent if serializing a response ever fails (it cannot for
+/// the plain structs of this crate, but a stream must still end with a body).
+pub const SERIALIZATION_FAILED_BODY: &str = r#"{"error":{"message":"The server could not serialize its response","type":"server_error","param":null,"code":null}}"#;
+
+/// Everything that can go wrong with a request, as the client sees it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApiError {
+    /// The body parsed as JSON but broke a rule of the request schema.
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    /// The body is not valid JSON.
+    #[error("We could not parse the JSON body of your request: {0}")]
+    MalformedJson(String),
+    /// The body could not be read (connection error, bad framing).
+    #[error("Failed to read the request body: {0}")]
+    BodyRead(String),
+    /// The `Content-Type` is not JSON.
+    #[error("Unsupported Content-Type: expected `application/json`")]
+    UnsupportedMediaType,
+    /// The body is larger than the configured limit.
+    #[error("The request body is larger than the limit of {limit_bytes} bytes")]
+    PayloadTooLarge {
+        /// The configured limit.
+        limit_bytes: usize,
+    },
+    /// `GET /v1/models/{id}` for a model this server does not serve.
+    #[error("The model `{0}` does not exist")]
+    UnknownModel(String),
+    /// No route matches the path.
+    #[error("Invalid URL ({method} {path})")]
+    RouteNotFound {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The path exists but not for this method.
+    #[error("Method {method} is not allowed for {path}")]
+    MethodNotAllowed {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The engine refused the request as asked (e.g. the prompt is longer
+    /// than the context).
+    #[error("{message}")]
+    EngineRejected {
+        /// The engine's explanation.
+        message: String,
+        /// The offending field, where there is one.
+        param: Option<String>,
+    },
+    /// The engine is gone or shutting down.
+    #[error("The engine is unavailable: {0}")]
+    Unavailable(String),
+    /// The engine failed while generating this request.
+    #[error("The engine failed while generating: {0}")]
+    GenerationFailed(String),
+}
+
+/// The OpenAI error body: `{"error": {...}}`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ErrorBody {
+    /// The error itself.
+    pub error: ErrorDetail,
+}
+
+/// The inside of an OpenAI error body.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ErrorDetail {
+    /// Human-readable description.
+    pub message: String,
+    /// `invalid_request_error` or `server_error`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The request field at fault, if any.
+    pub param: Option<String>,
+    /// A machine-readable code, if any (e.g. `model_not_found`).
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// The HTTP status this error is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Validation(ValidationError::ModelNotFound(_)) | Self::UnknownModel(_) => {
+                StatusCode::NOT_FOUND
+            }
+            Self::Validation(_)
+            | Self::MalformedJson(_)
+            | Self::BodyRead(_)
+            | Self::EngineRejected { .. } => StatusCode::BAD_REQUEST,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::GenerationFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Unavailable(_) | Self::GenerationFailed(_) => SERVER_ERROR,
+            _ => INVALID_REQUEST,
+        }
+    }
+
+    fn param(&self) -> Option<String> {
+        match self {
+            Self::Validation(err) => err.param(),
+            Self::EngineRejected { param, .. } => param.clone(),
+            Self::UnknownModel(_) => Some("model".to_owned()),
+            _ => None,
+        }
+    }
+
+    fn code(&self) -> Option<&'static str> {
+        match self {
+            Self::Validation(ValidationError::ModelNotFound(_)) | Self::UnknownModel(_) => {
+                Some("model_not_found")
+            }
+            Self::Validation(ValidationError::UnsupportedParameter { .. }) => {
+                Some("unsupported_parameter")
+            }
+            Self::Validation(ValidationError::UnrecognizedParameter { .. }) => {
+                Some("unrecognized_parameter")
+            }
+            Self::Unavailable(_) => Some("service_unavailable"),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error body of this error.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.kind(),
+                param: self.param(),
+                code: self.code(),
+            },
+        }
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(err: SubmitError) -> Self {
+        match err {
+            SubmitError::InvalidRequest { message, param } => {
+                Self::EngineRejected { message, param }
+            }
+            SubmitError::Unavailable(reason) => Self::Unavailable(reason),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(status = status.as_u16(), error = %self, "request failed");
+        } else {
+            tracing::debug!(status = status.as_u16(), error = %self, "request rejected");
+        }
+        (status, Json(self.body())).into_response()
+    }
+}

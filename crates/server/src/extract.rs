@@ -1,0 +1,55 @@
+//! A JSON body extractor whose rejections are [`ApiError`]s, so axum's
+//! plain-text rejections never reach a client.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::{header, HeaderMap, StatusCode};
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::AppState;
+
+/// The request body parsed as JSON (any JSON value; the route checks its
+/// shape). Requires a JSON `Content-Type` and respects the body limit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JsonBody(pub Value);
+
+impl FromRequest<AppState> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        if !has_json_content_type(req.headers()) {
+            return Err(ApiError::UnsupportedMediaType);
+        }
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge {
+                    limit_bytes: state.config().body_limit_bytes,
+                }
+            } else {
+                ApiError::BodyRead(rejection.body_text())
+            }
+        })?;
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|err| ApiError::MalformedJson(err.to_string()))
+    }
+}
+
+/// `application/json`, or any `application/*+json`, with any parameters.
+fn has_json_content_type(headers: &HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}

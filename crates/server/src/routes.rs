@@ -1,0 +1,118 @@
+//! The route handlers.
+
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::{Method, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mlxcel_engine::api::{EventStream, GenerationEvent};
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::extract::JsonBody;
+use crate::openai::{ChatCompletion, CompletionMeta, ModelCard, ModelList};
+use crate::sse::chat_completion_stream;
+use crate::validate::ValidatedChatRequest;
+use crate::AppState;
+
+/// `POST /v1/chat/completions`, streamed or not.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let service = state.service();
+    let request =
+        ValidatedChatRequest::parse(body, service.model_id(), state.config().default_max_tokens)?;
+    let meta = CompletionMeta::new(service.model_id());
+    tracing::info!(
+        id = %meta.id,
+        stream = request.stream.is_some(),
+        max_tokens = request.generation.max_tokens,
+        "chat completion"
+    );
+    let events = service.submit(request.generation)?;
+    match request.stream {
+        Some(options) => Ok(chat_completion_stream(
+            events,
+            meta,
+            options,
+            state.keep_alive(),
+        )),
+        None => collect_completion(events, &meta).await,
+    }
+}
+
+/// Reads `events` to the end into one `chat.completion`. If the client goes
+/// away first, this future is dropped with the receiver, which cancels the
+/// request.
+async fn collect_completion(
+    mut events: EventStream,
+    meta: &CompletionMeta,
+) -> Result<Response, ApiError> {
+    let mut content = String::new();
+    while let Some(event) = events.recv().await {
+        match event {
+            GenerationEvent::Delta { text, .. } => content.push_str(&text),
+            GenerationEvent::Finished { reason, usage, .. } => {
+                let completion = ChatCompletion::new(meta, content, reason, usage);
+                return Ok(Json(completion).into_response());
+            }
+            GenerationEvent::Failed { message } => {
+                return Err(ApiError::GenerationFailed(message));
+            }
+        }
+    }
+    Err(ApiError::GenerationFailed(
+        "the engine ended the request without finishing it".to_owned(),
+    ))
+}
+
+/// `GET /v1/models`: the one served model.
+pub async fn list_models(State(state): State<AppState>) -> Response {
+    let card = ModelCard::new(state.service().model_id(), state.started_at());
+    Json(ModelList {
+        object: "list",
+        data: vec![card],
+    })
+    .into_response()
+}
+
+/// `GET /v1/models/{id}`; the id may contain slashes (`org/name`).
+pub async fn retrieve_model(
+    State(state): State<AppState>,
+    method: Method,
+    uri: Uri,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    // The only rejection of a `String` path is bad percent-encoding: no model
+    // has such a name.
+    let Ok(Path(id)) = id else {
+        return Err(not_found(method, uri).await);
+    };
+    let model_id = state.service().model_id();
+    if id != model_id {
+        return Err(ApiError::UnknownModel(id));
+    }
+    Ok(Json(ModelCard::new(model_id, state.started_at())).into_response())
+}
+
+/// `GET /health`.
+pub async fn health() -> Response {
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+/// Any path without a route.
+pub async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::RouteNotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}
+
+/// A known path with the wrong method.
+pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}

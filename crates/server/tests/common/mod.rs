@@ -1,0 +1,219 @@
+//! A fake engine and request helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use mlxcel_engine::api::{
+    EventStream, FinishReason, GenerationEvent, GenerationRequest, InferenceService, SubmitError,
+    Timings, Usage,
+};
+use mlxcel_http::{router, AppState, HttpConfig};
+use serde_json::Value;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tower::ServiceExt;
+
+pub const MODEL: &str = "org/test-model";
+
+/// An engine without a model: answers every request with a scripted list of
+/// events and records what it was asked.
+pub struct FakeService {
+    script: Vec<GenerationEvent>,
+    /// Keep the sender after the script, so the stream stays open.
+    hold_open: bool,
+    refusal: Option<SubmitError>,
+    /// Every request submitted, in order.
+    pub requests: Mutex<Vec<GenerationRequest>>,
+    /// The senders kept open (only with `hold_open`).
+    pub senders: Mutex<Vec<UnboundedSender<GenerationEvent>>>,
+}
+
+impl FakeService {
+    pub fn new(script: Vec<GenerationEvent>) -> Arc<Self> {
+        Arc::new(Self::base(script))
+    }
+
+    /// "Hel", an empty delta (held-back bytes), "lo", then Finished(stop).
+    pub fn hello() -> Arc<Self> {
+        Self::new(hello_script(FinishReason::Stop))
+    }
+
+    /// Sends `script` and keeps the stream open.
+    pub fn holding_open(script: Vec<GenerationEvent>) -> Arc<Self> {
+        Arc::new(Self {
+            hold_open: true,
+            ..Self::base(script)
+        })
+    }
+
+    /// Refuses every request with `err`.
+    pub fn refusing(err: SubmitError) -> Arc<Self> {
+        Arc::new(Self {
+            refusal: Some(err),
+            ..Self::base(Vec::new())
+        })
+    }
+
+    fn base(script: Vec<GenerationEvent>) -> Self {
+        Self {
+            script,
+            hold_open: false,
+            refusal: None,
+            requests: Mutex::new(Vec::new()),
+            senders: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn last_request(&self) -> GenerationRequest {
+        self.requests.lock().unwrap().last().cloned().unwrap()
+    }
+
+    pub fn request_count(&self) -> usize {
+        self.requests.lock().unwrap().len()
+    }
+}
+
+impl InferenceService for FakeService {
+    fn model_id(&self) -> &str {
+        MODEL
+    }
+
+    fn context_length(&self) -> usize {
+        4096
+    }
+
+    fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError> {
+        self.requests.lock().unwrap().push(request);
+        if let Some(err) = &self.refusal {
+            return Err(err.clone());
+        }
+        let (tx, rx) = unbounded_channel();
+        for event in &self.script {
+            tx.send(event.clone()).unwrap();
+        }
+        if self.hold_open {
+            self.senders.lock().unwrap().push(tx);
+        }
+        Ok(rx)
+    }
+}
+
+pub const USAGE: Usage = Usage {
+    prompt_tokens: 7,
+    completion_tokens: 3,
+    cached_tokens: 2,
+};
+
+pub fn delta(text: &str) -> GenerationEvent {
+    GenerationEvent::Delta {
+        token: 1,
+        text: text.to_owned(),
+    }
+}
+
+pub fn finished(reason: FinishReason) -> GenerationEvent {
+    GenerationEvent::Finished {
+        reason,
+        usage: USAGE,
+        timings: Timings::default(),
+    }
+}
+
+pub fn hello_script(reason: FinishReason) -> Vec<GenerationEvent> {
+    vec![delta("Hel"), delta(""), delta("lo"), finished(reason)]
+}
+
+pub fn app(service: Arc<FakeService>) -> Router {
+    router(AppState::new(service))
+}
+
+pub fn app_with(service: Arc<FakeService>, config: HttpConfig) -> Router {
+    router(AppState::with_config(service, config))
+}
+
+/// A response read to its end.
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|err| {
+            panic!("not JSON ({err}): {}", String::from_utf8_lossy(&self.body))
+        })
+    }
+
+    /// Asserts an OpenAI error body and returns its `error` object.
+    pub fn error(&self, status: StatusCode) -> Value {
+        assert_eq!(
+            self.status,
+            status,
+            "body: {}",
+            String::from_utf8_lossy(&self.body)
+        );
+        assert_eq!(
+            self.headers["content-type"], "application/json",
+            "error bodies are JSON"
+        );
+        let body = self.json();
+        let error = body["error"].clone();
+        let keys: Vec<&String> = error.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["code", "message", "param", "type"], "body: {body}");
+        assert!(!error["message"].as_str().unwrap().is_empty());
+        error
+    }
+}
+
+pub async fn send(app: Router, request: Request<Body>) -> Reply {
+    let response = app.oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub async fn post_json(app: Router, body: Value) -> Reply {
+    post_raw(app, Some("application/json"), body.to_string()).await
+}
+
+pub async fn post_raw(app: Router, content_type: Option<&str>, body: impl Into<Body>) -> Reply {
+    let mut request = Request::post("/v1/chat/completions");
+    if let Some(content_type) = content_type {
+        request = request.header("content-type", content_type);
+    }
+    send(app, request.body(body.into()).unwrap()).await
+}
+
+pub async fn get(app: Router, uri: &str) -> Reply {
+    send(app, Request::get(uri).body(Body::empty()).unwrap()).await
+}
+
+/// The `data:` payloads of an SSE body, in order (keep-alive comments
+/// skipped).
+pub fn sse_data(body: &[u8]) -> Vec<String> {
+    let text = std::str::from_utf8(body).unwrap();
+    text.split("\n\n")
+        .filter(|event| !event.trim().is_empty())
+        .filter_map(|event| {
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|line| line.strip_prefix("data: "))
+                .collect();
+            (!data.is_empty()).then(|| data.join("\n"))
+        })
+        .collect()
+}
+
+/// A minimal valid request body.
+pub fn hello_request() -> Value {
+    serde_json::json!({"messages": [{"role": "user", "content": "Hi"}]})
+}

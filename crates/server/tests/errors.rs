@@ -1,0 +1,279 @@
+//! Every way a request can be refused: status, OpenAI error body, `param`.
+
+mod common;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use common::*;
+use mlxcel_http::HttpConfig;
+use serde_json::{json, Value};
+
+/// Posts `body` and checks a 400 `invalid_request_error` naming `param`.
+async fn assert_rejected(body: Value, param: &str) -> Value {
+    let fake = FakeService::hello();
+    let reply = post_json(app(fake.clone()), body.clone()).await;
+    let error = reply.error(StatusCode::BAD_REQUEST);
+    assert_eq!(error["type"], "invalid_request_error", "{body}");
+    assert_eq!(error["param"], param, "{body} -> {error}");
+    assert_eq!(fake.request_count(), 0, "{body} reached the engine");
+    error
+}
+
+/// A valid request with `field` set to `value`.
+fn with(field: &str, value: Value) -> Value {
+    let mut body = hello_request();
+    body[field] = value;
+    body
+}
+
+fn message(message: Value) -> Value {
+    json!({ "messages": [message] })
+}
+
+#[tokio::test]
+async fn malformed_json_is_a_400() {
+    let reply = post_raw(
+        app(FakeService::hello()),
+        Some("application/json"),
+        "{\"messages\": [",
+    )
+    .await;
+    let error = reply.error(StatusCode::BAD_REQUEST);
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(error["param"], json!(null));
+    assert!(error["message"]
+        .as_str()
+        .unwrap()
+        .contains("parse the JSON body"));
+}
+
+#[tokio::test]
+async fn a_body_that_is_not_an_object_is_a_400() {
+    let reply = post_json(app(FakeService::hello()), json!([1, 2])).await;
+    let error = reply.error(StatusCode::BAD_REQUEST);
+    assert_eq!(error["param"], json!(null));
+}
+
+#[tokio::test]
+async fn missing_or_empty_messages() {
+    let error = assert_rejected(json!({"model": MODEL}), "messages").await;
+    assert!(error["message"].as_str().unwrap().contains("Missing"));
+    assert_rejected(json!({"messages": null}), "messages").await;
+    assert_rejected(json!({"messages": []}), "messages").await;
+}
+
+#[tokio::test]
+async fn wrong_json_types_name_the_field() {
+    let cases = [
+        (json!({"messages": "Hi"}), "messages"),
+        (json!({"messages": ["Hi"]}), "messages[0]"),
+        (
+            message(json!({"role": 1, "content": "Hi"})),
+            "messages[0].role",
+        ),
+        (
+            message(json!({"role": "user", "content": 5})),
+            "messages[0].content",
+        ),
+        (
+            message(json!({"role": "user", "content": [{"type": "text", "text": 3}]})),
+            "messages[0].content[0].text",
+        ),
+        (with("model", json!(7)), "model"),
+        (with("temperature", json!("hot")), "temperature"),
+        (with("top_p", json!(true)), "top_p"),
+        (with("top_k", json!(1.5)), "top_k"),
+        (with("min_p", json!([0.1])), "min_p"),
+        (with("seed", json!("42")), "seed"),
+        (with("max_tokens", json!(1.5)), "max_tokens"),
+        (
+            with("max_completion_tokens", json!("8")),
+            "max_completion_tokens",
+        ),
+        (with("stream", json!("yes")), "stream"),
+        (with("n", json!("1")), "n"),
+        (with("user", json!(12)), "user"),
+    ];
+    for (body, param) in cases {
+        let error = assert_rejected(body, param).await;
+        assert!(
+            error["message"].as_str().unwrap().contains("Invalid type"),
+            "{error}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn out_of_range_values_name_the_field() {
+    let cases = [
+        (with("max_tokens", json!(0)), "max_tokens"),
+        (with("max_tokens", json!(-5)), "max_tokens"),
+        (
+            with("max_completion_tokens", json!(0)),
+            "max_completion_tokens",
+        ),
+        (with("temperature", json!(2.01)), "temperature"),
+        (with("temperature", json!(-0.1)), "temperature"),
+        (with("top_p", json!(0)), "top_p"),
+        (with("top_p", json!(1.1)), "top_p"),
+        (with("top_k", json!(-1)), "top_k"),
+        (with("min_p", json!(-0.1)), "min_p"),
+        (with("min_p", json!(1.5)), "min_p"),
+        (with("n", json!(2)), "n"),
+        (with("n", json!(0)), "n"),
+    ];
+    for (body, param) in cases {
+        assert_rejected(body, param).await;
+    }
+}
+
+#[tokio::test]
+async fn conflicting_token_limits_are_refused() {
+    let mut body = with("max_tokens", json!(10));
+    body["max_completion_tokens"] = json!(20);
+    assert_rejected(body, "max_tokens").await;
+}
+
+#[tokio::test]
+async fn unsupported_openai_fields_with_real_values_are_refused() {
+    let cases = [
+        ("stop", json!(["\n"])),
+        ("stop", json!("END")),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("required")),
+        ("response_format", json!({"type": "json_object"})),
+        ("logprobs", json!(true)),
+        ("top_logprobs", json!(3)),
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-1)),
+        ("logit_bias", json!({"50256": -100})),
+    ];
+    for (field, value) in cases {
+        let error = assert_rejected(with(field, value), field).await;
+        assert_eq!(error["code"], "unsupported_parameter");
+    }
+}
+
+#[tokio::test]
+async fn unknown_fields_are_refused() {
+    let error = assert_rejected(with("repetition_penalty", json!(1.1)), "repetition_penalty").await;
+    assert_eq!(error["code"], "unrecognized_parameter");
+    assert_rejected(
+        message(json!({"role": "user", "content": "Hi", "name": "bob"})),
+        "messages[0].name",
+    )
+    .await;
+    assert_rejected(
+        message(json!({"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]})),
+        "messages[0].content[0].x",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn message_rules() {
+    assert_rejected(message(json!({"content": "Hi"})), "messages[0].role").await;
+    assert_rejected(
+        message(json!({"role": "tool", "content": "Hi"})),
+        "messages[0].role",
+    )
+    .await;
+    assert_rejected(message(json!({"role": "user"})), "messages[0].content").await;
+    assert_rejected(
+        message(
+            json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}),
+        ),
+        "messages[0].content[0].type",
+    )
+    .await;
+    assert_rejected(
+        message(json!({"role": "user", "content": [{"type": "text"}]})),
+        "messages[0].content[0].text",
+    )
+    .await;
+    let body = json!({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "robot", "content": "Hi"},
+    ]});
+    assert_rejected(body, "messages[1].role").await;
+}
+
+#[tokio::test]
+async fn stream_options_rules() {
+    let body = with("stream_options", json!({"include_usage": true}));
+    assert_rejected(body, "stream_options").await;
+    let mut body = with("stream", json!(true));
+    body["stream_options"] = json!({"include_usage": "yes"});
+    assert_rejected(body.clone(), "stream_options.include_usage").await;
+    body["stream_options"] = json!({"continuous_usage": true});
+    assert_rejected(body.clone(), "stream_options.continuous_usage").await;
+    body["stream_options"] = json!(true);
+    assert_rejected(body, "stream_options").await;
+}
+
+#[tokio::test]
+async fn unknown_model_is_a_404_model_not_found() {
+    let fake = FakeService::hello();
+    let reply = post_json(app(fake.clone()), with("model", json!("gpt-4o"))).await;
+    let error = reply.error(StatusCode::NOT_FOUND);
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(error["code"], "model_not_found");
+    assert_eq!(error["param"], "model");
+    assert!(error["message"].as_str().unwrap().contains("gpt-4o"));
+    assert_eq!(fake.request_count(), 0);
+}
+
+#[tokio::test]
+async fn wrong_or_missing_content_type_is_a_415() {
+    let body = hello_request().to_string();
+    let reply = post_raw(app(FakeService::hello()), Some("text/plain"), body.clone()).await;
+    reply.error(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let reply = post_raw(app(FakeService::hello()), None, body.clone()).await;
+    reply.error(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let reply = post_raw(
+        app(FakeService::hello()),
+        Some("application/json; charset=utf-8"),
+        body,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn oversized_body_is_a_413() {
+    let config = HttpConfig {
+        body_limit_bytes: 1024,
+        ..HttpConfig::default()
+    };
+    let big = "x".repeat(2000);
+    let body = json!({"messages": [{"role": "user", "content": big}]});
+    let reply = post_json(app_with(FakeService::hello(), config.clone()), body).await;
+    let error = reply.error(StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(error["message"].as_str().unwrap().contains("1024"));
+    // Just under the limit is fine.
+    let body = json!({"messages": [{"role": "user", "content": "x".repeat(900)}]});
+    let reply = post_json(app_with(FakeService::hello(), config), body).await;
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn unknown_route_is_a_404_with_the_openai_body() {
+    let reply = get(app(FakeService::hello()), "/v1/completions-nope").await;
+    let error = reply.error(StatusCode::NOT_FOUND);
+    assert_eq!(error["message"], "Invalid URL (GET /v1/completions-nope)");
+    assert_eq!(error["type"], "invalid_request_error");
+}
+
+#[tokio::test]
+async fn wrong_method_is_a_405_with_the_openai_body() {
+    let reply = get(app(FakeService::hello()), "/v1/chat/completions").await;
+    reply.error(StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(reply.headers["allow"], "POST");
+
+    let request = Request::delete("/v1/models").body(Body::empty()).unwrap();
+    let reply = send(app(FakeService::hello()), request).await;
+    reply.error(StatusCode::METHOD_NOT_ALLOWED);
+}

