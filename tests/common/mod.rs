@@ -1,0 +1,78 @@
+//! Shared helpers of the end-to-end tests: the test model and its goldens.
+
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::PathBuf;
+
+/// The SmolLM2 checkpoint that `scripts/setup.sh` prepares (or
+/// `MLXCEL_TEST_MODEL`). Missing is a failure, not a skip.
+pub fn model_dir() -> PathBuf {
+    let dir = std::env::var_os("MLXCEL_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct")
+        });
+    assert!(
+        dir.join("config.json").exists(),
+        "test model missing at {}: run scripts/setup.sh",
+        dir.display()
+    );
+    dir
+}
+
+/// One greedy golden made by `scripts/make_goldens.py` from mlx_lm.
+#[derive(Debug, Clone)]
+pub struct Golden {
+    pub name: String,
+    pub messages: Vec<(String, String)>,
+    pub prompt_ids: Vec<u32>,
+    pub completion_ids: Vec<u32>,
+    pub completion_text: String,
+    pub finish_reason: String,
+}
+
+/// Max new tokens of every golden.
+pub const GOLDEN_MAX_TOKENS: usize = 32;
+
+/// The goldens of `tests/goldens/smollm2_greedy.json`.
+pub fn goldens() -> Vec<Golden> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/goldens/smollm2_greedy.json");
+    let text = std::fs::read_to_string(&path).expect("golden file");
+    let v: Value = serde_json::from_str(&text).expect("golden JSON");
+    assert_eq!(
+        v["header"]["max_tokens"].as_u64(),
+        Some(GOLDEN_MAX_TOKENS as u64)
+    );
+    let ids = |x: &Value| -> Vec<u32> {
+        x.as_array()
+            .expect("id list")
+            .iter()
+            .map(|i| i.as_u64().expect("id") as u32)
+            .collect()
+    };
+    v["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .map(|p| Golden {
+            name: p["name"].as_str().expect("name").to_string(),
+            messages: p["messages"]
+                .as_array()
+                .expect("messages")
+                .iter()
+                .map(|m| {
+                    (
+                        m["role"].as_str().expect("role").to_string(),
+                        m["content"].as_str().expect("content").to_string(),
+                    )
+                })
+                .collect(),
+            prompt_ids: ids(&p["prompt_ids"]),
+            completion_ids: ids(&p["completion_ids"]),
+            completion_text: p["completion_text"].as_str().expect("text").to_string(),
+            finish_reason: p["finish_reason"].as_str().expect("finish").to_string(),
+        })
+        .collect()
+}
+pub mod http;
