@@ -7,4 +7,4 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 bash scripts/setup.sh
 export MLXCEL_TEST_MODEL="$REPO/models/SmolLM2-135M-Instruct"
-cargo test --release --workspace --all-targets "$@"
+cargo test --release --workspace "$@"

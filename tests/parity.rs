@@ -17,6 +17,7 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
             prompt: Prompt::Chat(messages),
             sampling: SamplingParams::greedy(),
             max_tokens: GOLDEN_MAX_TOKENS,
+            ignore_eos: false,
         })
         .expect("submit");
     let (mut ids, mut text) = (Vec::new(), String::new());
@@ -62,8 +63,10 @@ fn greedy_tokens_equal_mlx_lm() {
             _ => FinishReason::Length,
         };
         // Usage counts the EOS token when generation stopped on it.
-        let want_completion = g.completion_ids.len() + usize::from(want_reason == FinishReason::Stop);
-        if ids != g.completion_ids || reason != want_reason || completion_tokens != want_completion {
+        let want_completion =
+            g.completion_ids.len() + usize::from(want_reason == FinishReason::Stop);
+        if ids != g.completion_ids || reason != want_reason || completion_tokens != want_completion
+        {
             failures.push(format!(
                 "{}: got {ids:?} ({reason:?}, {completion_tokens})\n  want {:?} ({want_reason:?}, {want_completion})",
                 g.name, g.completion_ids

@@ -88,8 +88,18 @@ fn check_non_streaming(port: u16, g: &Golden) {
     assert_eq!(v["model"], "smollm2");
     let choice = &v["choices"][0];
     assert_eq!(choice["message"]["role"], "assistant");
-    assert_eq!(choice["message"]["content"], g.completion_text.as_str(), "{}", g.name);
-    assert_eq!(choice["finish_reason"], g.finish_reason.as_str(), "{}", g.name);
+    assert_eq!(
+        choice["message"]["content"],
+        g.completion_text.as_str(),
+        "{}",
+        g.name
+    );
+    assert_eq!(
+        choice["finish_reason"],
+        g.finish_reason.as_str(),
+        "{}",
+        g.name
+    );
     let u = &v["usage"];
     assert_eq!(u["prompt_tokens"], g.prompt_ids.len() as u64);
     assert_eq!(u["completion_tokens"], usage_completion(g));
@@ -122,7 +132,9 @@ fn check_streaming(port: u16, g: &Golden) {
         .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let id = chunks[0]["id"].clone();
-    assert!(chunks.iter().all(|c| c["id"] == id && c["object"] == "chat.completion.chunk"));
+    assert!(chunks
+        .iter()
+        .all(|c| c["id"] == id && c["object"] == "chat.completion.chunk"));
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
@@ -164,7 +176,9 @@ fn server_answers_like_the_goldens() {
     // The README's promise: Paris, at temperature 0.
     let paris = golden("capital_france");
     let v = chat(port, &paris);
-    let answer = v["choices"][0]["message"]["content"].as_str().expect("content");
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
     assert!(answer.contains("Paris"), "{answer}");
     check_non_streaming(port, &paris);
 
@@ -191,20 +205,40 @@ fn server_answers_like_the_goldens() {
 
     // Error cases: OpenAI error bodies, and the server keeps serving.
     let json_ct = Some("application/json");
-    check_error(request(port, "POST", "/v1/chat/completions", json_ct, b"{not json"), 400, None);
-    check_error(post_json(port, "/v1/chat/completions", &json!({"model": "smollm2"})), 400, Some("messages"));
     check_error(
-        post_json(port, "/v1/chat/completions", &json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})),
+        request(port, "POST", "/v1/chat/completions", json_ct, b"{not json"),
+        400,
+        None,
+    );
+    check_error(
+        post_json(port, "/v1/chat/completions", &json!({"model": "smollm2"})),
+        400,
+        Some("messages"),
+    );
+    check_error(
+        post_json(
+            port,
+            "/v1/chat/completions",
+            &json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}),
+        ),
         404,
         Some("model"),
     );
     check_error(
-        post_json(port, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})),
+        post_json(
+            port,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
+        ),
         400,
         Some("max_tokens"),
     );
     check_error(
-        post_json(port, "/v1/chat/completions", &json!({"messages": [], "max_tokens": 5})),
+        post_json(
+            port,
+            "/v1/chat/completions",
+            &json!({"messages": [], "max_tokens": 5}),
+        ),
         400,
         Some("messages"),
     );

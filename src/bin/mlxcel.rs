@@ -45,6 +45,9 @@ struct GenerateArgs {
     /// Random seed.
     #[arg(long)]
     seed: Option<u64>,
+    /// Generate exactly --max-tokens tokens, past end-of-sequence (benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Print the generated token ids as JSON after the text.
     #[arg(long)]
     print_token_ids: bool,
@@ -77,6 +80,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             ..SamplingParams::default()
         },
         max_tokens: args.max_tokens as usize,
+        ignore_eos: args.ignore_eos,
     };
     let mut stream = engine.submit(request).context("submitting the prompt")?;
     let mut out = std::io::stdout().lock();

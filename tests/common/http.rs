@@ -30,9 +30,16 @@ impl Response {
 }
 
 /// Sends one request with a raw body and reads the whole response.
-pub fn request(port: u16, method: &str, path: &str, content_type: Option<&str>, body: &[u8]) -> Response {
+pub fn request(
+    port: u16,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Response {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(300))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(300)))
+        .expect("timeout");
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     if let Some(ct) = content_type {
         head.push_str(&format!("Content-Type: {ct}\r\n"));
@@ -47,7 +54,13 @@ pub fn request(port: u16, method: &str, path: &str, content_type: Option<&str>, 
 
 /// POSTs JSON.
 pub fn post_json(port: u16, path: &str, body: &serde_json::Value) -> Response {
-    request(port, "POST", path, Some("application/json"), body.to_string().as_bytes())
+    request(
+        port,
+        "POST",
+        path,
+        Some("application/json"),
+        body.to_string().as_bytes(),
+    )
 }
 
 /// GETs a path.

@@ -74,6 +74,9 @@ pub struct GenerationRequest {
     /// Upper bound on completion tokens (>= 1). The engine may stop earlier
     /// at EOS or at the model's context length.
     pub max_tokens: usize,
+    /// Keep generating past end-of-sequence tokens (benchmarks; vLLM's
+    /// `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// Why a generation ended.

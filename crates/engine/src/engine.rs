@@ -344,7 +344,7 @@ fn run_request(model: &dyn Model, text: &Text, chunk: usize, job: Job) -> Result
             first_token_at = Some(now);
             timings.time_to_first_token_s = (now - job.submitted).as_secs_f64();
         }
-        let is_eos = text.eos.contains(&token);
+        let is_eos = !job.request.ignore_eos && text.eos.contains(&token);
         let finish = if is_eos {
             Some(FinishReason::Stop)
         } else if usage.completion_tokens >= job.request.max_tokens {

@@ -58,6 +58,7 @@ ArrayPtr sigmoid(const array& a);
 ArrayPtr matmul(const array& a, const array& b);
 ArrayPtr reshape(const array& a, rust::Slice<const int32_t> shape);
 ArrayPtr transpose(const array& a, rust::Slice<const int32_t> axes);
+ArrayPtr contiguous(const array& a);
 ArrayPtr softmax(const array& a, int32_t axis);
 ArrayPtr argmax(const array& a, int32_t axis, bool keepdims);
 ArrayPtr take(const array& a, const array& indices, int32_t axis);

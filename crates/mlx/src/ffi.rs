@@ -38,6 +38,7 @@ pub(crate) mod bridge {
         fn matmul(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn reshape(a: &array, shape: &[i32]) -> Result<UniquePtr<array>>;
         fn transpose(a: &array, axes: &[i32]) -> Result<UniquePtr<array>>;
+        fn contiguous(a: &array) -> Result<UniquePtr<array>>;
         fn softmax(a: &array, axis: i32) -> Result<UniquePtr<array>>;
         fn argmax(a: &array, axis: i32, keepdims: bool) -> Result<UniquePtr<array>>;
         fn take(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;

@@ -192,6 +192,12 @@ impl Array {
         self.transpose(&[1, 0])
     }
 
+    /// A row-major copy of a strided view (e.g. of a transpose), so later
+    /// reads see contiguous memory.
+    pub fn contiguous(&self) -> Result<Array> {
+        Array::wrap(bridge::contiguous(self.raw()))
+    }
+
     /// Softmax along `axis`, computed in float32 for lower-precision input.
     pub fn softmax(&self, axis: i32) -> Result<Array> {
         Array::wrap(bridge::softmax(self.raw(), axis))

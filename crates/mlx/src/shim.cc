@@ -98,6 +98,7 @@ ArrayPtr reshape(const array& a, rust::Slice<const int32_t> shape) {
 ArrayPtr transpose(const array& a, rust::Slice<const int32_t> axes) {
   return wrap(mx::transpose(a, to_ints(axes)));
 }
+ArrayPtr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
 ArrayPtr softmax(const array& a, int32_t axis) { return wrap(mx::softmax(a, axis, /*precise=*/true)); }
 ArrayPtr argmax(const array& a, int32_t axis, bool keepdims) {
   return wrap(mx::argmax(a, axis, keepdims));

@@ -70,9 +70,12 @@ impl QuantizedMatrix {
     }
 }
 
-/// The weight of a linear layer, `[out, in]`.
+/// The weight of a linear layer.
 #[derive(Debug, Clone)]
 pub enum Matrix {
+    /// Dense, stored transposed and contiguous, `[in, out]`: `x @ w` is then
+    /// a plain (NN) GEMM, which OpenBLAS runs without re-packing a strided
+    /// operand (measured 1.7x faster than `x @ wᵀ` at one row on CPU).
     Dense(Array),
     Quantized(QuantizedMatrix),
 }
@@ -80,8 +83,10 @@ pub enum Matrix {
 impl Matrix {
     fn load(ctx: &mut LoadContext<'_>, path: &str) -> Result<Matrix, ModelError> {
         let weight = ctx.weights.take(&format!("{path}.weight"))?;
+        let dense =
+            |w: Array| -> Result<Matrix, ModelError> { Ok(Matrix::Dense(w.t()?.contiguous()?)) };
         match ctx.quant_of(path)? {
-            None => Ok(Matrix::Dense(weight.astype(ctx.dtype)?)),
+            None => dense(weight.astype(ctx.dtype)?),
             Some(spec) => {
                 let q = QuantizedMatrix {
                     weight,
@@ -91,7 +96,7 @@ impl Matrix {
                 };
                 match ctx.mode {
                     WeightMode::Quantized => Ok(Matrix::Quantized(q)),
-                    WeightMode::Dequantized => Ok(Matrix::Dense(q.dequantize(ctx.dtype)?)),
+                    WeightMode::Dequantized => dense(q.dequantize(ctx.dtype)?),
                 }
             }
         }
@@ -100,7 +105,7 @@ impl Matrix {
     /// `x @ selfᵀ`: `[..., in] -> [..., out]`.
     pub fn apply(&self, x: &Array) -> Result<Array, ModelError> {
         Ok(match self {
-            Matrix::Dense(w) => x.matmul(&w.t()?)?,
+            Matrix::Dense(w) => x.matmul(w)?,
             Matrix::Quantized(q) => x.quantized_matmul(
                 &q.weight,
                 &q.scales,
@@ -112,10 +117,11 @@ impl Matrix {
         })
     }
 
-    /// Rows `ids` of the matrix (embedding lookup): `[n] -> [n, in]`.
+    /// Rows `ids` of the `[out, in]` matrix (embedding lookup):
+    /// `[n] -> [n, in]`.
     pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array, ModelError> {
         Ok(match self {
-            Matrix::Dense(w) => w.take(ids, 0)?,
+            Matrix::Dense(w) => w.take(ids, 1)?.t()?,
             Matrix::Quantized(q) => {
                 let w = q.weight.take(ids, 0)?;
                 let s = q.scales.take(ids, 0)?;

@@ -209,6 +209,7 @@ impl ValidatedChatRequest {
                 prompt: Prompt::Chat(messages),
                 sampling,
                 max_tokens,
+                ignore_eos: false,
             },
             stream,
         })

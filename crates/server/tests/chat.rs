@@ -82,6 +82,7 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
                 seed: None,
             },
             max_tokens: 512,
+            ignore_eos: false,
         }
     );
 }
