@@ -12,6 +12,7 @@ fn main() {
     );
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
+        .file("src/gemv_forward.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
@@ -26,5 +27,6 @@ fn main() {
     mlxcel_mlx_link::emit();
     println!("cargo:rerun-if-changed=src/ffi.rs");
     println!("cargo:rerun-if-changed=src/shim.cc");
+    println!("cargo:rerun-if-changed=src/gemv_forward.cc");
     println!("cargo:rerun-if-changed=include/shim.h");
 }
