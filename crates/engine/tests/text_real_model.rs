@@ -1,7 +1,7 @@
 //! Text pipeline parity with `transformers` on the real SmolLM2-135M-Instruct
-//! checkpoint. Runs only when `MLXCEL_TEST_MODEL` names the model directory
-//! (e.g. `MLXCEL_TEST_MODEL=models/SmolLM2-135M-Instruct`); fails if the
-//! variable is set but the directory is not there.
+//! checkpoint: `MLXCEL_TEST_MODEL`, or `models/SmolLM2-135M-Instruct` at the
+//! repository root (made by `scripts/setup.sh`). A missing model fails the
+//! test; it is never skipped.
 //!
 //! References were computed with the project venv (transformers 5.24.0,
 //! tokenizers 0.23.3) on `models/SmolLM2-135M-Instruct`:
@@ -22,15 +22,19 @@ use mlxcel_engine::chat_template::ChatTemplate;
 use mlxcel_engine::detokenizer::IncrementalDetokenizer;
 use mlxcel_engine::tokenizer::{eos_token_ids, TextTokenizer};
 
-/// The model directory, or `None` when the variable is unset.
-fn model_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(std::env::var_os("MLXCEL_TEST_MODEL")?);
+/// The model directory; a missing model is a failure.
+fn model_dir() -> PathBuf {
+    let dir = std::env::var_os("MLXCEL_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct")
+        });
     assert!(
         dir.join("tokenizer.json").is_file(),
-        "MLXCEL_TEST_MODEL={} has no tokenizer.json (expected a SmolLM2-135M-Instruct directory)",
+        "{} has no tokenizer.json: run scripts/setup.sh (or set MLXCEL_TEST_MODEL)",
         dir.display()
     );
-    Some(dir)
+    dir
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
@@ -42,10 +46,7 @@ fn msg(role: &str, content: &str) -> ChatMessage {
 
 #[test]
 fn smollm2_chat_prompts_match_transformers() {
-    let Some(dir) = model_dir() else {
-        eprintln!("MLXCEL_TEST_MODEL not set; skipping real-model text test");
-        return;
-    };
+    let dir = model_dir();
     let tok = TextTokenizer::from_model_dir(&dir).unwrap();
     let template = ChatTemplate::from_model_dir(&dir)
         .unwrap()
@@ -76,10 +77,7 @@ fn smollm2_chat_prompts_match_transformers() {
 
 #[test]
 fn smollm2_encode_decode_and_eos_match_transformers() {
-    let Some(dir) = model_dir() else {
-        eprintln!("MLXCEL_TEST_MODEL not set; skipping real-model text test");
-        return;
-    };
+    let dir = model_dir();
     let tok = TextTokenizer::from_model_dir(&dir).unwrap();
     assert_eq!(tok.vocab_size(), 49152);
     assert_eq!(tok.bos_token(), Some("<|im_start|>"));

@@ -92,6 +92,7 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
                       const ArrayList& arrays);
 
 // device
+bool gemv_forwarding_active();
 bool gpu_available();
 void use_device(bool gpu);
 rust::String version();

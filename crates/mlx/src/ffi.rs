@@ -116,6 +116,7 @@ pub(crate) mod bridge {
         fn tensor_take(m: Pin<&mut TensorMap>, name: &str) -> Result<UniquePtr<array>>;
         fn save_safetensors(path: &str, names: &[String], arrays: &ArrayList) -> Result<()>;
 
+        fn gemv_forwarding_active() -> Result<bool>;
         fn gpu_available() -> Result<bool>;
         fn use_device(gpu: bool) -> Result<()>;
         fn version() -> Result<String>;

@@ -90,3 +90,15 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(
   }
   real_sgemm()(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+namespace mlxcel {
+
+// Whether MLX's `cblas_sgemm` calls resolve to the forwarder above (the
+// executable exported it ahead of every BLAS library). Also pulls this
+// object into every binary that uses the bridge.
+bool gemv_forwarding_active() {
+  void* resolved = dlsym(RTLD_DEFAULT, "cblas_sgemm");
+  return resolved == reinterpret_cast<void*>(&cblas_sgemm);
+}
+
+}  // namespace mlxcel

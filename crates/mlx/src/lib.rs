@@ -168,6 +168,12 @@ fn check_len(len: usize, shape: &[i32]) -> Result<()> {
     Ok(())
 }
 
+/// Whether MLX's CPU matmuls go through mlxcel's GEMM-to-GEMV forwarder
+/// (`src/gemv_forward.cc`) rather than straight to a BLAS library.
+pub fn gemv_forwarding_active() -> bool {
+    bridge::gemv_forwarding_active().unwrap_or(false)
+}
+
 /// Whether MLX has a GPU backend on this machine (Metal or CUDA).
 pub fn gpu_available() -> bool {
     bridge::gpu_available().unwrap_or(false)

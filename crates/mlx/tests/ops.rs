@@ -144,24 +144,48 @@ fn dtype_roundtrip_and_safetensors() {
 /// `src/gemv_forward.cc`; every operand layout must equal the exact product.
 #[test]
 fn matmul_single_row_and_column_all_layouts() {
+    assert!(
+        mlxcel_mlx::gemv_forwarding_active(),
+        "cblas_sgemm does not resolve to the forwarder in this binary"
+    );
     let (k, n) = (37usize, 19usize);
     let a: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
     let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
     // Exact y[j] = sum_i a[i] * b[i, j] in f64.
     let want: Vec<f32> = (0..n)
-        .map(|j| (0..k).map(|i| a[i] as f64 * b[i * n + j] as f64).sum::<f64>() as f32)
+        .map(|j| {
+            (0..k)
+                .map(|i| a[i] as f64 * b[i * n + j] as f64)
+                .sum::<f64>() as f32
+        })
         .collect();
     let row = Array::from_f32(&a, &[1, k as i32]).unwrap();
     let col = Array::from_f32(&a, &[k as i32, 1]).unwrap();
     let bm = Array::from_f32(&b, &[k as i32, n as i32]).unwrap();
     let bt = bm.t().unwrap().contiguous().unwrap(); // [n, k] row-major
-    // m = 1: b plain and b transposed (a strided view of bt).
+                                                    // m = 1: b plain and b transposed (a strided view of bt).
     close(&row.matmul(&bm).unwrap().to_vec_f32().unwrap(), &want, 1e-4);
-    close(&row.matmul(&bt.t().unwrap()).unwrap().to_vec_f32().unwrap(), &want, 1e-4);
+    close(
+        &row.matmul(&bt.t().unwrap()).unwrap().to_vec_f32().unwrap(),
+        &want,
+        1e-4,
+    );
     // m = 1 with a transposed operand: colᵀ is a [1, k] strided view.
-    close(&col.t().unwrap().matmul(&bm).unwrap().to_vec_f32().unwrap(), &want, 1e-4);
+    close(
+        &col.t().unwrap().matmul(&bm).unwrap().to_vec_f32().unwrap(),
+        &want,
+        1e-4,
+    );
     // n = 1: bt [n, k] @ a [k, 1] = y, and the transposed-a layout.
     close(&bt.matmul(&col).unwrap().to_vec_f32().unwrap(), &want, 1e-4);
-    close(&bm.t().unwrap().matmul(&col).unwrap().to_vec_f32().unwrap(), &want, 1e-4);
-    close(&bt.matmul(&row.t().unwrap()).unwrap().to_vec_f32().unwrap(), &want, 1e-4);
+    close(
+        &bm.t().unwrap().matmul(&col).unwrap().to_vec_f32().unwrap(),
+        &want,
+        1e-4,
+    );
+    close(
+        &bt.matmul(&row.t().unwrap()).unwrap().to_vec_f32().unwrap(),
+        &want,
+        1e-4,
+    );
 }

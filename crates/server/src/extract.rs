@@ -10,7 +10,9 @@ use crate::error::ApiError;
 use crate::AppState;
 
 /// The request body parsed as JSON (any JSON value; the route checks its
-/// shape). Requires a JSON `Content-Type` and respects the body limit.
+/// shape), within the body limit. Like other OpenAI-compatible servers, a
+/// body sent without a `Content-Type`, or with the form type `curl -d`
+/// sends by default, is read as JSON too; any other non-JSON type is a 415.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JsonBody(pub Value);
 
@@ -36,12 +38,14 @@ impl FromRequest<AppState> for JsonBody {
     }
 }
 
-/// `application/json`, or any `application/*+json`, with any parameters.
+/// No `Content-Type`, `application/json`, any `application/*+json`, or
+/// `application/x-www-form-urlencoded` (`curl -d` without `-H`), with any
+/// parameters.
 fn has_json_content_type(headers: &HeaderMap) -> bool {
-    let Some(value) = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-    else {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return true;
+    };
+    let Ok(value) = value.to_str() else {
         return false;
     };
     let essence = value
@@ -51,5 +55,6 @@ fn has_json_content_type(headers: &HeaderMap) -> bool {
         .trim()
         .to_ascii_lowercase();
     essence == "application/json"
+        || essence == "application/x-www-form-urlencoded"
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }

@@ -240,6 +240,12 @@ fn parse_message(index: usize, value: Value) -> Result<ChatMessage, ValidationEr
         Some(role) => string(&role_param, role)?,
         None => return Err(ValidationError::Missing(role_param)),
     };
+    // OpenAI's newer name for the system role; chat templates know "system".
+    let role = if role == "developer" {
+        "system".to_string()
+    } else {
+        role
+    };
     if !matches!(role.as_str(), "system" | "user" | "assistant") {
         return Err(ValidationError::UnsupportedRole {
             param: role_param,

@@ -277,3 +277,27 @@ async fn every_response_carries_a_request_id() {
     let reply = send(app(fake), request).await;
     assert_eq!(reply.headers["x-request-id"], "client-id-1");
 }
+
+#[tokio::test]
+async fn developer_role_is_the_system_role() {
+    let fake = FakeService::hello();
+    let body = json!({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi"}
+    ]});
+    let reply = post_json(app(fake.clone()), body).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(
+        fake.last_request().prompt,
+        Prompt::Chat(vec![
+            ChatMessage {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "Hi".into(),
+            },
+        ])
+    );
+}

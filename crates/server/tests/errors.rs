@@ -227,12 +227,28 @@ async fn unknown_model_is_a_404_model_not_found() {
 }
 
 #[tokio::test]
-async fn wrong_or_missing_content_type_is_a_415() {
+async fn non_json_content_type_is_a_415_but_missing_or_form_is_read_as_json() {
     let body = hello_request().to_string();
     let reply = post_raw(app(FakeService::hello()), Some("text/plain"), body.clone()).await;
     reply.error(StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let reply = post_raw(app(FakeService::hello()), None, body.clone()).await;
+    let reply = post_raw(
+        app(FakeService::hello()),
+        Some("multipart/form-data"),
+        body.clone(),
+    )
+    .await;
     reply.error(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let reply = post_raw(app(FakeService::hello()), None, body.clone()).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let reply = post_raw(
+        app(FakeService::hello()),
+        Some("application/x-www-form-urlencoded"),
+        body.clone(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let reply = post_raw(app(FakeService::hello()), None, "{oops").await;
+    reply.error(StatusCode::BAD_REQUEST);
     let reply = post_raw(
         app(FakeService::hello()),
         Some("application/json; charset=utf-8"),
