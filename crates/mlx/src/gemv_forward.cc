@@ -13,7 +13,6 @@
 // releases do the same forwarding internally (GEMM_GEMV_FORWARD).
 #include <dlfcn.h>
 
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 
@@ -39,24 +38,15 @@ F next_symbol(const char* name) {
   return reinterpret_cast<F>(p);
 }
 
+// Resolved once, on first use (function-local statics are thread-safe).
 sgemm_fn real_sgemm() {
-  static std::atomic<sgemm_fn> fn{nullptr};
-  sgemm_fn f = fn.load(std::memory_order_acquire);
-  if (f == nullptr) {
-    f = next_symbol<sgemm_fn>("cblas_sgemm");
-    fn.store(f, std::memory_order_release);
-  }
-  return f;
+  static const sgemm_fn fn = next_symbol<sgemm_fn>("cblas_sgemm");
+  return fn;
 }
 
 sgemv_fn real_sgemv() {
-  static std::atomic<sgemv_fn> fn{nullptr};
-  sgemv_fn f = fn.load(std::memory_order_acquire);
-  if (f == nullptr) {
-    f = next_symbol<sgemv_fn>("cblas_sgemv");
-    fn.store(f, std::memory_order_release);
-  }
-  return f;
+  static const sgemv_fn fn = next_symbol<sgemv_fn>("cblas_sgemv");
+  return fn;
 }
 
 }  // namespace
