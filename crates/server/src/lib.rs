@@ -90,6 +90,11 @@ impl AppState {
         self.inner.service.as_ref()
     }
 
+    /// An owned handle to the engine (for blocking work off the runtime).
+    pub fn service_handle(&self) -> Arc<dyn InferenceService> {
+        Arc::clone(&self.inner.service)
+    }
+
     /// The HTTP settings.
     pub fn config(&self) -> &HttpConfig {
         &self.inner.config

@@ -30,7 +30,13 @@ pub async fn chat_completions(
         max_tokens = request.generation.max_tokens,
         "chat completion"
     );
-    let events = service.submit(request.generation)?;
+    // Rendering the template and tokenizing a (up to 4 MiB) prompt is CPU
+    // work: keep it off the async workers.
+    let handle = state.service_handle();
+    let generation = request.generation;
+    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
+        .await
+        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))??;
     match request.stream {
         Some(options) => Ok(chat_completion_stream(
             events,
