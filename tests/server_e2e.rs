@@ -152,7 +152,7 @@ fn check_streaming(port: u16, g: &Golden) {
     assert_eq!(usage["completion_tokens"], usage_completion(g));
 }
 
-fn check_error(r: common::http::Response, status: u16, param: Option<&str>) {
+fn check_error(r: &common::http::Response, status: u16, param: Option<&str>) {
     assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&r.body));
     let v = r.json();
     let e = &v["error"];
@@ -207,17 +207,17 @@ fn server_answers_like_the_goldens() {
     // Error cases: OpenAI error bodies, and the server keeps serving.
     let json_ct = Some("application/json");
     check_error(
-        request(port, "POST", "/v1/chat/completions", json_ct, b"{not json"),
+        &request(port, "POST", "/v1/chat/completions", json_ct, b"{not json"),
         400,
         None,
     );
     check_error(
-        post_json(port, "/v1/chat/completions", &json!({"model": "smollm2"})),
+        &post_json(port, "/v1/chat/completions", &json!({"model": "smollm2"})),
         400,
         Some("messages"),
     );
     check_error(
-        post_json(
+        &post_json(
             port,
             "/v1/chat/completions",
             &json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}),
@@ -226,7 +226,7 @@ fn server_answers_like_the_goldens() {
         Some("model"),
     );
     check_error(
-        post_json(
+        &post_json(
             port,
             "/v1/chat/completions",
             &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
@@ -235,7 +235,7 @@ fn server_answers_like_the_goldens() {
         Some("max_tokens"),
     );
     check_error(
-        post_json(
+        &post_json(
             port,
             "/v1/chat/completions",
             &json!({"messages": [], "max_tokens": 5}),
@@ -243,5 +243,14 @@ fn server_answers_like_the_goldens() {
         400,
         Some("messages"),
     );
+    // A prompt longer than the model's 8192-token context.
+    let long = "hello ".repeat(9000);
+    let r = post_json(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": long}]}),
+    );
+    check_error(&r, 400, Some("messages"));
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
     check_non_streaming(port, &paris);
 }

@@ -257,13 +257,9 @@ impl InferenceService for Engine {
             });
         }
         if prompt.len() >= self.context_length {
-            return Err(SubmitError::InvalidRequest {
-                message: format!(
-                    "the prompt has {} tokens; this model's context is {} tokens",
-                    prompt.len(),
-                    self.context_length
-                ),
-                param: Some("messages".into()),
+            return Err(SubmitError::ContextLengthExceeded {
+                prompt_tokens: prompt.len(),
+                context_length: self.context_length,
             });
         }
         request.max_tokens = request

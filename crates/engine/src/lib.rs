@@ -5,7 +5,8 @@
 //! Text work (tokenizer, chat template, incremental detokenization) and the
 //! sampler live here too, so the CLI and the HTTP server share one engine.
 
-pub mod api;
+/// The front-end seam (re-exported from `mlxcel-engine-api`).
+pub use mlxcel_engine_api as api;
 pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;

@@ -9,7 +9,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine::api::SubmitError;
+use mlxcel_engine_api::SubmitError;
 use serde::Serialize;
 
 use crate::validate::ValidationError;
@@ -72,6 +72,9 @@ pub enum ApiError {
         /// The offending field, where there is one.
         param: Option<String>,
     },
+    /// The prompt does not fit the model's context.
+    #[error("{0}")]
+    ContextLengthExceeded(String),
     /// The engine is gone or shutting down.
     #[error("The engine is unavailable: {0}")]
     Unavailable(String),
@@ -111,7 +114,8 @@ impl ApiError {
             Self::Validation(_)
             | Self::MalformedJson(_)
             | Self::BodyRead(_)
-            | Self::EngineRejected { .. } => StatusCode::BAD_REQUEST,
+            | Self::EngineRejected { .. }
+            | Self::ContextLengthExceeded(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
@@ -133,6 +137,7 @@ impl ApiError {
             Self::Validation(err) => err.param(),
             Self::EngineRejected { param, .. } => param.clone(),
             Self::UnknownModel(_) => Some("model".to_owned()),
+            Self::ContextLengthExceeded(_) => Some("messages".to_owned()),
             _ => None,
         }
     }
@@ -149,6 +154,7 @@ impl ApiError {
                 Some("unrecognized_parameter")
             }
             Self::Unavailable(_) => Some("service_unavailable"),
+            Self::ContextLengthExceeded(_) => Some("context_length_exceeded"),
             _ => None,
         }
     }
@@ -171,6 +177,9 @@ impl From<SubmitError> for ApiError {
         match err {
             SubmitError::InvalidRequest { message, param } => {
                 Self::EngineRejected { message, param }
+            }
+            SubmitError::ContextLengthExceeded { .. } => {
+                Self::ContextLengthExceeded(err.to_string())
             }
             SubmitError::Unavailable(reason) => Self::Unavailable(reason),
         }

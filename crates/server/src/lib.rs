@@ -24,7 +24,7 @@ use axum::http::Request;
 use axum::response::sse::KeepAlive;
 use axum::routing::{get, post};
 use axum::Router;
-use mlxcel_engine::api::InferenceService;
+use mlxcel_engine_api::InferenceService;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;

@@ -1,6 +1,6 @@
 //! Response bodies, with OpenAI's field names.
 
-use mlxcel_engine::api::{FinishReason, Usage};
+use mlxcel_engine_api::{FinishReason, Usage};
 use serde::Serialize;
 use std::time::{SystemTime, UNIX_EPOCH};
 

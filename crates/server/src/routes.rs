@@ -5,7 +5,7 @@ use axum::extract::{Path, State};
 use axum::http::{Method, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine::api::{EventStream, GenerationEvent};
+use mlxcel_engine_api::{EventStream, GenerationEvent};
 use serde_json::json;
 
 use crate::error::ApiError;

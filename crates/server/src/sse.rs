@@ -10,7 +10,7 @@ use std::convert::Infallible;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
-use mlxcel_engine::api::{EventStream, GenerationEvent, Usage};
+use mlxcel_engine_api::{EventStream, GenerationEvent, Usage};
 use serde::Serialize;
 
 use crate::error::{ApiError, SERIALIZATION_FAILED_BODY};
@@ -118,7 +118,7 @@ impl ChunkStream {
     fn chunk(
         &self,
         delta: ChunkDelta<'_>,
-        finish_reason: Option<mlxcel_engine::api::FinishReason>,
+        finish_reason: Option<mlxcel_engine_api::FinishReason>,
     ) -> Event {
         json_event(&ChatCompletionChunk::delta(
             &self.meta,

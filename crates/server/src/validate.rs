@@ -5,7 +5,7 @@
 //! `param`. Fields of the OpenAI API that mlxcel does not implement yet are
 //! refused when they carry a non-default value, never silently ignored.
 
-use mlxcel_engine::api::{ChatMessage, GenerationRequest, Prompt, SamplingParams};
+use mlxcel_engine_api::{ChatMessage, GenerationRequest, Prompt, SamplingParams};
 use serde_json::{Map, Value};
 
 /// A broken rule of the chat completion request schema. `param` names the

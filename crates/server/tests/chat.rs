@@ -4,7 +4,7 @@ mod common;
 
 use axum::http::StatusCode;
 use common::*;
-use mlxcel_engine::api::{
+use mlxcel_engine_api::{
     ChatMessage, FinishReason, GenerationEvent, GenerationRequest, Prompt, SamplingParams,
     SubmitError,
 };
@@ -241,6 +241,24 @@ async fn engine_refusal_is_a_400_naming_its_param() {
     assert_eq!(
         error["message"],
         "prompt is longer than the context (5000 > 4096)"
+    );
+}
+
+#[tokio::test]
+async fn a_prompt_longer_than_the_context_is_a_400_with_its_code() {
+    let fake = FakeService::refusing(SubmitError::ContextLengthExceeded {
+        prompt_tokens: 5000,
+        context_length: 4096,
+    });
+    let error = post_json(app(fake), hello_request())
+        .await
+        .error(StatusCode::BAD_REQUEST);
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(error["code"], "context_length_exceeded");
+    assert_eq!(error["param"], "messages");
+    assert_eq!(
+        error["message"],
+        "the prompt has 5000 tokens; this model's context is 4096 tokens"
     );
 }
 

@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use common::*;
 use http_body_util::BodyExt;
-use mlxcel_engine::api::{FinishReason, GenerationEvent};
+use mlxcel_engine_api::{FinishReason, GenerationEvent};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
@@ -160,7 +160,7 @@ async fn an_engine_that_hangs_up_ends_the_stream_with_an_error() {
 
 #[tokio::test]
 async fn refusals_before_the_stream_are_plain_error_responses() {
-    let fake = FakeService::refusing(mlxcel_engine::api::SubmitError::Unavailable("gone".into()));
+    let fake = FakeService::refusing(mlxcel_engine_api::SubmitError::Unavailable("gone".into()));
     let reply = post_json(app(fake), stream_request(None)).await;
     reply.error(StatusCode::SERVICE_UNAVAILABLE);
 }

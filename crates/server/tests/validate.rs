@@ -1,6 +1,6 @@
 //! `ValidatedChatRequest::parse` on its own: one error variant per rule.
 
-use mlxcel_engine::api::{ChatMessage, Prompt, SamplingParams};
+use mlxcel_engine_api::{ChatMessage, Prompt, SamplingParams};
 use mlxcel_http::validate::{StreamOptions, ValidatedChatRequest, ValidationError};
 use serde_json::{json, Value};
 

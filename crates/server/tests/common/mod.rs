@@ -7,7 +7,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
-use mlxcel_engine::api::{
+use mlxcel_engine_api::{
     EventStream, FinishReason, GenerationEvent, GenerationRequest, InferenceService, SubmitError,
     Timings, Usage,
 };

@@ -142,6 +142,15 @@ pub enum SubmitError {
         message: String,
         param: Option<String>,
     },
+    /// The prompt does not fit the model's context (HTTP 400, OpenAI code
+    /// `context_length_exceeded`).
+    #[error(
+        "the prompt has {prompt_tokens} tokens; this model's context is {context_length} tokens"
+    )]
+    ContextLengthExceeded {
+        prompt_tokens: usize,
+        context_length: usize,
+    },
     /// The engine is gone or shutting down (HTTP 503).
     #[error("engine unavailable: {0}")]
     Unavailable(String),
