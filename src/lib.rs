@@ -1,6 +1,8 @@
 //! Shared command-line plumbing of the `mlxcel` and `mlxcel-server` binaries:
 //! the model flags, logging, and the HTTP serve loop.
 
+pub mod model_source;
+
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use mlxcel_engine::{Engine, EngineConfig};
@@ -43,7 +45,9 @@ pub enum DeviceArg {
 /// Flags that choose and load the model (shared by every subcommand).
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json),
+    /// or a hub repository id (`org/name`), taken from the local hub cache or
+    /// downloaded into it.
     #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL")]
     pub model: PathBuf,
     /// Compute dtype.
@@ -66,7 +70,11 @@ impl ModelArgs {
         if self.device == DeviceArg::Gpu && !mlxcel_mlx::gpu_available() {
             anyhow::bail!("--device gpu: this MLX build has no GPU backend here");
         }
-        let mut c = EngineConfig::new(self.model.clone());
+        let dir = model_source::resolve(&self.model, None)?;
+        // A hub snapshot's directory name is a commit hash: serve the repo id.
+        let alias = alias
+            .or_else(|| (!self.model.is_dir()).then(|| self.model.to_string_lossy().into_owned()));
+        let mut c = EngineConfig::new(dir);
         c.alias = alias;
         c.dtype = match self.dtype {
             DtypeArg::Auto => None,
