@@ -23,18 +23,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from make_goldens import GETTYSBURG  # noqa: E402
+from bench_mlx_lm import prompt_ids  # noqa: E402
 
 
 def prompt_text(model_dir, n):
+    """The text of bench_mlx_lm's N-token prompt."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    base = tok.encode(GETTYSBURG, add_special_tokens=False)
-    ids = []
-    while len(ids) < n:
-        ids.extend(base)
-    return tok.decode(ids[:n])
+    return tok.decode(prompt_ids(tok, n))
 
 
 def machine():
