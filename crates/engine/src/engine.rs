@@ -115,12 +115,8 @@ impl Engine {
         let model_config = ModelConfig::from_model_dir(&dir)?;
         let tokenizer = TextTokenizer::from_model_dir(&dir)?;
         let template = ChatTemplate::from_model_dir(&dir)?;
-        let mut eos = eos_token_ids(&dir, &tokenizer);
-        for id in &model_config.eos_token_ids {
-            if !eos.contains(id) {
-                eos.push(*id);
-            }
-        }
+        // generation_config.json, config.json and the tokenizer's EOS.
+        let eos = eos_token_ids(&dir, &tokenizer);
         let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
         mlxcel_mlx::use_device(gpu)?;
         let dtype = config

@@ -115,7 +115,6 @@ struct RawConfig {
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
     quantization: Option<serde_json::Value>,
-    eos_token_id: Option<serde_json::Value>,
 }
 
 fn default_rope_theta() -> f32 {
@@ -152,8 +151,6 @@ pub struct ModelConfig {
     /// Sliding attention window in tokens, when the model uses one.
     pub sliding_window: Option<usize>,
     pub quantization: Quantization,
-    /// `eos_token_id` from config.json (int or list).
-    pub eos_token_ids: Vec<u32>,
 }
 
 impl ModelConfig {
@@ -199,7 +196,6 @@ impl ModelConfig {
                 .map(Quantization::from_json)
                 .transpose()?
                 .unwrap_or_default(),
-            eos_token_ids: ids_from_json(raw.eos_token_id.as_ref()),
             head_dim: raw.head_dim.unwrap_or(raw.hidden_size / heads),
             num_key_value_heads: kv_heads,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(true),
@@ -219,18 +215,6 @@ impl ModelConfig {
             torch_dtype: raw.torch_dtype,
             sliding_window,
         })
-    }
-}
-
-/// Token ids from a JSON int or list of ints (`eos_token_id`).
-pub fn ids_from_json(v: Option<&serde_json::Value>) -> Vec<u32> {
-    match v {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
-            .collect(),
-        _ => Vec::new(),
     }
 }
 
@@ -279,7 +263,6 @@ mod tests {
         assert_eq!(c.head_dim, 64);
         assert_eq!(c.num_key_value_heads, 3);
         assert!(c.tie_word_embeddings && !c.qkv_bias && !c.o_bias);
-        assert_eq!(c.eos_token_ids, vec![2]);
         let q = &c.quantization;
         assert_eq!(
             q.for_module("model.layers.0.mlp.up_proj"),
@@ -312,7 +295,6 @@ mod tests {
             "mlx_lm ties by default"
         );
         assert_eq!(c.sliding_window, None);
-        assert_eq!(c.eos_token_ids, vec![151645, 151643]);
         let bad = ModelConfig::from_json_str(r#"{"model_type":"llama"}"#);
         assert!(matches!(bad, Err(ModelError::Config(_))));
         let rope = ModelConfig::from_json_str(
