@@ -105,21 +105,17 @@ impl DenseSequenceCache {
             .layers
             .get_mut(layer)
             .ok_or_else(|| ModelError::Cache(format!("no layer {layer}")))?;
-        let mut out = Vec::with_capacity(2);
-        for (buf, new) in [(&mut l.keys, keys), (&mut l.values, values)] {
+        let write = |buf: &mut Option<Array>, new: &Array| -> Result<Array, ModelError> {
             let old = buf
                 .take()
                 .ok_or_else(|| ModelError::Cache("append before begin".into()))?;
             // The old handle is dropped here, so MLX can update in place.
             let updated = old.slice_update(new, &[0, 0, at, 0], &[1, h, at + n, d])?;
-            out.push(updated.slice(&[0, 0, 0, 0], &[1, h, at + n, d])?);
+            let live = updated.slice(&[0, 0, 0, 0], &[1, h, at + n, d])?;
             *buf = Some(updated);
-        }
-        let v = out
-            .pop()
-            .ok_or_else(|| ModelError::Cache("values".into()))?;
-        let k = out.pop().ok_or_else(|| ModelError::Cache("keys".into()))?;
-        Ok((k, v))
+            Ok(live)
+        };
+        Ok((write(&mut l.keys, keys)?, write(&mut l.values, values)?))
     }
 
     /// Makes the tokens of the forward in flight live (`end += n`).
