@@ -80,6 +80,9 @@ pub enum KvError {
         /// The pool's block size, in tokens.
         pool: usize,
     },
+    /// MLX failed on the tensor side (allocation, scatter, gather).
+    #[error(transparent)]
+    Mlx(#[from] mlxcel_mlx::Error),
     /// A consistency check failed (see the `check_invariants` helpers).
     #[error("KV bookkeeping invariant violated: {0}")]
     Invariant(String),

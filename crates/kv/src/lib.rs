@@ -1,7 +1,10 @@
-//! KV cache bookkeeping (see ARCHITECTURE.md, crates/kv): the paged block
-//! pool, per-sequence block tables and the prefix cache. Plain Rust, no MLX:
-//! the tensor side (pool arrays, gather, scatter, block copies) follows the
-//! plain-data instructions these types return.
+//! The KV cache (see ARCHITECTURE.md, crates/kv): the paged block pool,
+//! per-sequence block tables, the prefix cache, and the tensors behind them.
+//! The bookkeeping (pool.rs, hash.rs, sequence.rs, prefix.rs) is plain Rust
+//! with no MLX call; the tensor side (storage.rs: pool arrays, gather,
+//! scatter, block copies, dense buffers) follows the plain-data instructions
+//! the bookkeeping returns. cache.rs joins them into the engine's
+//! [`KvCache`]; step.rs is the view one forward reads and writes through.
 //!
 //! Units: a *position* is an absolute token index in a sequence (its RoPE
 //! position); a *block* holds `block_size` consecutive positions; a *slot* is
@@ -19,14 +22,20 @@
 //! The engine thread owns one pool; every call is synchronous and O(blocks
 //! touched), except the `counts`/`check_invariants` helpers, O(pool).
 
+mod cache;
 mod error;
 mod hash;
 mod pool;
 mod prefix;
 mod sequence;
+mod step;
+mod storage;
 
+pub use cache::{KvCache, KvCacheConfig, KvSequence, RowReserve, StepReservation, StorageBackend};
 pub use error::{KvError, PoolExhausted};
 pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};
 pub use prefix::{PrefixCache, PrefixCacheStats};
 pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};
+pub use step::{AttentionKv, StepKv};
+pub use storage::{KvLayout, DENSE_GROW_STEP};

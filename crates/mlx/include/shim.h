@@ -62,6 +62,7 @@ ArrayPtr contiguous(const array& a);
 ArrayPtr softmax(const array& a, int32_t axis);
 ArrayPtr argmax(const array& a, int32_t axis, bool keepdims);
 ArrayPtr take(const array& a, const array& indices, int32_t axis);
+ArrayPtr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis);
 ArrayPtr concatenate(const ArrayList& arrays, int32_t axis);
 ArrayPtr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop);
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
@@ -79,6 +80,8 @@ ArrayPtr rms_norm(const array& x, const array& weight, float eps);
 ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
 ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
                         const array& offsets);
+ArrayPtr rope_freqs_positions(const array& x, int32_t dims, bool traditional, float scale,
+                              const array& offsets, const array& freqs);
 ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
                     const array& freqs);
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);

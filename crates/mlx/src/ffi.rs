@@ -42,6 +42,12 @@ pub(crate) mod bridge {
         fn softmax(a: &array, axis: i32) -> Result<UniquePtr<array>>;
         fn argmax(a: &array, axis: i32, keepdims: bool) -> Result<UniquePtr<array>>;
         fn take(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn put_along_axis(
+            a: &array,
+            indices: &array,
+            values: &array,
+            axis: i32,
+        ) -> Result<UniquePtr<array>>;
         fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<array>>;
         fn slice(a: &array, start: &[i32], stop: &[i32]) -> Result<UniquePtr<array>>;
         fn slice_update(
@@ -87,6 +93,14 @@ pub(crate) mod bridge {
             base: f32,
             scale: f32,
             offsets: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn rope_freqs_positions(
+            x: &array,
+            dims: i32,
+            traditional: bool,
+            scale: f32,
+            offsets: &array,
+            freqs: &array,
         ) -> Result<UniquePtr<array>>;
         fn rope_freqs(
             x: &array,

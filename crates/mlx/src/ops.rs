@@ -218,7 +218,21 @@ impl Array {
         Array::wrap(bridge::slice(self.raw(), start, stop))
     }
 
-    /// A copy of `self` with `[start, stop)` replaced by `update`.
+    /// `self` with `values` written at `indices` along `axis` (MLX's
+    /// `put_along_axis`; `indices` int32 with `self`'s rank, broadcast
+    /// against `values`). When `self` has no other holder, MLX updates its
+    /// buffer in place (O(values), not O(self)).
+    pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
+        Array::wrap(bridge::put_along_axis(
+            self.raw(),
+            indices.raw(),
+            values.raw(),
+            axis,
+        ))
+    }
+
+    /// A copy of `self` with `[start, stop)` replaced by `update` (in place
+    /// when `self` has no other holder).
     pub fn slice_update(&self, update: &Array, start: &[i32], stop: &[i32]) -> Result<Array> {
         Array::wrap(bridge::slice_update(self.raw(), update.raw(), start, stop))
     }
@@ -332,6 +346,26 @@ impl Array {
             traditional,
             scale,
             offset,
+            freqs.raw(),
+        ))
+    }
+
+    /// [`Array::rope_with_freqs`] with per-row start positions: `offsets` is
+    /// int32 `[batch]`.
+    pub fn rope_with_freqs_at(
+        &self,
+        dims: i32,
+        traditional: bool,
+        scale: f32,
+        offsets: &Array,
+        freqs: &Array,
+    ) -> Result<Array> {
+        Array::wrap(bridge::rope_freqs_positions(
+            self.raw(),
+            dims,
+            traditional,
+            scale,
+            offsets.raw(),
             freqs.raw(),
         ))
     }

@@ -128,6 +128,10 @@ ArrayPtr dequantize(const array& w, const array& scales, const array& biases, in
   return wrap(mx::dequantize(w, scales, biases, group_size, bits, "affine"));
 }
 
+ArrayPtr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis) {
+  return wrap(mx::put_along_axis(a, indices, values, axis));
+}
+
 ArrayPtr linalg_inv(const array& a) {
   return wrap(mx::linalg::inv(a, mx::Device(mx::Device::cpu)));
 }
@@ -141,6 +145,10 @@ ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float 
 ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
                         const array& offsets) {
   return wrap(mx::fast::rope(x, dims, traditional, base, scale, offsets));
+}
+ArrayPtr rope_freqs_positions(const array& x, int32_t dims, bool traditional, float scale,
+                              const array& offsets, const array& freqs) {
+  return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offsets, freqs));
 }
 ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, int32_t offset,
                     const array& freqs) {

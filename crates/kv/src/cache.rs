@@ -1,0 +1,365 @@
+//! The KV cache the engine owns: the block pool, every sequence's positions
+//! and block table, and the tensors behind them (paged or dense).
+//!
+//! Both backends keep a sequence's positions in one [`SequenceBlocks`]
+//! (ARCHITECTURE.md invariant 1): the dense backend allocates pool blocks
+//! too, for the budget, but stores K/V in per-sequence buffers. Growing is
+//! [`KvCache::append`]; shrinking is [`KvCache::truncate_tail`] and
+//! [`KvCache::drop_front`], one function per direction for both backends.
+//!
+//! A sequence is held through an opaque [`KvSequence`]; dropping it gives
+//! its blocks back at the cache's next [`KvCache::reclaim`] (the engine calls
+//! it at every step), so a request that ends in any way (finished, failed,
+//! cancelled, or unwound by a panic) cannot leak blocks.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fmt;
+use std::rc::Rc;
+
+use crate::error::KvError;
+use crate::pool::BlockPool;
+use crate::sequence::SequenceBlocks;
+use crate::step::StepKv;
+use crate::storage::{DenseStorage, KvLayout, PagedStorage};
+
+/// Where K/V tensors live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageBackend {
+    /// Contiguous buffers per sequence (reads are slices).
+    Dense,
+    /// One pool of fixed-size blocks per layer (reads gather a row's slots).
+    Paged,
+}
+
+impl fmt::Display for StorageBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StorageBackend::Dense => "dense",
+            StorageBackend::Paged => "paged",
+        })
+    }
+}
+
+/// How to build a [`KvCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheConfig {
+    /// Per-token K/V shape of the model.
+    pub layout: KvLayout,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the pool (the budget: `num_blocks * block_size` tokens).
+    pub num_blocks: usize,
+    /// Tensor storage.
+    pub backend: StorageBackend,
+}
+
+impl KvCacheConfig {
+    /// Blocks that fit in `budget_bytes` for `layout` and `block_size`.
+    pub fn blocks_for_budget(layout: KvLayout, block_size: usize, budget_bytes: usize) -> usize {
+        budget_bytes / (layout.bytes_per_token() * block_size).max(1)
+    }
+}
+
+/// One row of [`KvCache::reserve_step`]: `real` tokens padded to `padded`.
+#[derive(Debug, Clone, Copy)]
+pub struct RowReserve<'a> {
+    /// The sequence.
+    pub seq: &'a KvSequence,
+    /// Real tokens of the row (at least 1).
+    pub real: usize,
+    /// Tokens the forward writes: `real` plus pad tokens after them.
+    pub padded: usize,
+}
+
+/// A reserved step: each row's sequence end before the step and its real
+/// token count. Hand it back with [`KvCache::complete_step`].
+#[derive(Debug)]
+#[must_use = "a reserved step must be completed"]
+pub struct StepReservation {
+    rows: Vec<(u64, usize, usize)>,
+}
+
+/// An opaque handle on one sequence's KV. Dropping it releases the
+/// sequence; its blocks return to the pool at the next [`KvCache::reclaim`].
+pub struct KvSequence {
+    id: u64,
+    released: Rc<RefCell<Vec<u64>>>,
+}
+
+impl fmt::Debug for KvSequence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KvSequence({})", self.id)
+    }
+}
+
+impl Drop for KvSequence {
+    fn drop(&mut self) {
+        self.released.borrow_mut().push(self.id);
+    }
+}
+
+/// One sequence's bookkeeping and (dense backend) storage.
+#[derive(Debug)]
+pub(crate) struct SeqState {
+    pub(crate) blocks: SequenceBlocks,
+    pub(crate) dense: Option<DenseStorage>,
+}
+
+/// The engine's KV cache; see the module docs.
+#[derive(Debug)]
+pub struct KvCache {
+    config: KvCacheConfig,
+    pub(crate) pool: BlockPool,
+    pub(crate) paged: Option<PagedStorage>,
+    pub(crate) seqs: HashMap<u64, SeqState>,
+    next_id: u64,
+    released: Rc<RefCell<Vec<u64>>>,
+}
+
+impl KvCache {
+    /// A cache of `config.num_blocks` blocks. The paged backend allocates
+    /// and zero-fills its pool arrays now.
+    ///
+    /// # Errors
+    /// A zero block size, too many blocks, or an MLX allocation failure.
+    pub fn new(config: KvCacheConfig) -> Result<Self, KvError> {
+        let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let paged = match config.backend {
+            StorageBackend::Paged => Some(PagedStorage::new(
+                config.layout,
+                config.num_blocks,
+                config.block_size,
+            )?),
+            StorageBackend::Dense => None,
+        };
+        Ok(KvCache {
+            config,
+            pool,
+            paged,
+            seqs: HashMap::new(),
+            next_id: 0,
+            released: Rc::default(),
+        })
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.config
+    }
+
+    /// The block pool (counts, for stats).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Sequences alive (handles not yet reclaimed).
+    pub fn live_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// A new empty sequence at `[0, 0)`.
+    pub fn new_sequence(&mut self) -> KvSequence {
+        let id = self.next_id;
+        self.next_id += 1;
+        let dense = match self.config.backend {
+            StorageBackend::Dense => Some(DenseStorage::new(self.config.layout, 0)),
+            StorageBackend::Paged => None,
+        };
+        self.seqs.insert(
+            id,
+            SeqState {
+                blocks: SequenceBlocks::new(&self.pool),
+                dense,
+            },
+        );
+        KvSequence {
+            id,
+            released: Rc::clone(&self.released),
+        }
+    }
+
+    /// Gives back the blocks of every dropped [`KvSequence`]; returns how
+    /// many sequences were released.
+    pub fn reclaim(&mut self) -> Result<usize, KvError> {
+        let ids: Vec<u64> = self.released.borrow_mut().drain(..).collect();
+        for id in &ids {
+            if let Some(mut s) = self.seqs.remove(id) {
+                s.blocks.release(&mut self.pool)?;
+            }
+        }
+        Ok(ids.len())
+    }
+
+    pub(crate) fn state(&self, seq: &KvSequence) -> Result<&SeqState, KvError> {
+        self.seqs
+            .get(&seq.id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {}", seq.id)))
+    }
+
+    /// The sequence's first live position.
+    pub fn start(&self, seq: &KvSequence) -> Result<usize, KvError> {
+        Ok(self.state(seq)?.blocks.start())
+    }
+
+    /// One past its last live position: the next token's (RoPE) position.
+    pub fn end(&self, seq: &KvSequence) -> Result<usize, KvError> {
+        Ok(self.state(seq)?.blocks.end())
+    }
+
+    /// Live tokens, `end - start` (the key count attention sees).
+    pub fn len(&self, seq: &KvSequence) -> Result<usize, KvError> {
+        Ok(self.state(seq)?.blocks.len())
+    }
+
+    /// Blocks the sequence holds.
+    pub fn blocks_held(&self, seq: &KvSequence) -> Result<usize, KvError> {
+        Ok(self.state(seq)?.blocks.blocks().len())
+    }
+
+    /// Blocks a sequence holding `[start, end)` needs at most to grow to
+    /// `end + n` (one more for a copy-on-write of a shared last block).
+    pub fn blocks_to_append(&self, seq: &KvSequence, n: usize) -> Result<usize, KvError> {
+        let b = &self.state(seq)?.blocks;
+        let bs = self.config.block_size;
+        let span = |s: usize, e: usize| if e > s { e.div_ceil(bs) - s / bs } else { 0 };
+        let grow = span(b.start(), b.end() + n) - b.blocks().len();
+        Ok(grow + usize::from(n > 0 && b.end() % bs != 0))
+    }
+
+    /// Reserves positions `[end, end + n)` for `n` new tokens: blocks from
+    /// the pool (copy-on-write of a shared last block first) and, dense, room
+    /// in the buffers. All or nothing.
+    ///
+    /// # Errors
+    /// [`KvError::PoolExhausted`] when the pool can't hold them (nothing
+    /// changed), or an MLX failure growing a buffer (the blocks are given
+    /// back).
+    pub fn append(&mut self, seq: &KvSequence, n: usize) -> Result<(), KvError> {
+        let id = seq.id;
+        let state = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
+        let old_end = state.blocks.end();
+        let appended = state.blocks.append_slots(&mut self.pool, n)?;
+        let grown = match (&mut state.dense, &mut self.paged, appended.copy) {
+            (Some(d), _, _) => d.reserve(state.blocks.start(), state.blocks.end()),
+            (None, Some(p), Some(copy)) => p.copy_block(copy),
+            _ => Ok(()),
+        };
+        if let Err(e) = grown {
+            state.blocks.truncate_tail(&mut self.pool, old_end)?;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Rewinds the tail to `new_end` (drops pad rows, or a failed step's
+    /// tokens): positions and blocks move together; the dropped positions
+    /// are never read again.
+    pub fn truncate_tail(&mut self, seq: &KvSequence, new_end: usize) -> Result<(), KvError> {
+        let id = seq.id;
+        let state = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
+        state.blocks.truncate_tail(&mut self.pool, new_end)
+    }
+
+    /// Drops the front to `new_start` (a window or `--max-kv-size`);
+    /// positions keep their absolute values.
+    pub fn drop_front(&mut self, seq: &KvSequence, new_start: usize) -> Result<(), KvError> {
+        let id = seq.id;
+        let state = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
+        state.blocks.drop_front(&mut self.pool, new_start)
+    }
+
+    /// Checks that the sequence's positions, block table and storage agree.
+    pub fn check(&self, seq: &KvSequence) -> Result<(), KvError> {
+        let s = self.state(seq)?;
+        s.blocks.check_invariants()?;
+        if let Some(d) = &s.dense {
+            d.check_covers(s.blocks.start(), s.blocks.end())?;
+        }
+        Ok(())
+    }
+
+    /// Reserves one step's positions: each row's `padded` tokens (its
+    /// `real` tokens followed by `padded - real` pad tokens) are appended.
+    /// All or nothing: when a row doesn't fit, the rows before it are
+    /// rewound and the error returned.
+    pub fn reserve_step(&mut self, rows: &[RowReserve<'_>]) -> Result<StepReservation, KvError> {
+        let mut done: Vec<(u64, usize, usize)> = Vec::with_capacity(rows.len());
+        for r in rows {
+            let old_end = self.end(r.seq)?;
+            let result = if r.real == 0 || r.padded < r.real {
+                Err(KvError::Invariant(format!(
+                    "row of {} real tokens padded to {}",
+                    r.real, r.padded
+                )))
+            } else {
+                self.append(r.seq, r.padded)
+            };
+            if let Err(e) = result {
+                self.rewind_ids(done.iter().map(|&(id, end, _)| (id, end)))?;
+                return Err(e);
+            }
+            done.push((r.seq.id, old_end, r.real));
+        }
+        Ok(StepReservation { rows: done })
+    }
+
+    /// Ends a step reserved by [`KvCache::reserve_step`]. On success each
+    /// row keeps exactly its real tokens (`end = old_end + real`: pad rows
+    /// are rewound through the one tail-shrink path); on failure every row
+    /// returns to where it was. Rows whose sequence was released meanwhile
+    /// are skipped.
+    pub fn complete_step(&mut self, step: StepReservation, success: bool) -> Result<(), KvError> {
+        let targets = step
+            .rows
+            .iter()
+            .map(|&(id, old_end, real)| (id, if success { old_end + real } else { old_end }));
+        self.rewind_ids(targets.collect::<Vec<_>>())
+    }
+
+    fn rewind_ids(
+        &mut self,
+        targets: impl IntoIterator<Item = (u64, usize)>,
+    ) -> Result<(), KvError> {
+        for (id, end) in targets {
+            if let Some(state) = self.seqs.get_mut(&id) {
+                if state.blocks.end() != end {
+                    state.blocks.truncate_tail(&mut self.pool, end)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The view of one forward over `rows` (each sequence with its last
+    /// `new_tokens` positions just appended); see [`StepKv`].
+    ///
+    /// # Errors
+    /// An unknown sequence, `new_tokens` larger than the sequence, or the
+    /// same sequence twice.
+    pub fn step(&mut self, rows: &[(&KvSequence, usize)]) -> Result<StepKv<'_>, KvError> {
+        StepKv::new(self, rows.iter().map(|(s, n)| (s.id, *n)).collect())
+    }
+
+    /// Bytes of K/V storage allocated (pool arrays, or dense buffers).
+    pub fn storage_bytes(&self) -> usize {
+        match &self.paged {
+            Some(p) => p.arrays().map(mlxcel_mlx::Array::nbytes).sum(),
+            None => self
+                .seqs
+                .values()
+                .filter_map(|s| s.dense.as_ref())
+                .map(DenseStorage::nbytes)
+                .sum(),
+        }
+    }
+}

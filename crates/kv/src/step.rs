@@ -1,0 +1,248 @@
+//! The KV view of one forward (a *step*): the rows of the batch, each a
+//! sequence whose last `new` positions were just appended, and the reads
+//! and writes attention makes through it.
+//!
+//! Token order is *packed*: the step's new tokens are the rows' new tokens
+//! concatenated in row order (`[tokens, ...]`), without padding between
+//! rows. Positions come from the sequence's `[start, end)`; key counts come
+//! from what a read returns (ARCHITECTURE.md invariant 3).
+
+use std::ops::Range;
+
+use mlxcel_mlx::Array;
+
+use crate::cache::KvCache;
+use crate::error::KvError;
+
+/// What the attention layer needs from the KV cache during one step.
+pub trait AttentionKv {
+    /// Rows in the step.
+    fn num_rows(&self) -> usize;
+
+    /// Absolute positions of row `row`'s new tokens (their RoPE positions).
+    fn new_positions(&self, row: usize) -> Range<usize>;
+
+    /// Writes layer `layer`'s K/V of every row's new tokens, packed
+    /// `[tokens, kv_heads, head_dim]` in row order.
+    fn write(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(), KvError>;
+
+    /// Row `row`'s live K/V (after [`AttentionKv::write`]),
+    /// `[1, kv_heads, live, head_dim]`; `live` is the key count to mask with.
+    fn read(&mut self, layer: usize, row: usize) -> Result<(Array, Array), KvError>;
+
+    /// Several rows' live K/V padded to the longest,
+    /// `[rows.len(), kv_heads, max_live, head_dim]`, and each row's live key
+    /// count (keys past it are padding and must be masked). `None` when the
+    /// backend can only read row by row.
+    fn read_padded(
+        &mut self,
+        layer: usize,
+        rows: &[usize],
+    ) -> Result<Option<(Array, Array, Vec<usize>)>, KvError>;
+
+    /// The storage arrays to evaluate with the step's outputs.
+    fn storage(&self) -> Vec<&Array>;
+}
+
+/// One row of a step.
+#[derive(Debug)]
+struct RowView {
+    id: u64,
+    start: usize,
+    end: usize,
+    /// New tokens, the last positions of `[start, end)`.
+    new: usize,
+    /// Offset of the row's first new token in the packed step.
+    packed_at: usize,
+    /// Paged: the row's live slots `[end - start]`, built on first read.
+    slots: Option<Array>,
+}
+
+/// The [`AttentionKv`] of one step over a [`KvCache`].
+pub struct StepKv<'a> {
+    cache: &'a mut KvCache,
+    rows: Vec<RowView>,
+    /// Paged: flat slots of the packed new tokens, int32 `[tokens, 1, 1]`.
+    write_slots: Option<Array>,
+    /// Paged: the last padded gather built (`rows`, slots, max_live).
+    padded: Option<(Vec<usize>, Array, usize)>,
+}
+
+impl<'a> StepKv<'a> {
+    pub(crate) fn new(cache: &'a mut KvCache, rows: Vec<(u64, usize)>) -> Result<Self, KvError> {
+        let mut views = Vec::with_capacity(rows.len());
+        let mut packed_at = 0;
+        for (id, new) in rows {
+            let s = cache
+                .seqs
+                .get(&id)
+                .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
+            let (start, end) = (s.blocks.start(), s.blocks.end());
+            if new == 0 || new > end - start || views.iter().any(|v: &RowView| v.id == id) {
+                return Err(KvError::Invariant(format!(
+                    "bad step row: sequence {id} [{start}, {end}) with {new} new tokens"
+                )));
+            }
+            views.push(RowView {
+                id,
+                start,
+                end,
+                new,
+                packed_at,
+                slots: None,
+            });
+            packed_at += new;
+        }
+        let write_slots = match cache.paged {
+            Some(_) => Some(Self::new_token_slots(cache, &views, packed_at)?),
+            None => None,
+        };
+        Ok(StepKv {
+            cache,
+            rows: views,
+            write_slots,
+            padded: None,
+        })
+    }
+
+    fn new_token_slots(cache: &KvCache, rows: &[RowView], total: usize) -> Result<Array, KvError> {
+        let mut slots = Vec::with_capacity(total);
+        for r in rows {
+            slots.extend(Self::slots_of(cache, r.id, r.end - r.new..r.end)?);
+        }
+        Ok(Array::from_i32(&slots, &[total as i32, 1, 1])?)
+    }
+
+    /// Flat pool slot indices of positions `range` of sequence `id`.
+    fn slots_of(cache: &KvCache, id: u64, range: Range<usize>) -> Result<Vec<i32>, KvError> {
+        let s = &cache.seqs[&id].blocks;
+        let bs = cache.config().block_size;
+        range
+            .map(|p| {
+                s.slot_of(p)
+                    .map(|slot| slot.flat_index(bs) as i32)
+                    .ok_or(KvError::Invariant(format!("position {p} not live")))
+            })
+            .collect()
+    }
+
+    fn row(&self, row: usize) -> Result<&RowView, KvError> {
+        self.rows
+            .get(row)
+            .ok_or(KvError::Invariant(format!("no row {row} in the step")))
+    }
+
+    /// Live key count of row `row` (`end - start`).
+    pub fn live_len(&self, row: usize) -> Result<usize, KvError> {
+        let r = self.row(row)?;
+        Ok(r.end - r.start)
+    }
+}
+
+impl AttentionKv for StepKv<'_> {
+    fn num_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn new_positions(&self, row: usize) -> Range<usize> {
+        self.rows.get(row).map_or(0..0, |r| r.end - r.new..r.end)
+    }
+
+    fn write(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(), KvError> {
+        if let (Some(pool), Some(slots)) = (&mut self.cache.paged, &self.write_slots) {
+            return pool.write(layer, slots, keys, values);
+        }
+        let (h, d) = (keys.dim(1)?, keys.dim(2)?);
+        for r in &self.rows {
+            let (a, n) = (r.packed_at as i32, r.new as i32);
+            let part = |x: &Array| -> Result<Array, KvError> {
+                Ok(x.slice(&[a, 0, 0], &[a + n, h, d])?
+                    .reshape(&[1, n, h, d])?
+                    .transpose(&[0, 2, 1, 3])?)
+            };
+            let dense = self
+                .cache
+                .seqs
+                .get_mut(&r.id)
+                .and_then(|s| s.dense.as_mut())
+                .ok_or(KvError::Invariant(format!(
+                    "sequence {} has no storage",
+                    r.id
+                )))?;
+            dense.write(layer, r.end - r.new, &part(keys)?, &part(values)?)?;
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, layer: usize, row: usize) -> Result<(Array, Array), KvError> {
+        let r = self.row(row)?;
+        let (id, start, end) = (r.id, r.start, r.end);
+        let Some(pool) = &self.cache.paged else {
+            let dense = self.cache.seqs[&id]
+                .dense
+                .as_ref()
+                .ok_or(KvError::Invariant(format!("sequence {id} has no storage")))?;
+            return dense.read(layer, start, end);
+        };
+        if self.rows[row].slots.is_none() {
+            let slots = Self::slots_of(self.cache, id, start..end)?;
+            self.rows[row].slots = Some(Array::from_i32(&slots, &[slots.len() as i32])?);
+        }
+        match &self.rows[row].slots {
+            Some(slots) => pool.gather(layer, slots, 1, (end - start) as i32),
+            None => Err(KvError::Invariant("row slots missing".into())),
+        }
+    }
+
+    fn read_padded(
+        &mut self,
+        layer: usize,
+        rows: &[usize],
+    ) -> Result<Option<(Array, Array, Vec<usize>)>, KvError> {
+        if self.cache.paged.is_none() || rows.is_empty() {
+            return Ok(None);
+        }
+        let lens = rows
+            .iter()
+            .map(|&r| self.live_len(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let stale = self
+            .padded
+            .as_ref()
+            .is_none_or(|(built, _, _)| built != rows);
+        if stale {
+            let max = lens.iter().copied().max().unwrap_or(0);
+            let mut slots = Vec::with_capacity(rows.len() * max);
+            for &row in rows {
+                let r = self.row(row)?;
+                let mut own = Self::slots_of(self.cache, r.id, r.start..r.end)?;
+                // Pad with the row's own first slot: finite values, masked out.
+                let fill = own[0];
+                own.resize(max, fill);
+                slots.extend(own);
+            }
+            let arr = Array::from_i32(&slots, &[slots.len() as i32])?;
+            self.padded = Some((rows.to_vec(), arr, max));
+        }
+        match (&self.padded, &self.cache.paged) {
+            (Some((_, slots, max)), Some(pool)) => {
+                let (k, v) = pool.gather(layer, slots, rows.len() as i32, *max as i32)?;
+                Ok(Some((k, v, lens)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn storage(&self) -> Vec<&Array> {
+        match &self.cache.paged {
+            Some(p) => p.arrays().collect(),
+            None => self
+                .rows
+                .iter()
+                .filter_map(|r| self.cache.seqs.get(&r.id))
+                .filter_map(|s| s.dense.as_ref())
+                .flat_map(|d| d.arrays())
+                .collect(),
+        }
+    }
+}
