@@ -29,7 +29,8 @@ timeout) are counted and reported, never fatal.
 Equal work: `ignore_eos: true` is sent to a server only if a probe request with
 it is not rejected (mlxcel refuses unknown fields with 400; mlx_lm.server
 ignores unknown fields silently, so "accepted" does not mean "honoured").
-Tokens/s always uses the actual counts.
+Tokens/s always uses the actual counts; the finish reasons printed per server
+tell whether requests stopped at EOS ('stop') or at max_tokens ('length').
 
 mlx_lm.server batches requests (BatchGenerator) only when they carry no
 `seed`; it is started with --decode-concurrency/--prompt-concurrency equal to
@@ -37,8 +38,14 @@ the largest C, and by default with LD_PRELOAD of the system OpenBLAS (what
 mlxcel links), as benches/generate.py does (--mlx-lm-blas default: no preload).
 Prints a Markdown table (ratio rows: mlxcel / mlx_lm) and, with --json, writes
 the raw per-request numbers.
+
+Caveat for 4-bit checkpoints on CPU: mlxcel's default (--weights auto)
+dequantizes them once at load and runs dense float32 matmuls, while
+mlx_lm.server keeps them quantized. For a like-for-like weight format pass
+--mlxcel-args "--weights quantized".
 """
 import argparse
+import hashlib
 import http.client
 import json
 import os
@@ -133,8 +140,13 @@ def command_output(cmd):
 def versions(args):
     code = "from importlib.metadata import version as v; print(f\"mlx {v('mlx')}, mlx-lm {v('mlx-lm')}\")"
     rev = command_output(["git", "-C", str(REPO), "describe", "--always", "--dirty"])
+    try:
+        digest = hashlib.sha256(Path(args.mlxcel_bin).read_bytes()).hexdigest()[:12]
+    except OSError:
+        digest = "?"
     return {
-        "mlxcel": f"{command_output([args.mlxcel_bin, '--version'])} (git {rev})",
+        "mlxcel": f"{command_output([args.mlxcel_bin, '--version'])} "
+                  f"(binary sha256 {digest}; repo at git {rev})",
         "python_mlx": command_output([args.python, "-c", code]),
         "python": platform.python_version(),
     }
@@ -255,6 +267,7 @@ def handle_chunk(obj, rec, now):
         rec["usage_tokens"] = obj["usage"].get("completion_tokens")
         rec["prompt_tokens"] = obj["usage"].get("prompt_tokens")
     for choice in obj.get("choices") or []:
+        rec["finish"] = choice.get("finish_reason") or rec["finish"]
         if (choice.get("delta") or {}).get("content"):
             rec["chunks"] += 1
             rec["t_first"] = rec["t_first"] if rec["t_first"] is not None else now
@@ -278,7 +291,7 @@ def read_stream(resp, rec, t0):
 def one_request(port, body, timeout):
     """One streamed completion, timed; never raises (failures go in 'error')."""
     rec = {"ok": False, "error": None, "chunks": 0, "usage_tokens": None, "prompt_tokens": None,
-           "t_first": None, "t_last": None, "e2e": None, "done": False}
+           "t_first": None, "t_last": None, "e2e": None, "done": False, "finish": None}
     t0 = time.perf_counter()
     conn = None
     try:
@@ -315,7 +328,7 @@ def probe_extras(port, timeout):
 
 def run_level(port, concurrency, n_requests, first_index, args, extras):
     """n_requests streamed requests from `concurrency` threads; records + wall s."""
-    n_words = max(8, round(args.prompt_tokens * 0.75))
+    n_words = max(8, round(args.prompt_tokens * 0.72))  # ~1.4 tokens/word with the instruction
     bodies = [request_body(make_prompt(first_index + i, n_words), args.max_tokens, extras)
               for i in range(n_requests)]
     records = [None] * n_requests
@@ -370,6 +383,7 @@ def summarize(records, wall):
         "itl_mean_ms": mean(itl), "e2e_mean_ms": mean([r["e2e"] * 1e3 for r in ok]),
         "prompt_tokens_mean": mean([r["prompt_tokens"] for r in ok if r["prompt_tokens"]]),
         "tokens_source": "usage" if len(usage) == len(ok) and ok else "content chunks",
+        "finish_reasons": {f: sum(r["finish"] == f for r in ok) for f in {r["finish"] for r in ok}},
         "chunks_per_token": (sum(r["chunks"] for r in usage) / sum(r["usage_tokens"] for r in usage))
         if usage else None,
     }
@@ -437,21 +451,32 @@ def table(results, levels):
 
 
 def server_notes(name, r):
-    lines = [f"- {name}: `{r['command']}`"]
+    lines = [f"- {name}: `{r['command']}` (log: {r['log']})"]
     if r.get("extras") is not None:
         sent = ", ".join(f"{k}={json.dumps(v)}" for k, v in r["extras"].items()) or "none"
-        lines.append(f"  - optional fields sent: {sent}")
-    any_level = next(iter(r["levels"].values()), None)
-    if any_level:
-        lines.append(f"  - completion tokens from: {any_level['tokens_source']}; content chunks per "
-                     f"token: {fmt(any_level['chunks_per_token'], 2)}; mean prompt tokens: "
-                     f"{fmt(any_level['prompt_tokens_mean'])}")
+        lines.append(f"  - optional fields sent: {sent}"
+                     + (" (not rejected; honoured only if finish reasons show no 'stop')"
+                        if "ignore_eos" in r["extras"] else ""))
+    levels = list(r["levels"].values())
+    if levels:
+        finish = {}
+        for s in levels:
+            for f, n in s["finish_reasons"].items():
+                finish[str(f)] = finish.get(str(f), 0) + n
+        lines.append(f"  - completion tokens from: {levels[0]['tokens_source']}; content chunks per "
+                     f"token: {fmt(levels[0]['chunks_per_token'], 2)}; mean prompt tokens (with chat "
+                     f"template): {fmt(levels[0]['prompt_tokens_mean'])}; finish reasons: "
+                     f"{', '.join(f'{f} {n}' for f, n in sorted(finish.items()))}")
     for c, s in r["levels"].items():
         for err in s["errors"]:
             lines.append(f"  - C={c} error ({s['failed']} failed): {err[:300]}")
     if r.get("fatal"):
-        lines.append(f"  - aborted: {r['fatal']} (log: {r['log']})")
+        lines.append(f"  - aborted: {r['fatal']}")
     return lines
+
+
+def requests_note(args):
+    return str(args.requests_per_level) if args.requests_per_level else "max(2*C, 4)"
 
 
 def report(results, args, env):
@@ -459,12 +484,15 @@ def report(results, args, env):
         f"Machine: {env['machine']}",
         f"Versions: {env['versions']['mlxcel']}; {env['versions']['python_mlx']}; "
         f"Python {env['versions']['python']}",
-        f"Model: {args.model}; max_tokens {args.max_tokens}, ~{args.prompt_tokens}-token prompts, "
-        f"temperature 0, streaming",
+        f"Model: {args.model}; max_tokens {args.max_tokens}; user messages of ~{args.prompt_tokens} "
+        f"tokens, distinct; temperature 0; streaming; {requests_note(args)} requests per level",
         "",
         table(results, args.levels),
         "",
-        "Ratios are mlxcel / mlx_lm: > 1 is better for tok/s, < 1 is better for latencies.",
+        "Ratios are mlxcel / mlx_lm: > 1 is better for tok/s, < 1 is better for latencies. "
+        "tok/s = completion tokens / wall time of the level; ITL = per-request decode gap.",
+        "",
+        "Servers:",
     ]
     for name, r in results.items():
         lines += server_notes(name, r)
@@ -476,13 +504,21 @@ def write_json(path, results, args, env):
     Path(path).write_text(json.dumps(out, indent=2, default=str))
 
 
+def run_server(name, start, args):
+    try:
+        server = start(args)
+    except (OSError, RuntimeError) as e:
+        print(f"[{name}] could not start: {e}", file=sys.stderr)
+        return {"command": "-", "levels": {}, "fatal": f"could not start: {e}", "log": "-"}
+    return bench_server(name, server, args)
+
+
 def main():
     args = parse_args()
     env = {"machine": machine(), "versions": versions(args)}
-    results = {}
-    results["mlxcel"] = bench_server("mlxcel", start_mlxcel(args), args)
+    results = {"mlxcel": run_server("mlxcel", start_mlxcel, args)}
     if not args.skip_mlx_lm:
-        results["mlx_lm"] = bench_server("mlx_lm", start_mlx_lm(args), args)
+        results["mlx_lm"] = run_server("mlx_lm", start_mlx_lm, args)
     print(report(results, args, env))
     if args.json:
         write_json(args.json, results, args, env)

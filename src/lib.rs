@@ -5,7 +5,7 @@ pub mod model_source;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use mlxcel_engine::{Engine, EngineConfig};
+use mlxcel_engine::{AttentionPath, Engine, EngineConfig, StorageBackend};
 use mlxcel_http::{AppState, HttpConfig};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::WeightMode;
@@ -59,9 +59,98 @@ pub struct ModelArgs {
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
-    /// Longest prompt chunk one forward processes, in tokens.
+    /// Prefill tokens one step runs, in tokens; prompts are split into
+    /// chunks ending at multiples of it, interleaved with decode.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk_size: u32,
+    /// Pad each prefill chunk to a multiple of this many tokens (`auto`: 32
+    /// on Apple M5 and newer GPUs, 0 elsewhere). Pad tokens are masked and
+    /// rewound.
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub prefill_tile: AutoOr<usize>,
+    /// Sequences decoded together (continuous batching).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub parallel: u32,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_block_size: u32,
+    /// KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB), or `auto`:
+    /// room for `--parallel` sequences of the model's full context, at most a
+    /// quarter of physical memory. Requests that don't fit wait.
+    #[arg(long, default_value = "auto", value_parser = parse_auto_bytes)]
+    pub kv_cache_budget: AutoOr<usize>,
+    /// Where K/V live: one paged pool of blocks, or contiguous buffers per
+    /// sequence (`auto`: paged when `--parallel` > 1).
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    pub decode_storage_backend: BackendArg,
+    /// How decode rows read a paged cache: one attention over all rows
+    /// padded to the longest (`batched`), or one per row.
+    #[arg(long, value_enum, default_value_t = AttentionPathArg::Batched)]
+    pub attention_path: AttentionPathArg,
+}
+
+/// A flag value that is `auto` or a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AutoOr<T> {
+    Auto,
+    Value(T),
+}
+
+impl<T: Copy> AutoOr<T> {
+    fn value(self) -> Option<T> {
+        match self {
+            AutoOr::Auto => None,
+            AutoOr::Value(v) => Some(v),
+        }
+    }
+}
+
+fn parse_auto_usize(s: &str) -> Result<AutoOr<usize>, String> {
+    if s == "auto" {
+        return Ok(AutoOr::Auto);
+    }
+    s.parse()
+        .map(AutoOr::Value)
+        .map_err(|_| format!("expected `auto` or a number of tokens, got `{s}`"))
+}
+
+/// `auto`, or bytes with an optional K/M/G (x1000) or KiB/MiB/GiB (x1024) suffix.
+fn parse_auto_bytes(s: &str) -> Result<AutoOr<usize>, String> {
+    if s == "auto" {
+        return Ok(AutoOr::Auto);
+    }
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KB" => 1_000,
+        "M" | "MB" => 1_000_000,
+        "G" | "GB" => 1_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("unknown size unit `{other}`")),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .map(AutoOr::Value)
+        .ok_or_else(|| format!("expected `auto` or a size in bytes, got `{s}`"))
+}
+
+/// `--decode-storage-backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    Auto,
+    Dense,
+    Paged,
+}
+
+/// `--attention-path`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionPathArg {
+    Batched,
+    PerRow,
 }
 
 impl ModelArgs {
@@ -89,6 +178,19 @@ impl ModelArgs {
         };
         c.use_gpu = self.device != DeviceArg::Cpu;
         c.prefill_chunk_size = self.prefill_chunk_size as usize;
+        c.prefill_tile = self.prefill_tile.value();
+        c.parallel = self.parallel as usize;
+        c.kv_block_size = self.kv_block_size as usize;
+        c.kv_cache_budget = self.kv_cache_budget.value();
+        c.storage_backend = match self.decode_storage_backend {
+            BackendArg::Auto => None,
+            BackendArg::Dense => Some(StorageBackend::Dense),
+            BackendArg::Paged => Some(StorageBackend::Paged),
+        };
+        c.attention_path = match self.attention_path {
+            AttentionPathArg::Batched => AttentionPath::BatchedDecode,
+            AttentionPathArg::PerRow => AttentionPath::PerRow,
+        };
         Ok(c)
     }
 }

@@ -62,7 +62,10 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
-    let engine = Engine::start(args.model.engine_config(None)?)?;
+    // One prompt: a batch of one.
+    let mut config = args.model.engine_config(None)?;
+    config.parallel = 1;
+    let engine = Engine::start(config)?;
     let prompt = if args.no_chat_template {
         Prompt::Text(args.prompt.clone())
     } else {

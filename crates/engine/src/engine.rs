@@ -6,23 +6,23 @@
 //! it renders and tokenizes prompts on the caller's thread, so bad requests
 //! fail fast with a 400 and never reach the model.
 //!
-//! Requests run one at a time, first come first served; a request's stream
-//! being dropped cancels it at the next token.
+//! The engine thread runs the continuous-batching loop of
+//! [`crate::worker`]: up to `parallel` requests at once over one KV cache
+//! (paged or dense), chunked and optionally tile-padded prefill interleaved
+//! with batched decode. A request's stream being dropped cancels it at the
+//! next step.
 
-use crate::api::{
-    FinishReason, GenerationEvent, GenerationRequest, InferenceService, Prompt, SubmitError,
-    Timings, Usage,
-};
+use crate::api::{EngineStats, GenerationRequest, InferenceService, Prompt, SubmitError};
 use crate::chat_template::ChatTemplate;
-use crate::detokenizer::IncrementalDetokenizer;
-use crate::sampler::Sampler;
+use crate::scheduler::{worst_case_blocks, SchedulerConfig};
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
+use crate::worker::{Job, Worker, WorkerConfig};
+use mlxcel_kv::{KvCache, KvCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
-use mlxcel_model::{LoadOptions, Model, ModelConfig, WeightMode};
+use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, WeightMode};
 use std::path::PathBuf;
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
-use tokio::sync::mpsc::UnboundedSender;
 
 /// Typed engine options, built once by the binaries from their flags.
 #[derive(Debug, Clone)]
@@ -37,8 +37,24 @@ pub struct EngineConfig {
     pub weight_mode: Option<WeightMode>,
     /// Run on the GPU when MLX has one (default true).
     pub use_gpu: bool,
-    /// Longest prompt chunk one forward processes, in tokens.
+    /// Prefill tokens one step runs (and the chunk grid), in tokens.
     pub prefill_chunk_size: usize,
+    /// Pad prefill chunks to a multiple of this many tokens; `None` = auto
+    /// (32 on Apple GPUs with Neural Accelerators, M5 and newer; 0 elsewhere).
+    pub prefill_tile: Option<usize>,
+    /// Sequences running at once.
+    pub parallel: usize,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
+    /// KV cache budget in bytes; `None` = auto (room for `parallel`
+    /// sequences of the model's full context, at most a quarter of RAM).
+    pub kv_cache_budget: Option<usize>,
+    /// KV storage; `None` = auto (paged when `parallel > 1`).
+    pub storage_backend: Option<StorageBackend>,
+    /// How decode rows read a paged cache.
+    pub attention_path: AttentionPath,
+    /// Check KV invariants after every step (on in debug builds).
+    pub check_invariants: bool,
 }
 
 impl EngineConfig {
@@ -51,6 +67,13 @@ impl EngineConfig {
             weight_mode: None,
             use_gpu: true,
             prefill_chunk_size: 512,
+            prefill_tile: None,
+            parallel: 4,
+            kv_block_size: 32,
+            kv_cache_budget: None,
+            storage_backend: None,
+            attention_path: AttentionPath::BatchedDecode,
+            check_invariants: cfg!(debug_assertions),
         }
     }
 }
@@ -64,23 +87,19 @@ pub enum EngineError {
     Model(#[from] mlxcel_model::ModelError),
     #[error(transparent)]
     Mlx(#[from] mlxcel_mlx::Error),
+    #[error(transparent)]
+    Kv(#[from] mlxcel_kv::KvError),
     #[error("engine thread: {0}")]
     Thread(String),
+    #[error("bad engine option: {0}")]
+    Config(String),
 }
 
 /// The text side shared by the handle and the engine thread.
-struct Text {
-    tokenizer: TextTokenizer,
-    template: Option<ChatTemplate>,
-    eos: Vec<u32>,
-}
-
-/// One queued request.
-struct Job {
-    prompt: Vec<u32>,
-    request: GenerationRequest,
-    submitted: Instant,
-    events: UnboundedSender<GenerationEvent>,
+pub(crate) struct Text {
+    pub(crate) tokenizer: TextTokenizer,
+    pub(crate) template: Option<ChatTemplate>,
+    pub(crate) eos: Vec<u32>,
 }
 
 /// Handle to a running engine. Cheap to share (`Arc`); dropping the last
@@ -90,6 +109,7 @@ pub struct Engine {
     context_length: usize,
     text: Arc<Text>,
     jobs: mpsc::Sender<Job>,
+    stats: Arc<Mutex<EngineStats>>,
     /// What was loaded, for logs and `/v1/models`.
     pub info: EngineInfo,
 }
@@ -102,6 +122,15 @@ pub struct EngineInfo {
     pub weight_mode: WeightMode,
     pub gpu: bool,
     pub load_seconds: f64,
+    /// KV storage in use.
+    pub storage_backend: StorageBackend,
+    /// Blocks in the KV pool and tokens per block.
+    pub kv_blocks: usize,
+    pub kv_block_size: usize,
+    /// Prefill tile in use (0: none).
+    pub prefill_tile: usize,
+    /// Prompt plus completion tokens one request may hold in the pool.
+    pub max_request_tokens: usize,
 }
 
 impl Engine {
@@ -142,28 +171,35 @@ impl Engine {
         let (jobs, queue) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread_text = Arc::clone(&text);
-        let chunk = config.prefill_chunk_size.max(1);
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let thread_stats = Arc::clone(&stats);
+        let options = LoadOptions { dtype, weight_mode };
+        let plan = ThreadPlan::new(&config, gpu)?;
         std::thread::Builder::new()
             .name("mlxcel-engine".into())
             .spawn(move || {
-                if let Err(e) = mlxcel_mlx::use_device(gpu) {
-                    let _ = ready_tx.send(Err(EngineError::Mlx(e)));
-                    return;
-                }
-                tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
-                let options = LoadOptions { dtype, weight_mode };
-                match crate::loader::load_model(&dir, model_config, options) {
-                    Ok(model) => {
-                        let _ = ready_tx.send(Ok(()));
-                        serve_queue(model.as_ref(), &thread_text, chunk, &queue);
+                let setup = (|| {
+                    mlxcel_mlx::use_device(gpu)?;
+                    tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
+                    let model = crate::loader::load_model(&dir, model_config, options)?;
+                    let kv = plan.kv_cache(model.as_ref())?;
+                    Ok::<_, EngineError>((model, kv))
+                })();
+                match setup {
+                    Ok((model, kv)) => {
+                        let loaded = plan.loaded(&kv);
+                        let _ = ready_tx.send(Ok(loaded));
+                        let worker =
+                            Worker::new(model.as_ref(), &thread_text, kv, plan.worker, thread_stats);
+                        worker.run(&queue);
                     }
                     Err(e) => {
-                        let _ = ready_tx.send(Err(EngineError::Model(e)));
+                        let _ = ready_tx.send(Err(e));
                     }
                 }
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
-        ready_rx
+        let loaded = ready_rx
             .recv()
             .map_err(|_| EngineError::Thread("engine thread died while loading".into()))??;
         let info = EngineInfo {
@@ -172,11 +208,21 @@ impl Engine {
             weight_mode,
             gpu,
             load_seconds: started.elapsed().as_secs_f64(),
+            storage_backend: loaded.backend,
+            kv_blocks: loaded.blocks,
+            kv_block_size: loaded.block_size,
+            prefill_tile: plan.worker.scheduler.prefill_tile,
+            max_request_tokens: loaded.max_request_tokens,
         };
         tracing::info!(
             model = %model_id,
             load_s = info.load_seconds,
             gemv_forwarding = mlxcel_mlx::gemv_forwarding_active(),
+            kv_backend = %info.storage_backend,
+            kv_blocks = info.kv_blocks,
+            kv_block_size = info.kv_block_size,
+            parallel = plan.worker.parallel,
+            prefill_tile = info.prefill_tile,
             "model ready"
         );
         Ok(Engine {
@@ -184,6 +230,7 @@ impl Engine {
             context_length,
             text,
             jobs,
+            stats,
             info,
         })
     }
@@ -252,16 +299,16 @@ impl InferenceService for Engine {
                 param: Some("prompt".into()),
             });
         }
-        if prompt.len() >= self.context_length {
+        // A request must fit the model's context and, to its last token,
+        // the KV pool (else it could never be admitted).
+        let limit = self.context_length.min(self.info.max_request_tokens);
+        if prompt.len() >= limit {
             return Err(SubmitError::ContextLengthExceeded {
                 prompt_tokens: prompt.len(),
-                context_length: self.context_length,
+                context_length: limit,
             });
         }
-        request.max_tokens = request
-            .max_tokens
-            .min(self.context_length - prompt.len())
-            .max(1);
+        request.max_tokens = request.max_tokens.min(limit - prompt.len()).max(1);
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
         let job = Job {
             prompt,
@@ -274,122 +321,143 @@ impl InferenceService for Engine {
             .map_err(|_| SubmitError::Unavailable("the engine has stopped".into()))?;
         Ok(stream)
     }
+
+    fn stats(&self) -> EngineStats {
+        self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
-/// The engine thread's loop: one request at a time until every handle is gone.
-fn serve_queue(model: &dyn Model, text: &Text, chunk: usize, queue: &mpsc::Receiver<Job>) {
-    while let Ok(job) = queue.recv() {
-        let events = job.events.clone();
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_request(model, text, chunk, job)
-        }));
-        let message = match outcome {
-            Ok(Ok(())) => continue,
-            Ok(Err(e)) => e,
-            Err(panic) => format!(
-                "internal error: {}",
-                panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "panic".into())
-            ),
-        };
-        tracing::error!(error = %message, "request failed");
-        let _ = events.send(GenerationEvent::Failed { message });
-    }
-    tracing::info!("engine thread stopping");
+/// What the engine thread builds after loading, decided from the config.
+#[derive(Debug, Clone, Copy)]
+struct ThreadPlan {
+    worker: WorkerConfig,
+    block_size: usize,
+    budget: Option<usize>,
+    backend: StorageBackend,
 }
 
-/// Prefills `job`'s prompt and decodes until EOS, `max_tokens`, or the
-/// client going away. Errors are returned as the message for its `Failed`.
-fn run_request(model: &dyn Model, text: &Text, chunk: usize, job: Job) -> Result<(), String> {
-    let span = tracing::info_span!("generate", prompt_tokens = job.prompt.len());
-    let _enter = span.enter();
-    let mut cache = model.new_cache();
-    let mut sampler = Sampler::new(&job.request.sampling);
-    let mut detok = IncrementalDetokenizer::new();
-    let prefill_start = Instant::now();
-    let mut logits = None;
-    for piece in job.prompt.chunks(chunk) {
-        if job.events.is_closed() {
-            return Ok(());
+/// What the engine thread reports once ready.
+struct Loaded {
+    backend: StorageBackend,
+    blocks: usize,
+    block_size: usize,
+    max_request_tokens: usize,
+}
+
+impl ThreadPlan {
+    fn new(config: &EngineConfig, gpu: bool) -> Result<Self, EngineError> {
+        if config.parallel == 0 || config.kv_block_size == 0 || config.prefill_chunk_size == 0 {
+            return Err(EngineError::Config(
+                "--parallel, --kv-block-size and --prefill-chunk-size must be at least 1".into(),
+            ));
         }
-        logits = Some(
-            model
-                .forward(piece, &mut cache)
-                .map_err(|e| e.to_string())?,
-        );
-    }
-    let prefill_s = prefill_start.elapsed().as_secs_f64();
-    let mut logits = logits.ok_or("empty prompt")?;
-    let mut usage = Usage {
-        prompt_tokens: job.prompt.len(),
-        ..Usage::default()
-    };
-    let mut timings = Timings {
-        prefill_s,
-        ..Timings::default()
-    };
-    let mut first_token_at = None;
-    let reason = loop {
-        let host = logits.to_vec_f32().map_err(|e| e.to_string())?;
-        let token = sampler.sample(&host);
-        usage.completion_tokens += 1;
-        let now = Instant::now();
-        if first_token_at.is_none() {
-            first_token_at = Some(now);
-            timings.time_to_first_token_s = (now - job.submitted).as_secs_f64();
-        }
-        let is_eos = !job.request.ignore_eos && text.eos.contains(&token);
-        let finish = if is_eos {
-            Some(FinishReason::Stop)
-        } else if usage.completion_tokens >= job.request.max_tokens {
-            Some(FinishReason::Length)
+        let tile = config
+            .prefill_tile
+            .unwrap_or_else(|| auto_prefill_tile(gpu));
+        let backend = config.storage_backend.unwrap_or(if config.parallel > 1 {
+            StorageBackend::Paged
         } else {
-            None
-        };
-        // The EOS token is not text; on the last token, whatever the
-        // detokenizer held back goes out with it.
-        let mut delta = if is_eos {
-            String::new()
-        } else {
-            detok
-                .push(&text.tokenizer, token)
-                .map_err(|e| e.to_string())?
-        };
-        if finish.is_some() {
-            delta.push_str(&detok.flush(&text.tokenizer).map_err(|e| e.to_string())?);
-        }
-        if (!is_eos || !delta.is_empty())
-            && job
-                .events
-                .send(GenerationEvent::Delta { token, text: delta })
-                .is_err()
-        {
-            tracing::info!("client went away; request cancelled");
-            return Ok(());
-        }
-        if let Some(reason) = finish {
-            break reason;
-        }
-        logits = model
-            .forward(&[token], &mut cache)
-            .map_err(|e| e.to_string())?;
-    };
-    if let Some(t0) = first_token_at {
-        timings.decode_s = t0.elapsed().as_secs_f64();
+            StorageBackend::Dense
+        });
+        Ok(ThreadPlan {
+            worker: WorkerConfig {
+                scheduler: SchedulerConfig {
+                    prefill_chunk_size: config.prefill_chunk_size,
+                    prefill_tile: tile,
+                },
+                parallel: config.parallel,
+                attention_path: config.attention_path,
+                check_invariants: config.check_invariants,
+            },
+            block_size: config.kv_block_size,
+            budget: config.kv_cache_budget,
+            backend,
+        })
     }
-    tracing::info!(
-        completion_tokens = usage.completion_tokens,
-        ?reason,
-        ttft_s = timings.time_to_first_token_s,
-        "request finished"
-    );
-    let _ = job.events.send(GenerationEvent::Finished {
-        reason,
-        usage,
-        timings,
-    });
-    Ok(())
+
+    /// The KV cache sized from the budget (auto: `parallel` full contexts,
+    /// at most a quarter of physical memory).
+    fn kv_cache(&self, model: &dyn Model) -> Result<KvCache, EngineError> {
+        let layout = model.kv_layout();
+        let per_seq = model.config().max_position_embeddings * layout.bytes_per_token();
+        let budget = self
+            .budget
+            .unwrap_or_else(|| (per_seq * self.worker.parallel).min(physical_memory_bytes() / 4));
+        let blocks = KvCacheConfig::blocks_for_budget(layout, self.block_size, budget);
+        let slack = worst_case_blocks(0, self.block_size, self.worker.scheduler.prefill_tile);
+        if blocks <= slack {
+            return Err(EngineError::Config(format!(
+                "a KV cache budget of {budget} bytes holds {blocks} blocks of {} tokens; \
+                 at least {} are needed",
+                self.block_size,
+                slack + 1
+            )));
+        }
+        tracing::info!(budget_bytes = budget, blocks, backend = %self.backend, "allocating KV cache");
+        Ok(KvCache::new(KvCacheConfig {
+            layout,
+            block_size: self.block_size,
+            num_blocks: blocks,
+            backend: self.backend,
+        })?)
+    }
+
+    fn loaded(&self, kv: &KvCache) -> Loaded {
+        let c = kv.config();
+        let slack = worst_case_blocks(0, c.block_size, self.worker.scheduler.prefill_tile);
+        Loaded {
+            backend: c.backend,
+            blocks: c.num_blocks,
+            block_size: c.block_size,
+            max_request_tokens: (c.num_blocks - slack) * c.block_size,
+        }
+    }
+}
+
+/// `--prefill-tile auto`: 32 on Apple M5 and newer (GPU Neural
+/// Accelerators prefer 32-token tiles), 0 elsewhere.
+fn auto_prefill_tile(gpu: bool) -> usize {
+    if gpu && apple_chip_generation().is_some_and(|g| g >= 5) {
+        32
+    } else {
+        0
+    }
+}
+
+/// The `N` of an "Apple MN ..." CPU brand string (macOS only).
+fn apple_chip_generation() -> Option<u32> {
+    if !cfg!(target_os = "macos") {
+        return None;
+    }
+    let out = std::process::Command::new("sysctl")
+        .args(["-n", "machdep.cpu.brand_string"])
+        .output()
+        .ok()?;
+    let brand = String::from_utf8_lossy(&out.stdout);
+    let rest = brand.trim().strip_prefix("Apple M")?;
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Physical memory in bytes (Linux `/proc/meminfo`, macOS `hw.memsize`);
+/// 8 GiB when unknown.
+fn physical_memory_bytes() -> usize {
+    const FALLBACK: usize = 8 << 30;
+    if let Ok(info) = std::fs::read_to_string("/proc/meminfo") {
+        let kib = info
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok());
+        if let Some(kib) = kib {
+            return kib * 1024;
+        }
+    }
+    std::process::Command::new("sysctl")
+        .args(["-n", "hw.memsize"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(FALLBACK)
 }

@@ -12,6 +12,11 @@ pub mod detokenizer;
 pub mod engine;
 pub mod loader;
 pub mod sampler;
+pub mod scheduler;
 pub mod tokenizer;
+mod worker;
 
+pub(crate) use engine::Text;
 pub use engine::{Engine, EngineConfig, EngineError, EngineInfo};
+pub use mlxcel_kv::StorageBackend;
+pub use mlxcel_model::AttentionPath;

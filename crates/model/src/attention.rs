@@ -2,11 +2,12 @@
 //! attention layer that talks to the KV view. The mask is built here, from
 //! the number of live keys the view returns (ARCHITECTURE.md invariant 3).
 
-use crate::kv_view::DenseSequenceCache;
 use crate::layers::{Linear, LoadContext};
 use crate::rope::Rope;
+use crate::step::Step;
 use crate::{ModelConfig, ModelError};
-use mlxcel_mlx::{scaled_dot_product_attention, Array, AttentionMask};
+use mlxcel_kv::AttentionKv;
+use mlxcel_mlx::{scaled_dot_product_attention, Array, AttentionMask, Dtype};
 
 /// Self-attention of one transformer layer.
 #[derive(Debug, Clone)]
@@ -42,34 +43,84 @@ impl Attention {
         })
     }
 
-    /// `x` `[1, seq, hidden]` -> `[1, seq, hidden]`. The `seq` new tokens are
-    /// at absolute positions `cache.next_position()..`; their K/V are written
-    /// to layer `layer` of `cache`.
+    /// `x` `[1, tokens, hidden]` (a step's rows packed, see [`Step`]) ->
+    /// `[1, tokens, hidden]`. Each row's new K/V are written to layer
+    /// `layer` of `kv`; each row attends to its own live keys.
     pub fn forward(
         &self,
         x: &Array,
         layer: usize,
-        cache: &mut DenseSequenceCache,
+        kv: &mut dyn AttentionKv,
+        step: &Step,
     ) -> Result<Array, ModelError> {
-        let shape = x.shape();
-        let (b, l) = (shape[0], shape[1]);
-        let split = |y: Array, heads: i32| -> Result<Array, ModelError> {
-            Ok(y.reshape(&[b, l, heads, self.head_dim])?
-                .transpose(&[0, 2, 1, 3])?)
-        };
-        let q = split(self.q_proj.forward(x)?, self.heads)?;
-        let k = split(self.k_proj.forward(x)?, self.kv_heads)?;
-        let v = split(self.v_proj.forward(x)?, self.kv_heads)?;
-        let position = cache.next_position();
-        let q = self.rope.apply(&q, position)?;
-        let k = self.rope.apply(&k, position)?;
-        let (keys, values) = cache.append_and_fetch(layer, &k, &v)?;
-        let mask = causal_mask(l, keys.dim(2)?)?;
-        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, l, self.heads * self.head_dim])?;
+        let t = step.tokens as i32;
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        // Packed per token: [tokens, heads, 1, head_dim], rotated at each
+        // token's own absolute position.
+        let q = self.q_proj.forward(x)?.reshape(&[t, h, 1, d])?;
+        let q = self.rope.apply_at(&q, &step.positions)?;
+        let k = self.k_proj.forward(x)?.reshape(&[t, kvh, 1, d])?;
+        let k = self.rope.apply_at(&k, &step.positions)?;
+        let v = self.v_proj.forward(x)?.reshape(&[t, kvh, d])?;
+        kv.write(layer, &k.reshape(&[t, kvh, d])?, &v)?;
+        let mut parts = Vec::with_capacity(step.rows.len());
+        let batched = step.batched_decode_rows;
+        if batched > 0 {
+            parts.push(self.attend_batched(&q, layer, kv, batched)?);
+        }
+        for (row, span) in step.rows.iter().enumerate().skip(batched) {
+            parts.push(self.attend_row(&q, layer, kv, row, span)?);
+        }
+        let parts: Vec<&Array> = parts.iter().collect();
+        let o = mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * d])?;
         self.o_proj.forward(&o)
+    }
+
+    /// One row's queries `[n, heads, 1, head_dim]` (packed at `span.start`)
+    /// over its live keys, causal -> `[n, heads * head_dim]`.
+    fn attend_row(
+        &self,
+        q: &Array,
+        layer: usize,
+        kv: &mut dyn AttentionKv,
+        row: usize,
+        span: &std::ops::Range<usize>,
+    ) -> Result<Array, ModelError> {
+        let (h, d) = (self.heads, self.head_dim);
+        let (a, n) = (span.start as i32, span.len() as i32);
+        let q = q
+            .slice(&[a, 0, 0, 0], &[a + n, h, 1, d])?
+            .reshape(&[1, n, h, d])?
+            .transpose(&[0, 2, 1, 3])?;
+        let (keys, values) = kv.read(layer, row)?;
+        let mask = causal_mask(n, keys.dim(2)?)?;
+        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
+        Ok(o.transpose(&[0, 2, 1, 3])?.reshape(&[n, h * d])?)
+    }
+
+    /// The first `rows` rows, one query each (decode), in one attention over
+    /// their keys padded to the longest; the mask hides each row's padding.
+    /// Falls back to row by row when the view can't pad.
+    fn attend_batched(
+        &self,
+        q: &Array,
+        layer: usize,
+        kv: &mut dyn AttentionKv,
+        rows: usize,
+    ) -> Result<Array, ModelError> {
+        let (h, d) = (self.heads, self.head_dim);
+        let ids: Vec<usize> = (0..rows).collect();
+        let Some((keys, values, lens)) = kv.read_padded(layer, &ids)? else {
+            let parts = (0..rows)
+                .map(|r| self.attend_row(q, layer, kv, r, &(r..r + 1)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let parts: Vec<&Array> = parts.iter().collect();
+            return Ok(mlxcel_mlx::concatenate(&parts, 0)?);
+        };
+        let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
+        let mask = padding_mask(&lens, keys.dim(2)?, q.dtype())?;
+        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
+        Ok(o.reshape(&[rows as i32, h * d])?)
     }
 
     /// Every tensor of the layer.
@@ -98,4 +149,33 @@ pub fn causal_mask(q_len: i32, k_len: i32) -> Result<AttentionMask, ModelError> 
     } else {
         AttentionMask::Causal
     })
+}
+
+/// The additive mask `[rows, 1, 1, max_len]` of one query per row over keys
+/// padded to `max_len`: row `r` sees its first `lens[r]` keys (its live
+/// keys, as the view returned them) and none of the padding.
+///
+/// # Errors
+/// A row with no live key, or one longer than `max_len`.
+pub fn padding_mask(
+    lens: &[usize],
+    max_len: i32,
+    dtype: Dtype,
+) -> Result<AttentionMask, ModelError> {
+    let max = max_len as usize;
+    if let Some(bad) = lens.iter().find(|&&l| l == 0 || l > max) {
+        return Err(ModelError::Cache(format!(
+            "row of {bad} live keys in a batch padded to {max}"
+        )));
+    }
+    let mut m = vec![0f32; lens.len() * max];
+    for (row, &len) in lens.iter().enumerate() {
+        m[row * max + len..(row + 1) * max].fill(f32::NEG_INFINITY);
+    }
+    let mask = Array::from_f32(&m, &[lens.len() as i32, 1, 1, max_len])?;
+    Ok(AttentionMask::Array(if dtype == Dtype::Float32 {
+        mask
+    } else {
+        mask.astype(dtype)?
+    }))
 }

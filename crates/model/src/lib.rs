@@ -5,16 +5,17 @@
 
 pub mod attention;
 pub mod config;
-pub mod kv_view;
 pub mod layers;
 pub mod rope;
+pub mod step;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use kv_view::DenseSequenceCache;
 pub use layers::WeightMode;
+pub use step::{AttentionPath, Step, StepRow};
 pub use weights::Weights;
 
+use mlxcel_kv::{AttentionKv, KvLayout};
 use mlxcel_mlx::{Array, Dtype};
 use std::path::Path;
 
@@ -34,6 +35,8 @@ pub enum ModelError {
     #[error("kv cache: {0}")]
     Cache(String),
     #[error(transparent)]
+    Kv(#[from] mlxcel_kv::KvError),
+    #[error(transparent)]
     Mlx(#[from] mlxcel_mlx::Error),
 }
 
@@ -46,31 +49,40 @@ pub struct LoadOptions {
     pub weight_mode: WeightMode,
 }
 
-/// A causal language model that runs one sequence's new tokens against its
-/// KV cache.
+/// A causal language model that runs one step: several sequences' next
+/// tokens (rows) against their KV caches, in one forward.
 pub trait Model: Send {
     /// The model's hyper-parameters.
     fn config(&self) -> &ModelConfig;
 
-    /// Runs `tokens` (the sequence's next tokens, at positions
-    /// `cache.next_position()..`) and returns float32 logits `[vocab]` of the
-    /// last one. On success the tokens are live in `cache`; on error the
-    /// cache is as it was.
-    fn forward(&self, tokens: &[u32], cache: &mut DenseSequenceCache) -> Result<Array, ModelError>;
-
-    /// An empty KV cache for this model.
-    fn new_cache(&self) -> DenseSequenceCache {
-        let c = self.config();
-        DenseSequenceCache::new(
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            self.dtype(),
-        )
-    }
+    /// Runs `rows` (row `r`'s tokens at the positions `kv.new_positions(r)`,
+    /// already reserved in the cache) and returns float32 next-token logits
+    /// `[rows with logits_at, vocab]`, in row order. The K/V of every token
+    /// (pad tokens too) are written to `kv`; the caller rewinds pads and, on
+    /// error, the whole step (the writes are then never read).
+    ///
+    /// # Errors
+    /// Rows that don't match the view, or an MLX failure (shapes, eval).
+    fn forward(
+        &self,
+        rows: &[StepRow<'_>],
+        kv: &mut dyn AttentionKv,
+        path: AttentionPath,
+    ) -> Result<Array, ModelError>;
 
     /// Compute dtype.
     fn dtype(&self) -> Dtype;
+
+    /// One token's K/V shape, for sizing the KV cache.
+    fn kv_layout(&self) -> KvLayout {
+        let c = self.config();
+        KvLayout {
+            layers: c.num_hidden_layers,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            dtype: self.dtype(),
+        }
+    }
 }
 
 /// The compute dtype for `--dtype auto`: float32 on CPU (MLX's CPU float16

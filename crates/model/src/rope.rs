@@ -73,4 +73,22 @@ impl Rope {
             Some(f) => x.rope_with_freqs(self.dims, self.traditional, self.scale, offset, f)?,
         })
     }
+
+    /// Rotates `x` `[tokens, heads, 1, head_dim]`, token `i` at absolute
+    /// position `positions[i]` (int32 `[tokens]`): the packed layout of a
+    /// step whose rows sit at different positions.
+    pub fn apply_at(&self, x: &Array, positions: &Array) -> Result<Array, ModelError> {
+        Ok(match &self.freqs {
+            None => x.rope_at(
+                self.dims,
+                self.traditional,
+                self.base,
+                self.scale,
+                positions,
+            )?,
+            Some(f) => {
+                x.rope_with_freqs_at(self.dims, self.traditional, self.scale, positions, f)?
+            }
+        })
+    }
 }

@@ -165,4 +165,41 @@ pub trait InferenceService: Send + Sync + 'static {
     fn context_length(&self) -> usize;
     /// Validate, tokenize and queue a request; events arrive on the stream.
     fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError>;
+    /// The engine's counters and gauges now.
+    fn stats(&self) -> EngineStats;
+}
+
+/// A snapshot of the engine's scheduler and KV cache, updated every step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Sequences running (admitted, holding KV).
+    pub running: usize,
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// `dense` or `paged`.
+    pub kv_storage_backend: String,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
+    /// Blocks in the pool.
+    pub kv_blocks_total: usize,
+    /// Blocks referenced by sequences.
+    pub kv_blocks_used: usize,
+    /// Blocks allocatable now.
+    pub kv_blocks_free: usize,
+    /// Forwards run.
+    pub steps: u64,
+    /// Forwards that failed (their requests failed; the engine went on).
+    pub failed_steps: u64,
+    /// Steps with at least one prefill row / one decode row.
+    pub prefill_steps: u64,
+    pub decode_steps: u64,
+    /// Real prompt tokens prefilled, pad tokens run and rewound, decode
+    /// tokens run.
+    pub prefill_tokens: u64,
+    pub pad_tokens: u64,
+    pub decode_tokens: u64,
+    /// Decode-row attentions by path: padded batch over the paged pool, or
+    /// one row at a time.
+    pub attention_batched_rows: u64,
+    pub attention_per_row_rows: u64,
 }

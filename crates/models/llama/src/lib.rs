@@ -5,10 +5,13 @@
 //! `mlx_lm/models/llama.py` and `qwen2.py`. Weight paths mirror the
 //! checkpoint's names (`model.layers.{i}.self_attn.q_proj`, ...).
 
+use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::Attention;
 use mlxcel_model::layers::{Embedding, Linear, LoadContext, Mlp, RmsNorm};
-use mlxcel_model::{DenseSequenceCache, LoadOptions, Model, ModelConfig, ModelError, Weights};
+use mlxcel_model::{
+    AttentionPath, LoadOptions, Model, ModelConfig, ModelError, Step, StepRow, Weights,
+};
 
 /// `model_type`s this family serves.
 pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2"];
@@ -43,10 +46,11 @@ impl DecoderLayer {
         &self,
         x: &Array,
         index: usize,
-        cache: &mut DenseSequenceCache,
+        kv: &mut dyn AttentionKv,
+        step: &Step,
     ) -> Result<Array, ModelError> {
         let h = self.input_layernorm.forward(x)?;
-        let h = x.add(&self.self_attn.forward(&h, index, cache)?)?;
+        let h = x.add(&self.self_attn.forward(&h, index, kv, step)?)?;
         let m = self
             .mlp
             .forward(&self.post_attention_layernorm.forward(&h)?)?;
@@ -153,41 +157,46 @@ impl Model for LlamaModel {
         self.dtype
     }
 
-    fn forward(&self, tokens: &[u32], cache: &mut DenseSequenceCache) -> Result<Array, ModelError> {
-        let n = tokens.len();
-        if n == 0 {
-            return Err(ModelError::Cache("forward of zero tokens".into()));
+    fn forward(
+        &self,
+        rows: &[StepRow<'_>],
+        kv: &mut dyn AttentionKv,
+        path: AttentionPath,
+    ) -> Result<Array, ModelError> {
+        let step = Step::new(rows, kv, path)?;
+        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let ids = Array::from_u32(&tokens, &[1, step.tokens as i32])?;
+        let mut h = self.embed_tokens.forward(&ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h, i, kv, &step)?;
         }
-        cache.begin(n)?;
-        let result = (|| {
-            let ids = Array::from_u32(tokens, &[1, n as i32])?;
-            let mut h = self.embed_tokens.forward(&ids)?;
-            for (i, layer) in self.layers.iter().enumerate() {
-                h = layer.forward(&h, i, cache)?;
-            }
-            // Only the last position's logits are needed.
-            let hidden = h.dim(-1)?;
-            let last = h.slice(&[0, n as i32 - 1, 0], &[1, n as i32, hidden])?;
-            let last = self.norm.forward(&last)?;
+        // Only the wanted positions go through the final norm and the head.
+        let wanted = step.logit_indices(rows);
+        let logits = if wanted.is_empty() {
+            None
+        } else {
+            let idx = Array::from_i32(&wanted, &[wanted.len() as i32])?;
+            let last = self.norm.forward(&h.take(&idx, 1)?)?;
             let logits = match &self.lm_head {
                 Some(head) => head.forward(&last)?,
                 None => self.embed_tokens.as_linear(&last)?,
             };
-            let logits = logits.reshape(&[-1])?.astype(Dtype::Float32)?;
-            let mut outputs = vec![&logits];
-            outputs.extend(cache.arrays());
-            mlxcel_mlx::eval(&outputs)?;
-            Ok(logits)
-        })();
-        match result {
-            Ok(logits) => {
-                cache.commit();
-                Ok(logits)
-            }
-            Err(e) => {
-                cache.abort();
-                Err(e)
-            }
+            Some(
+                logits
+                    .reshape(&[wanted.len() as i32, -1])?
+                    .astype(Dtype::Float32)?,
+            )
+        };
+        let mut outputs: Vec<&Array> = logits.iter().collect();
+        outputs.extend(kv.storage());
+        mlxcel_mlx::eval(&outputs)?;
+        drop(outputs);
+        match logits {
+            Some(l) => Ok(l),
+            None => Ok(mlxcel_mlx::zeros(
+                &[0, self.config.vocab_size as i32],
+                Dtype::Float32,
+            )?),
         }
     }
 }

@@ -8,8 +8,8 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
-    EventStream, FinishReason, GenerationEvent, GenerationRequest, InferenceService, SubmitError,
-    Timings, Usage,
+    EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest, InferenceService,
+    SubmitError, Timings, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -98,6 +98,13 @@ impl InferenceService for FakeService {
             self.senders.lock().unwrap().push(tx);
         }
         Ok(rx)
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.senders.lock().unwrap().len(),
+            ..EngineStats::default()
+        }
     }
 }
 

@@ -1,0 +1,203 @@
+//! Step planning: which rows run in the next forward, with how many tokens.
+//!
+//! The scheduler schedules tokens, not phases (vLLM v1's scheduler does the
+//! same): every running sequence has *known* tokens (prompt plus sampled) and
+//! *computed* tokens (those whose K/V is cached), and a row is a sequence
+//! catching up. One behind is a decode row (one token); further behind is a
+//! prefill row, given one chunk. Its output, a [`StepPlan`], is plain data a
+//! test can build by hand.
+//!
+//! Chunk boundaries are fixed in absolute positions (multiples of the chunk
+//! size), so how a prompt is split never depends on what else runs in the
+//! step. Prefill chunks may be padded to a tile multiple; pad tokens come
+//! after the real ones and are rewound after the step.
+
+/// Scheduling options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Prefill tokens one step may run (at least one chunk always runs), and
+    /// the chunk grid: chunks end at multiples of this many positions.
+    pub prefill_chunk_size: usize,
+    /// Pad each prefill chunk to a multiple of this many tokens (0: no pad).
+    pub prefill_tile: usize,
+}
+
+/// What the scheduler needs to know of one running sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqProgress {
+    /// Tokens known (prompt + sampled).
+    pub known: usize,
+    /// Tokens whose K/V is in the cache.
+    pub computed: usize,
+}
+
+/// One row of a planned step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedRow {
+    /// Index of the sequence in the slice given to [`plan_step`].
+    pub seq: usize,
+    /// Real tokens: known tokens `[computed, computed + real)`.
+    pub real: usize,
+    /// Tokens the forward runs: `real` then `padded - real` pad tokens.
+    pub padded: usize,
+    /// Whether the row's last real token is the last known one (its logits
+    /// give the next token).
+    pub sample: bool,
+}
+
+/// A step: decode rows first (one token each), then prefill rows.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepPlan {
+    pub rows: Vec<PlannedRow>,
+}
+
+impl StepPlan {
+    /// Rows of one token at the front (attended together when batched).
+    pub fn decode_rows(&self) -> usize {
+        self.rows.iter().take_while(|r| r.padded == 1).count()
+    }
+
+    /// Real prefill tokens in the step.
+    pub fn prefill_tokens(&self) -> usize {
+        self.rows[self.decode_rows()..].iter().map(|r| r.real).sum()
+    }
+}
+
+/// Plans the next step over `seqs` (in arrival order). Every sequence one
+/// token behind decodes; sequences further behind get their next chunk, in
+/// order, while the step's prefill tokens stay within the chunk size (the
+/// first prefill row always runs).
+pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
+    let chunk = config.prefill_chunk_size.max(1);
+    let mut rows: Vec<PlannedRow> = seqs
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.known == s.computed + 1)
+        .map(|(seq, _)| PlannedRow {
+            seq,
+            real: 1,
+            padded: 1,
+            sample: true,
+        })
+        .collect();
+    let mut budget = chunk;
+    let mut any_prefill = false;
+    for (seq, s) in seqs.iter().enumerate() {
+        if s.known <= s.computed + 1 {
+            continue;
+        }
+        let end = s.known.min((s.computed / chunk + 1) * chunk);
+        let real = end - s.computed;
+        if any_prefill && real > budget {
+            break;
+        }
+        let padded = match config.prefill_tile {
+            0 => real,
+            t => real.div_ceil(t) * t,
+        };
+        rows.push(PlannedRow {
+            seq,
+            real,
+            padded,
+            sample: end == s.known,
+        });
+        budget = budget.saturating_sub(real);
+        any_prefill = true;
+    }
+    StepPlan { rows }
+}
+
+/// Pool blocks a sequence may need over its life: `tokens` (prompt plus
+/// maximum completion) plus room for a tile's pad tokens and one
+/// copy-on-write block.
+pub fn worst_case_blocks(tokens: usize, block_size: usize, tile: usize) -> usize {
+    (tokens + tile).div_ceil(block_size) + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(chunk: usize, tile: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            prefill_chunk_size: chunk,
+            prefill_tile: tile,
+        }
+    }
+
+    fn p(known: usize, computed: usize) -> SeqProgress {
+        SeqProgress { known, computed }
+    }
+
+    fn row(seq: usize, real: usize, padded: usize, sample: bool) -> PlannedRow {
+        PlannedRow {
+            seq,
+            real,
+            padded,
+            sample,
+        }
+    }
+
+    #[test]
+    fn decode_rows_come_first_then_chunks_within_budget() {
+        let plan = plan_step(&[p(300, 0), p(11, 10), p(40, 0), p(8, 7)], cfg(64, 0));
+        assert_eq!(
+            plan.rows,
+            vec![
+                row(1, 1, 1, true),
+                row(3, 1, 1, true),
+                row(0, 64, 64, false),
+            ],
+            "seq 2's chunk (40) exceeds what's left of the 64-token budget (0)"
+        );
+        assert_eq!(plan.decode_rows(), 2);
+        assert_eq!(plan.prefill_tokens(), 64);
+    }
+
+    #[test]
+    fn short_prompts_share_a_step() {
+        let plan = plan_step(&[p(33, 0), p(31, 0), p(1, 0)], cfg(512, 0));
+        assert_eq!(
+            plan.rows,
+            vec![
+                row(2, 1, 1, true),
+                row(0, 33, 33, true),
+                row(1, 31, 31, true)
+            ]
+        );
+    }
+
+    #[test]
+    fn chunks_end_on_the_absolute_grid() {
+        // 70 computed (e.g. from a cache hit): the next chunk ends at 128.
+        let plan = plan_step(&[p(300, 70)], cfg(64, 0));
+        assert_eq!(plan.rows, vec![row(0, 58, 58, false)]);
+        let plan = plan_step(&[p(130, 128)], cfg(64, 0));
+        assert_eq!(plan.rows, vec![row(0, 2, 2, true)]);
+    }
+
+    #[test]
+    fn tile_pads_prefill_chunks_only() {
+        let plan = plan_step(&[p(33, 0), p(5, 4)], cfg(16, 32));
+        assert_eq!(plan.rows, vec![row(1, 1, 1, true), row(0, 16, 32, false)]);
+        let plan = plan_step(&[p(33, 32)], cfg(16, 32));
+        assert_eq!(
+            plan.rows,
+            vec![row(0, 1, 1, true)],
+            "a 1-token tail decodes"
+        );
+        let plan = plan_step(&[p(34, 32)], cfg(16, 32));
+        assert_eq!(plan.rows, vec![row(0, 2, 32, true)]);
+    }
+
+    #[test]
+    fn idle_sequences_plan_nothing() {
+        assert!(plan_step(&[p(5, 5)], cfg(16, 0)).rows.is_empty());
+    }
+
+    #[test]
+    fn worst_case_covers_pads_and_a_copy() {
+        assert_eq!(worst_case_blocks(64, 32, 0), 3);
+        assert_eq!(worst_case_blocks(33, 32, 32), 3);
+    }
+}
