@@ -18,7 +18,9 @@ use std::fmt;
 use std::rc::Rc;
 
 use crate::error::KvError;
+use crate::hash::BlockHash;
 use crate::pool::BlockPool;
+use crate::prefix::{PrefixCache, PrefixCacheStats};
 use crate::sequence::SequenceBlocks;
 use crate::step::StepKv;
 use crate::storage::{DenseStorage, KvLayout, PagedStorage};
@@ -52,6 +54,27 @@ pub struct KvCacheConfig {
     pub num_blocks: usize,
     /// Tensor storage.
     pub backend: StorageBackend,
+    /// The prefix cache; `None` disables it (it needs paged storage).
+    pub prefix: Option<PrefixCacheConfig>,
+}
+
+/// Prefix-cache options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixCacheConfig {
+    /// Identity of what produced the K/V (model, dtype), mixed into every
+    /// block hash so entries never cross models.
+    pub extra_key: u64,
+    /// Most unreferenced cached blocks kept; older ones are evicted first.
+    pub capacity_blocks: usize,
+}
+
+/// What a prefix-cache reset freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResetOutcome {
+    /// Cached blocks nobody held, now empty.
+    pub blocks_freed: usize,
+    /// Their size in bytes.
+    pub bytes_freed: usize,
 }
 
 impl KvCacheConfig {
@@ -104,6 +127,8 @@ impl Drop for KvSequence {
 pub(crate) struct SeqState {
     pub(crate) blocks: SequenceBlocks,
     pub(crate) dense: Option<DenseStorage>,
+    /// Chained hashes of its full blocks from position 0 (prefix cache).
+    hashes: Vec<BlockHash>,
 }
 
 /// The engine's KV cache; see the module docs.
@@ -115,6 +140,7 @@ pub struct KvCache {
     pub(crate) seqs: HashMap<u64, SeqState>,
     next_id: u64,
     released: Rc<RefCell<Vec<u64>>>,
+    prefix: Option<(PrefixCache, PrefixCacheConfig)>,
 }
 
 impl KvCache {
@@ -133,6 +159,10 @@ impl KvCache {
             )?),
             StorageBackend::Dense => None,
         };
+        let prefix = match (config.backend, config.prefix) {
+            (StorageBackend::Paged, Some(p)) => Some((PrefixCache::new(), p)),
+            _ => None,
+        };
         Ok(KvCache {
             config,
             pool,
@@ -140,6 +170,7 @@ impl KvCache {
             seqs: HashMap::new(),
             next_id: 0,
             released: Rc::default(),
+            prefix,
         })
     }
 
@@ -160,22 +191,120 @@ impl KvCache {
 
     /// A new empty sequence at `[0, 0)`.
     pub fn new_sequence(&mut self) -> KvSequence {
-        let id = self.next_id;
-        self.next_id += 1;
         let dense = match self.config.backend {
             StorageBackend::Dense => Some(DenseStorage::new(self.config.layout, 0)),
             StorageBackend::Paged => None,
         };
-        self.seqs.insert(
-            id,
-            SeqState {
-                blocks: SequenceBlocks::new(&self.pool),
-                dense,
-            },
-        );
+        self.insert_sequence(SeqState {
+            blocks: SequenceBlocks::new(&self.pool),
+            dense,
+            hashes: Vec::new(),
+        })
+    }
+
+    fn insert_sequence(&mut self, state: SeqState) -> KvSequence {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(id, state);
         KvSequence {
             id,
             released: Rc::clone(&self.released),
+        }
+    }
+
+    /// Whether the prefix cache is on.
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// A new sequence for a prompt of `tokens`, starting from the longest
+    /// cached prefix of full blocks (adopted by reference, never copied);
+    /// returns it and the number of prompt tokens whose K/V it already holds.
+    /// When every prompt token is cached, the last one is rewound so that
+    /// its logits are computed (its block is then copied before the write,
+    /// the cached one staying intact). Without a prefix cache, an empty
+    /// sequence.
+    pub fn new_sequence_for_prompt(
+        &mut self,
+        tokens: &[u32],
+    ) -> Result<(KvSequence, usize), KvError> {
+        let Some((cache, cfg)) = &mut self.prefix else {
+            return Ok((self.new_sequence(), 0));
+        };
+        let found = cache.lookup(&mut self.pool, tokens, cfg.extra_key)?;
+        let mut hashes = Vec::with_capacity(found.len());
+        for &b in &found {
+            hashes.extend(self.pool.hash_of(b)?);
+        }
+        let mut blocks = SequenceBlocks::from_prefix(&self.pool, found);
+        if !tokens.is_empty() && blocks.end() >= tokens.len() {
+            blocks.truncate_tail(&mut self.pool, tokens.len() - 1)?;
+        }
+        hashes.truncate(blocks.end() / self.config.block_size);
+        let cached = blocks.end();
+        let seq = self.insert_sequence(SeqState {
+            blocks,
+            dense: None,
+            hashes,
+        });
+        Ok((seq, cached))
+    }
+
+    /// Donates the sequence's full blocks of `tokens` (its token ids from
+    /// position 0, at least `end` of them) to the prefix cache; see
+    /// [`PrefixCache::donate`]. Returns (newly cached, swapped for shared).
+    pub fn donate(&mut self, seq: &KvSequence, tokens: &[u32]) -> Result<(usize, usize), KvError> {
+        let Some((cache, cfg)) = &mut self.prefix else {
+            return Ok((0, 0));
+        };
+        let state = self
+            .seqs
+            .get_mut(&seq.id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {}", seq.id)))?;
+        cache.donate(
+            &mut self.pool,
+            &mut state.blocks,
+            &mut state.hashes,
+            tokens,
+            cfg.extra_key,
+        )
+    }
+
+    /// Frees every cached block nobody holds (idempotent; blocks of running
+    /// sequences stay).
+    pub fn reset_prefix_cache(&mut self) -> ResetOutcome {
+        let blocks_freed = self.pool.reset_prefix_cache();
+        ResetOutcome {
+            blocks_freed,
+            bytes_freed: blocks_freed * self.block_bytes(),
+        }
+    }
+
+    /// Prefix-cache counters (zero when disabled).
+    pub fn prefix_stats(&self) -> PrefixCacheStats {
+        match &self.prefix {
+            Some((c, _)) => c.stats(&self.pool),
+            None => PrefixCacheStats::default(),
+        }
+    }
+
+    /// Most unreferenced cached blocks kept (0 when disabled).
+    pub fn prefix_capacity_blocks(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |(_, c)| c.capacity_blocks)
+    }
+
+    /// Bytes of K/V one block holds.
+    pub fn block_bytes(&self) -> usize {
+        self.config.layout.bytes_per_token() * self.config.block_size
+    }
+
+    /// Evicts least recently used unreferenced cached blocks beyond the
+    /// prefix cache's capacity.
+    fn enforce_prefix_capacity(&mut self) {
+        let Some((_, cfg)) = &self.prefix else { return };
+        let evictable = self.pool.counts().evictable;
+        if evictable > cfg.capacity_blocks {
+            self.pool.evict_cached(evictable - cfg.capacity_blocks);
         }
     }
 
@@ -187,6 +316,9 @@ impl KvCache {
             if let Some(mut s) = self.seqs.remove(id) {
                 s.blocks.release(&mut self.pool)?;
             }
+        }
+        if !ids.is_empty() {
+            self.enforce_prefix_capacity();
         }
         Ok(ids.len())
     }

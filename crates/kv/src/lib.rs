@@ -31,7 +31,10 @@ mod sequence;
 mod step;
 mod storage;
 
-pub use cache::{KvCache, KvCacheConfig, KvSequence, RowReserve, StepReservation, StorageBackend};
+pub use cache::{
+    KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome, RowReserve,
+    StepReservation, StorageBackend,
+};
 pub use error::{KvError, PoolExhausted};
 pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};

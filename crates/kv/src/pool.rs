@@ -307,6 +307,24 @@ impl BlockPool {
         dropped
     }
 
+    /// Drops the hash of up to `n` unreferenced cached blocks, least
+    /// recently used first (free-queue order), making them empty; returns
+    /// how many. Used to bound the prefix cache below the pool size.
+    pub fn evict_cached(&mut self, n: usize) -> usize {
+        let mut evicted = 0;
+        let mut at = self.head;
+        while at != NIL && evicted < n {
+            let meta = &mut self.blocks[at as usize];
+            if let Some(hash) = meta.hash.take() {
+                self.by_hash.remove(&hash);
+                self.evictions += 1;
+                evicted += 1;
+            }
+            at = meta.next;
+        }
+        evicted
+    }
+
     /// Verifies the pool's own consistency: the free queue is a well-linked
     /// list of exactly the refcount-0 blocks, and the hash map and the
     /// blocks' hashes agree both ways. O(total blocks).

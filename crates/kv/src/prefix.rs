@@ -124,6 +124,54 @@ impl PrefixCache {
         Ok(added)
     }
 
+    /// Registers the full blocks of `seq` past the `hashes` already known
+    /// (the chain of its full blocks from position 0, extended here), so
+    /// later lookups hit them. A block whose content another block already
+    /// caches (computed concurrently by another sequence) is swapped for
+    /// that block, so concurrent prompts sharing a prefix end up holding one
+    /// copy. Returns (blocks newly cached, blocks swapped for shared ones).
+    /// Does nothing once the front was dropped (`start > 0`).
+    pub fn donate(
+        &mut self,
+        pool: &mut BlockPool,
+        seq: &mut SequenceBlocks,
+        hashes: &mut Vec<BlockHash>,
+        tokens: &[u32],
+        extra_key: u64,
+    ) -> Result<(usize, usize), KvError> {
+        if tokens.len() < seq.end() {
+            return Err(KvError::TooFewTokens {
+                needed: seq.end(),
+                got: tokens.len(),
+            });
+        }
+        if seq.start() > 0 {
+            return Ok((0, 0));
+        }
+        let bs = pool.block_size();
+        let (mut added, mut shared) = (0, 0);
+        while hashes.len() < seq.end() / bs {
+            let i = hashes.len();
+            let hash = BlockHash::chained(
+                hashes.last().copied(),
+                &tokens[i * bs..(i + 1) * bs],
+                extra_key,
+            );
+            let id = seq.blocks()[i];
+            match pool.cached_block(hash) {
+                Some(other) if other != id => {
+                    seq.replace_block(pool, i, other)?;
+                    shared += 1;
+                }
+                Some(_) => {}
+                None => added += usize::from(pool.register(id, hash)?),
+            }
+            hashes.push(hash);
+        }
+        self.counts.inserts += added as u64;
+        Ok((added, shared))
+    }
+
     /// The counters, with the pool's eviction count.
     pub fn stats(&self, pool: &BlockPool) -> PrefixCacheStats {
         PrefixCacheStats {

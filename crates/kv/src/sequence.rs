@@ -230,6 +230,36 @@ impl SequenceBlocks {
         Ok(())
     }
 
+    /// Swaps the full block at table index `index` for `with`, a block
+    /// holding the same tokens (a prefix-cache entry another sequence
+    /// computed): takes a reference on `with`, drops the one on the old
+    /// block. Positions don't move. The last block, when partial, can't be
+    /// swapped (it will still be written).
+    pub fn replace_block(
+        &mut self,
+        pool: &mut BlockPool,
+        index: usize,
+        with: BlockId,
+    ) -> Result<(), KvError> {
+        self.check_pool(pool)?;
+        let block_end = (self.first_logical_block() + index + 1) * self.block_size;
+        if index >= self.blocks.len() || block_end > self.end {
+            return Err(KvError::Invariant(format!(
+                "block {index} of [{}, {}) is not a full block",
+                self.start, self.end
+            )));
+        }
+        let old = self.blocks[index];
+        if old == with {
+            return Ok(());
+        }
+        pool.touch(&[with])?;
+        self.blocks[index] = with;
+        pool.free(&[old])?;
+        self.debug_check();
+        Ok(())
+    }
+
     /// Gives every block back (tail first); the sequence is left empty at
     /// `[start, start)`. Idempotent.
     pub fn release(&mut self, pool: &mut BlockPool) -> Result<(), KvError> {

@@ -25,6 +25,7 @@ fn cache(backend: StorageBackend, block_size: usize, num_blocks: usize) -> KvCac
         block_size,
         num_blocks,
         backend,
+        prefix: None,
     })
     .expect("cache")
 }
@@ -276,4 +277,181 @@ fn front_drop_keeps_positions_absolute_and_reads_the_window() {
         assert_eq!(got[0], key(0, 536, 0), "{backend}: window starts at 536");
         assert_eq!(got[128], 7.0);
     }
+}
+
+fn prefix_cache(num_blocks: usize, capacity_blocks: usize) -> KvCache {
+    KvCache::new(KvCacheConfig {
+        layout: KvLayout {
+            layers: LAYERS,
+            kv_heads: 1,
+            head_dim: HEAD_DIM,
+            dtype: Dtype::Float32,
+        },
+        block_size: 4,
+        num_blocks,
+        backend: StorageBackend::Paged,
+        prefix: Some(mlxcel_kv::PrefixCacheConfig {
+            extra_key: 1,
+            capacity_blocks,
+        }),
+    })
+    .expect("cache")
+}
+
+/// Prefills `prompt` (ids = positions) as sequence `seq_tag`'s K/V, from
+/// whatever the cache already holds, and donates it.
+fn prefill_and_donate(c: &mut KvCache, prompt: &[u32], seq_tag: usize) -> (KvSequence, usize) {
+    let (seq, cached) = c.new_sequence_for_prompt(prompt).expect("lookup");
+    let mut seqs = vec![Seq {
+        kv: seq,
+        prompt: prompt.len(),
+        done: cached,
+    }];
+    while seqs[0].done < prompt.len() {
+        run_step_tagged(c, &mut seqs, seq_tag);
+    }
+    let seq = seqs.pop().expect("one").kv;
+    c.donate(&seq, prompt).expect("donate");
+    (seq, cached)
+}
+
+/// `run_step` for one sequence whose key values are tagged `tag`.
+fn run_step_tagged(c: &mut KvCache, seqs: &mut [Seq], tag: usize) {
+    let s = &mut seqs[0];
+    let n = s.prompt - s.done;
+    let reservation = c
+        .reserve_step(&[RowReserve {
+            seq: &s.kv,
+            real: n,
+            padded: n,
+        }])
+        .expect("reserve");
+    {
+        let mut step = c.step(&[(&s.kv, n)]).expect("step");
+        for layer in 0..LAYERS {
+            let vals: Vec<f32> = step
+                .new_positions(0)
+                .flat_map(|p| [key(tag, p, layer); HEAD_DIM])
+                .collect();
+            let k = Array::from_f32(&vals, &[n as i32, 1, HEAD_DIM as i32]).expect("k");
+            step.write(layer, &k, &k).expect("write");
+        }
+        mlxcel_mlx::eval(&step.storage()).expect("eval");
+    }
+    c.complete_step(reservation, true).expect("complete");
+    s.done += n;
+}
+
+fn read_keys(c: &mut KvCache, seq: &KvSequence, layer: usize) -> Vec<f32> {
+    c.append(seq, 1).expect("append");
+    let end = c.end(seq).expect("end");
+    let mut step = c.step(&[(seq, 1)]).expect("step");
+    let k = Array::from_f32(&[-5.0; HEAD_DIM], &[1, 1, HEAD_DIM as i32]).expect("k");
+    for l in 0..LAYERS {
+        step.write(l, &k, &k).expect("write");
+    }
+    let (keys, _) = step.read(layer, 0).expect("read");
+    let mut v = keys.to_vec_f32().expect("readback");
+    drop(step);
+    c.truncate_tail(seq, end - 1).expect("rewind");
+    v.truncate((end - 1) * HEAD_DIM);
+    v
+}
+
+#[test]
+fn a_hit_adopts_blocks_and_a_whole_prompt_hit_recomputes_only_the_last_token() {
+    let mut c = prefix_cache(32, 32);
+    let prompt: Vec<u32> = (0..8).collect();
+    let (first, cached) = prefill_and_donate(&mut c, &prompt, 1);
+    assert_eq!(cached, 0, "cold");
+    assert_eq!(c.pool().cached_blocks(), 2);
+    // Same prompt again: both blocks hit; the last token is rewound and
+    // recomputed into a private copy of the last block.
+    let (second, cached) = c.new_sequence_for_prompt(&prompt).expect("lookup");
+    assert_eq!(cached, 7);
+    assert_eq!(c.end(&second).unwrap(), 7);
+    let mut seqs = vec![Seq {
+        kv: second,
+        prompt: 8,
+        done: 7,
+    }];
+    run_step_tagged(&mut c, &mut seqs, 2);
+    let second = seqs.pop().unwrap().kv;
+    // The first sequence still reads its own (tag 1) K/V everywhere; the
+    // second reads the cached 7 then its recomputed last token (tag 2).
+    let want_first: Vec<f32> = (0..8).flat_map(|p| [key(1, p, 0); HEAD_DIM]).collect();
+    assert_eq!(
+        read_keys(&mut c, &first, 0),
+        want_first,
+        "cached block intact"
+    );
+    let mut want_second: Vec<f32> = (0..7).flat_map(|p| [key(1, p, 0); HEAD_DIM]).collect();
+    want_second.extend([key(2, 7, 0); HEAD_DIM]);
+    assert_eq!(read_keys(&mut c, &second, 0), want_second);
+    // Donating the second swaps its private copy for the cached block.
+    let (added, shared) = c.donate(&second, &prompt).unwrap();
+    assert_eq!((added, shared), (0, 1));
+    assert_eq!(c.pool().used_blocks(), 2, "one copy of the prompt's blocks");
+    drop((first, second));
+    c.reclaim().unwrap();
+    let counts = c.pool().counts();
+    assert_eq!((counts.used, counts.cached, counts.evictable), (0, 2, 2));
+    let stats = c.prefix_stats();
+    assert_eq!((stats.lookups, stats.hits, stats.tokens_reused), (2, 1, 8));
+    let reset = c.reset_prefix_cache();
+    assert_eq!(reset.blocks_freed, 2);
+    assert_eq!(c.reset_prefix_cache().blocks_freed, 0, "idempotent");
+    assert_eq!(c.pool().cached_blocks(), 0);
+}
+
+#[test]
+fn concurrent_prefills_of_one_prefix_end_up_sharing_one_copy() {
+    let mut c = prefix_cache(64, 64);
+    let shared: Vec<u32> = (100..112).collect();
+    let seqs: Vec<KvSequence> = (0..4)
+        .map(|i| {
+            let mut prompt = shared.clone();
+            prompt.push(i);
+            let (s, cached) = c.new_sequence_for_prompt(&prompt).expect("lookup");
+            assert_eq!(cached, 0, "nothing cached before any prefill");
+            let mut rows = vec![Seq {
+                kv: s,
+                prompt: prompt.len(),
+                done: 0,
+            }];
+            run_step_tagged(&mut c, &mut rows, i as usize);
+            rows.pop().unwrap().kv
+        })
+        .collect();
+    assert_eq!(c.pool().used_blocks(), 4 * 4, "four private copies");
+    for (i, s) in seqs.iter().enumerate() {
+        let mut prompt = shared.clone();
+        prompt.push(i as u32);
+        c.donate(s, &prompt).unwrap();
+    }
+    assert_eq!(
+        c.pool().used_blocks(),
+        3 + 4,
+        "3 shared full blocks + 4 partial"
+    );
+    drop(seqs);
+    c.reclaim().unwrap();
+    assert_eq!(c.pool().counts().evictable, 3);
+}
+
+#[test]
+fn capacity_bounds_unreferenced_cached_blocks_lru_first() {
+    let mut c = prefix_cache(64, 2);
+    let a: Vec<u32> = (0..8).collect();
+    let b: Vec<u32> = (50..58).collect();
+    let (sa, _) = prefill_and_donate(&mut c, &a, 1);
+    drop(sa);
+    c.reclaim().unwrap();
+    let (sb, _) = prefill_and_donate(&mut c, &b, 2);
+    drop(sb);
+    c.reclaim().unwrap();
+    assert_eq!(c.pool().counts().evictable, 2, "capacity 2");
+    let (_, cached_b) = c.new_sequence_for_prompt(&b).unwrap();
+    let (_, cached_a) = c.new_sequence_for_prompt(&a).unwrap();
+    assert_eq!((cached_a, cached_b), (0, 7), "the older prompt was evicted");
 }
