@@ -89,6 +89,7 @@ fn request(prompt: Prompt, max_tokens: usize) -> GenerationRequest {
         sampling: SamplingParams::greedy(),
         max_tokens,
         ignore_eos: false,
+        cache_prompt: true,
     }
 }
 

@@ -18,6 +18,7 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
             sampling: SamplingParams::greedy(),
             max_tokens: GOLDEN_MAX_TOKENS,
             ignore_eos: false,
+            cache_prompt: true,
         })
         .expect("submit");
     let (mut ids, mut text) = (Vec::new(), String::new());

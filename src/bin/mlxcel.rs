@@ -84,6 +84,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         },
         max_tokens: args.max_tokens as usize,
         ignore_eos: args.ignore_eos,
+        cache_prompt: true,
     };
     let mut stream = engine.submit(request).context("submitting the prompt")?;
     let mut out = std::io::stdout().lock();

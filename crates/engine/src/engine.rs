@@ -12,12 +12,14 @@
 //! with batched decode. A request's stream being dropped cancels it at the
 //! next step.
 
-use crate::api::{EngineStats, GenerationRequest, InferenceService, Prompt, SubmitError};
+use crate::api::{
+    CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, SubmitError,
+};
 use crate::chat_template::ChatTemplate;
 use crate::scheduler::{worst_case_blocks, SchedulerConfig};
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
-use crate::worker::{Job, Worker, WorkerConfig};
-use mlxcel_kv::{KvCache, KvCacheConfig, StorageBackend};
+use crate::worker::{Job, Message, Worker, WorkerConfig};
+use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, WeightMode};
 use std::path::PathBuf;
@@ -55,6 +57,10 @@ pub struct EngineConfig {
     pub attention_path: AttentionPath,
     /// Check KV invariants after every step (on in debug builds).
     pub check_invariants: bool,
+    /// Reuse cached prompt prefixes across requests (paged storage only).
+    pub prefix_cache: bool,
+    /// Most unreferenced cached blocks kept; `None` = the whole pool.
+    pub prefix_cache_capacity: Option<usize>,
 }
 
 impl EngineConfig {
@@ -74,6 +80,8 @@ impl EngineConfig {
             storage_backend: None,
             attention_path: AttentionPath::BatchedDecode,
             check_invariants: cfg!(debug_assertions),
+            prefix_cache: true,
+            prefix_cache_capacity: None,
         }
     }
 }
@@ -108,7 +116,7 @@ pub struct Engine {
     model_id: String,
     context_length: usize,
     text: Arc<Text>,
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Message>,
     stats: Arc<Mutex<EngineStats>>,
     /// What was loaded, for logs and `/v1/models`.
     pub info: EngineInfo,
@@ -168,13 +176,14 @@ impl Engine {
             template,
             eos,
         });
-        let (jobs, queue) = mpsc::channel::<Job>();
+        let (jobs, queue) = mpsc::channel::<Message>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread_text = Arc::clone(&text);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
         let options = LoadOptions { dtype, weight_mode };
-        let plan = ThreadPlan::new(&config, gpu)?;
+        let identity = format!("{}|{:?}|{model_type}", dir.display(), dtype);
+        let plan = ThreadPlan::new(&config, gpu, stable_hash(&identity))?;
         std::thread::Builder::new()
             .name("mlxcel-engine".into())
             .spawn(move || {
@@ -317,13 +326,22 @@ impl InferenceService for Engine {
             events,
         };
         self.jobs
-            .send(job)
+            .send(Message::Job(job))
             .map_err(|_| SubmitError::Unavailable("the engine has stopped".into()))?;
         Ok(stream)
     }
 
     fn stats(&self) -> EngineStats {
         self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
+        let gone = || SubmitError::Unavailable("the engine has stopped".into());
+        let (reply, outcome) = mpsc::channel();
+        self.jobs
+            .send(Message::ResetPrefixCache(reply))
+            .map_err(|_| gone())?;
+        outcome.recv().map_err(|_| gone())
     }
 }
 
@@ -334,6 +352,8 @@ struct ThreadPlan {
     block_size: usize,
     budget: Option<usize>,
     backend: StorageBackend,
+    /// Prefix cache: (extra key, capacity in blocks) when on.
+    prefix: Option<(u64, Option<usize>)>,
 }
 
 /// What the engine thread reports once ready.
@@ -345,7 +365,7 @@ struct Loaded {
 }
 
 impl ThreadPlan {
-    fn new(config: &EngineConfig, gpu: bool) -> Result<Self, EngineError> {
+    fn new(config: &EngineConfig, gpu: bool, extra_key: u64) -> Result<Self, EngineError> {
         if config.parallel == 0 || config.kv_block_size == 0 || config.prefill_chunk_size == 0 {
             return Err(EngineError::Config(
                 "--parallel, --kv-block-size and --prefill-chunk-size must be at least 1".into(),
@@ -372,6 +392,8 @@ impl ThreadPlan {
             block_size: config.kv_block_size,
             budget: config.kv_cache_budget,
             backend,
+            prefix: (config.prefix_cache && backend == StorageBackend::Paged)
+                .then_some((extra_key, config.prefix_cache_capacity)),
         })
     }
 
@@ -399,6 +421,10 @@ impl ThreadPlan {
             block_size: self.block_size,
             num_blocks: blocks,
             backend: self.backend,
+            prefix: self.prefix.map(|(extra_key, cap)| PrefixCacheConfig {
+                extra_key,
+                capacity_blocks: cap.unwrap_or(blocks),
+            }),
         })?)
     }
 
@@ -460,4 +486,12 @@ fn physical_memory_bytes() -> usize {
         .ok()
         .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
         .unwrap_or(FALLBACK)
+}
+
+/// FNV-1a, 64-bit: a hash stable across builds and platforms (the prefix
+/// cache's model identity key).
+fn stable_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }

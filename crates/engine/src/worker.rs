@@ -15,7 +15,9 @@ use mlxcel_kv::{KvCache, KvSequence, RowReserve, StorageBackend};
 use mlxcel_model::{AttentionPath, Model, StepRow};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::api::{EngineStats, FinishReason, GenerationEvent, GenerationRequest, Timings, Usage};
+use crate::api::{
+    CacheReset, EngineStats, FinishReason, GenerationEvent, GenerationRequest, Timings, Usage,
+};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::sampler::Sampler;
 use crate::scheduler::{plan_step, worst_case_blocks, SchedulerConfig, SeqProgress, StepPlan};
@@ -27,6 +29,14 @@ pub(crate) struct Job {
     pub(crate) request: GenerationRequest,
     pub(crate) submitted: Instant,
     pub(crate) events: UnboundedSender<GenerationEvent>,
+}
+
+/// What the handle sends the engine thread.
+pub(crate) enum Message {
+    /// A request to run.
+    Job(Job),
+    /// Free unreferenced prefix-cache blocks; the outcome goes back.
+    ResetPrefixCache(mpsc::Sender<CacheReset>),
 }
 
 /// The worker's options.
@@ -113,16 +123,16 @@ impl<'m> Worker<'m> {
     }
 
     /// Serves `queue` until every sender is gone and no request is left.
-    pub(crate) fn run(mut self, queue: &mpsc::Receiver<Job>) {
+    pub(crate) fn run(mut self, queue: &mpsc::Receiver<Message>) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match queue.recv() {
-                    Ok(job) => self.waiting.push_back(job),
+                    Ok(message) => self.handle(message),
                     Err(_) => break,
                 }
             }
-            while let Ok(job) = queue.try_recv() {
-                self.waiting.push_back(job);
+            while let Ok(message) = queue.try_recv() {
+                self.handle(message);
             }
             self.drop_cancelled();
             self.reclaim();
@@ -134,6 +144,22 @@ impl<'m> Worker<'m> {
             self.publish();
         }
         tracing::info!("engine thread stopping");
+    }
+
+    fn handle(&mut self, message: Message) {
+        match message {
+            Message::Job(job) => self.waiting.push_back(job),
+            Message::ResetPrefixCache(reply) => {
+                self.reclaim();
+                let r = self.kv.reset_prefix_cache();
+                tracing::info!(blocks_freed = r.blocks_freed, "prefix cache reset");
+                let _ = reply.send(CacheReset {
+                    blocks_freed: r.blocks_freed,
+                    bytes_freed: r.bytes_freed,
+                });
+                self.publish();
+            }
+        }
     }
 
     /// Runs one step; an error or a panic fails the step's requests only.
@@ -202,32 +228,60 @@ impl<'m> Worker<'m> {
             let Some(job) = self.waiting.pop_front() else {
                 break;
             };
-            let seq = self.new_sequence(job, need);
-            self.running.push(seq);
+            match self.new_sequence(job, need) {
+                Ok(seq) => self.running.push(seq),
+                Err((job, e)) => {
+                    tracing::error!(error = %e, "prefix lookup failed");
+                    let _ = job.events.send(GenerationEvent::Failed {
+                        message: e.to_string(),
+                    });
+                }
+            }
         }
     }
 
-    fn new_sequence(&mut self, job: Job, worst_blocks: usize) -> Sequence {
+    /// A running sequence for `job`, its prompt prefix taken from the prefix
+    /// cache unless the request opted out.
+    #[allow(clippy::result_large_err)]
+    fn new_sequence(
+        &mut self,
+        job: Job,
+        worst_blocks: usize,
+    ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
+        let (kv, cached) = if job.request.cache_prompt {
+            match self.kv.new_sequence_for_prompt(&job.prompt) {
+                Ok(found) => found,
+                Err(e) => return Err((job, e)),
+            }
+        } else {
+            (self.kv.new_sequence(), 0)
+        };
         let id = self.next_id;
         self.next_id += 1;
-        let span = tracing::info_span!("request", id, prompt_tokens = job.prompt.len());
-        Sequence {
+        let span = tracing::info_span!(
+            "request",
             id,
-            kv: self.kv.new_sequence(),
+            prompt_tokens = job.prompt.len(),
+            cached_tokens = cached
+        );
+        Ok(Sequence {
+            id,
+            kv,
             tokens: job.prompt.clone(),
-            computed: 0,
+            computed: cached,
             worst_blocks,
             sampler: Sampler::new(&job.request.sampling),
             detok: IncrementalDetokenizer::new(),
             usage: Usage {
                 prompt_tokens: job.prompt.len(),
-                ..Usage::default()
+                completion_tokens: 0,
+                cached_tokens: cached,
             },
             timings: Timings::default(),
             first_token_at: None,
             span,
             job,
-        }
+        })
     }
 
     /// One forward over the planned rows.
@@ -249,7 +303,14 @@ impl<'m> Worker<'m> {
         let logits = self.forward(&plan)?;
         self.count(&plan);
         for r in &plan.rows {
-            self.running[r.seq].computed += r.real;
+            let s = &mut self.running[r.seq];
+            s.computed += r.real;
+            if s.job.request.cache_prompt {
+                // Full blocks become hittable as soon as they are computed.
+                self.kv
+                    .donate(&s.kv, &s.tokens[..s.computed])
+                    .map_err(|e| e.to_string())?;
+            }
         }
         if self.config.check_invariants {
             for r in &plan.rows {
@@ -429,12 +490,26 @@ impl<'m> Worker<'m> {
     }
 
     fn publish(&mut self) {
-        let pool = self.kv.pool();
-        self.counters.running = self.running.len();
-        self.counters.waiting = self.waiting.len();
-        self.counters.kv_blocks_total = pool.total_blocks();
-        self.counters.kv_blocks_used = pool.used_blocks();
-        self.counters.kv_blocks_free = pool.free_blocks();
+        let counts = self.kv.pool().counts();
+        let prefix = self.kv.prefix_stats();
+        let c = &mut self.counters;
+        c.running = self.running.len();
+        c.waiting = self.waiting.len();
+        c.kv_block_bytes = self.kv.block_bytes();
+        c.kv_blocks_total = counts.total;
+        c.kv_blocks_used = counts.used + counts.evictable;
+        c.kv_blocks_free = counts.free - counts.evictable;
+        c.kv_blocks_active = counts.used;
+        c.kv_blocks_cached = counts.cached;
+        c.prefix_cache_enabled = self.kv.prefix_cache_enabled();
+        c.prefix_cache_capacity_blocks = self.kv.prefix_capacity_blocks();
+        c.prefix_cache_lookups = prefix.lookups;
+        c.prefix_cache_hits = prefix.hits;
+        c.prefix_cache_misses = prefix.misses;
+        c.prefix_cache_tokens_queried = prefix.tokens_queried;
+        c.prefix_cache_tokens_reused = prefix.tokens_reused;
+        c.prefix_cache_inserts = prefix.inserts;
+        c.prefix_cache_evictions = prefix.evictions;
         let mut out = self.published.lock().unwrap_or_else(|p| p.into_inner());
         out.clone_from(&self.counters);
     }

@@ -81,6 +81,9 @@ pub enum ApiError {
     /// The engine failed while generating this request.
     #[error("The engine failed while generating: {0}")]
     GenerationFailed(String),
+    /// A server-side failure outside generation (metrics, a task join).
+    #[error("Internal server error: {0}")]
+    Internal(String),
 }
 
 /// The OpenAI error body: `{"error": {...}}`.
@@ -121,13 +124,13 @@ impl ApiError {
             Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::GenerationFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::GenerationFailed(_) | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn kind(&self) -> &'static str {
         match self {
-            Self::Unavailable(_) | Self::GenerationFailed(_) => SERVER_ERROR,
+            Self::Unavailable(_) | Self::GenerationFailed(_) | Self::Internal(_) => SERVER_ERROR,
             _ => INVALID_REQUEST,
         }
     }

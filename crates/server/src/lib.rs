@@ -9,6 +9,7 @@
 
 pub mod error;
 mod extract;
+pub mod metrics;
 pub mod openai;
 mod routes;
 mod sse;
@@ -66,6 +67,7 @@ struct Inner {
     service: Arc<dyn InferenceService>,
     config: HttpConfig,
     started_at: u64,
+    metrics: Arc<metrics::Metrics>,
 }
 
 impl AppState {
@@ -81,6 +83,7 @@ impl AppState {
                 service,
                 config,
                 started_at: openai::unix_now(),
+                metrics: Arc::new(metrics::Metrics::new()),
             }),
         }
     }
@@ -103,6 +106,11 @@ impl AppState {
     /// Unix seconds at which this state was made (the model's `created`).
     pub fn started_at(&self) -> u64 {
         self.inner.started_at
+    }
+
+    /// The server's Prometheus metrics.
+    pub fn metrics(&self) -> &Arc<metrics::Metrics> {
+        &self.inner.metrics
     }
 
     fn keep_alive(&self) -> KeepAlive {
@@ -143,9 +151,16 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::list_models))
         .route("/v1/models/{*id}", get(routes::retrieve_model))
+        .route("/v1/cache/stats", get(routes::cache_stats))
+        .route("/v1/cache/reset", post(routes::cache_reset))
+        .route("/metrics", get(routes::metrics))
         .route("/health", get(routes::health))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            routes::count_request,
+        ))
         .layer(DefaultBodyLimit::max(body_limit))
         // Layers run outermost last: set the id, then trace, then echo it.
         .layer(PropagateRequestIdLayer::x_request_id())

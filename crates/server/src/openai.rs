@@ -252,3 +252,40 @@ impl<'a> ModelCard<'a> {
         }
     }
 }
+
+/// The body of `GET /v1/cache/stats` (sizes in blocks, tokens and bytes).
+pub fn cache_stats_body(s: &mlxcel_engine_api::EngineStats) -> serde_json::Value {
+    let hit_rate = if s.prefix_cache_lookups == 0 {
+        0.0
+    } else {
+        s.prefix_cache_hits as f64 / s.prefix_cache_lookups as f64
+    };
+    serde_json::json!({
+        "object": "cache.stats",
+        "enabled": s.prefix_cache_enabled,
+        "storage_backend": s.kv_storage_backend,
+        "block_size": s.kv_block_size,
+        "block_bytes": s.kv_block_bytes,
+        "blocks": {
+            "total": s.kv_blocks_total,
+            "used": s.kv_blocks_used,
+            "free": s.kv_blocks_free,
+            "cached": s.kv_blocks_cached,
+            "active": s.kv_blocks_active,
+        },
+        "entries": s.kv_blocks_cached,
+        "bytes": s.kv_blocks_cached * s.kv_block_bytes,
+        "capacity": s.prefix_cache_capacity_blocks,
+        "capacity_bytes": s.prefix_cache_capacity_blocks * s.kv_block_bytes,
+        "lookups": s.prefix_cache_lookups,
+        "hits": s.prefix_cache_hits,
+        "misses": s.prefix_cache_misses,
+        "hit_rate": hit_rate,
+        "tokens_queried": s.prefix_cache_tokens_queried,
+        "tokens_reused": s.prefix_cache_tokens_reused,
+        "inserts": s.prefix_cache_inserts,
+        "evictions": s.prefix_cache_evictions,
+        "running": s.running,
+        "waiting": s.waiting,
+    })
+}

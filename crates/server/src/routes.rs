@@ -1,8 +1,11 @@
 //! The route handlers.
 
+use std::time::Instant;
+
 use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
-use axum::http::{Method, Uri};
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{header, Method, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use mlxcel_engine_api::{EventStream, GenerationEvent};
@@ -20,6 +23,7 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     let service = state.service();
     let request =
         ValidatedChatRequest::parse(body, service.model_id(), state.config().default_max_tokens)?;
@@ -37,6 +41,7 @@ pub async fn chat_completions(
     let events = tokio::task::spawn_blocking(move || handle.submit(generation))
         .await
         .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))??;
+    let events = state.metrics().instrument(events, arrived);
     match request.stream {
         Some(options) => Ok(chat_completion_stream(
             events,
@@ -121,4 +126,61 @@ pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
         method: method.to_string(),
         path: uri.path().to_owned(),
     }
+}
+
+/// Counts every response by matched route and status
+/// (`mlxcel_http_requests_total`).
+pub async fn count_request(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let endpoint = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let response = next.run(request).await;
+    state
+        .metrics()
+        .record_request(&endpoint, response.status().as_u16());
+    response
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let stats = state.service().stats();
+    let body = state
+        .metrics()
+        .render(&stats)
+        .map_err(|e| ApiError::Internal(format!("rendering metrics: {e}")))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response())
+}
+
+/// `GET /v1/cache/stats`: the prefix cache and the KV pool.
+pub async fn cache_stats(State(state): State<AppState>) -> Response {
+    Json(crate::openai::cache_stats_body(&state.service().stats())).into_response()
+}
+
+/// `POST /v1/cache/reset`: frees every cached block no running request
+/// holds, and says what it freed. Idempotent; safe while requests run.
+pub async fn cache_reset(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let handle = state.service_handle();
+    let reset = tokio::task::spawn_blocking(move || handle.reset_prefix_cache())
+        .await
+        .map_err(|e| ApiError::Internal(format!("resetting the cache: {e}")))??;
+    let stats = state.service().stats();
+    Ok(Json(json!({
+        "object": "cache.reset",
+        "blocks_freed": reset.blocks_freed,
+        "bytes_freed": reset.bytes_freed,
+        "stats": crate::openai::cache_stats_body(&stats),
+    }))
+    .into_response())
 }

@@ -203,6 +203,10 @@ impl ValidatedChatRequest {
             // An opaque end-user id: checked for type, otherwise unused.
             string("user", user)?;
         }
+        let cache_prompt = match take(&mut body, "cache_prompt") {
+            Some(v) => boolean("cache_prompt", v)?,
+            None => true,
+        };
         reject_leftovers(body, UNSUPPORTED_FIELDS, "")?;
         Ok(Self {
             generation: GenerationRequest {
@@ -210,6 +214,7 @@ impl ValidatedChatRequest {
                 sampling,
                 max_tokens,
                 ignore_eos: false,
+                cache_prompt,
             },
             stream,
         })

@@ -83,6 +83,7 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
             },
             max_tokens: 512,
             ignore_eos: false,
+            cache_prompt: true,
         }
     );
 }

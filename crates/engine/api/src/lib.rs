@@ -77,6 +77,9 @@ pub struct GenerationRequest {
     /// Keep generating past end-of-sequence tokens (benchmarks; vLLM's
     /// `ignore_eos`).
     pub ignore_eos: bool,
+    /// Read the prompt's prefix from the prefix cache and donate the
+    /// request's blocks to it (llama.cpp's `cache_prompt`; default true).
+    pub cache_prompt: bool,
 }
 
 /// Why a generation ended.
@@ -167,6 +170,17 @@ pub trait InferenceService: Send + Sync + 'static {
     fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError>;
     /// The engine's counters and gauges now.
     fn stats(&self) -> EngineStats;
+    /// Frees every prefix-cache block no running request holds.
+    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError>;
+}
+
+/// What `/v1/cache/reset` freed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheReset {
+    /// Cached blocks nobody held, now empty.
+    pub blocks_freed: usize,
+    /// Their K/V size in bytes.
+    pub bytes_freed: usize,
 }
 
 /// A snapshot of the engine's scheduler and KV cache, updated every step.
@@ -180,12 +194,32 @@ pub struct EngineStats {
     pub kv_storage_backend: String,
     /// Tokens per KV block.
     pub kv_block_size: usize,
+    /// Bytes of K/V per block.
+    pub kv_block_bytes: usize,
     /// Blocks in the pool.
     pub kv_blocks_total: usize,
-    /// Blocks referenced by sequences.
+    /// Blocks holding K/V: held by a running request or by the prefix cache.
     pub kv_blocks_used: usize,
-    /// Blocks allocatable now.
+    /// Empty blocks.
     pub kv_blocks_free: usize,
+    /// Blocks held by running requests.
+    pub kv_blocks_active: usize,
+    /// Blocks registered in the prefix cache (held or not).
+    pub kv_blocks_cached: usize,
+    /// Prefix cache on.
+    pub prefix_cache_enabled: bool,
+    /// Most unreferenced cached blocks kept.
+    pub prefix_cache_capacity_blocks: usize,
+    /// Prefix-cache lookups, hits (at least one block), misses.
+    pub prefix_cache_lookups: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_misses: u64,
+    /// Prompt tokens looked up, and those served from the cache.
+    pub prefix_cache_tokens_queried: u64,
+    pub prefix_cache_tokens_reused: u64,
+    /// Blocks newly cached; cached blocks evicted to reuse them.
+    pub prefix_cache_inserts: u64,
+    pub prefix_cache_evictions: u64,
     /// Forwards run.
     pub steps: u64,
     /// Forwards that failed (their requests failed; the engine went on).

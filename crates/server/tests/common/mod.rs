@@ -8,8 +8,8 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
-    EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest, InferenceService,
-    SubmitError, Timings, Usage,
+    CacheReset, EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest,
+    InferenceService, SubmitError, Timings, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -100,9 +100,41 @@ impl InferenceService for FakeService {
         Ok(rx)
     }
 
+    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
+        Ok(CacheReset {
+            blocks_freed: 3,
+            bytes_freed: 3 * 1024,
+        })
+    }
+
     fn stats(&self) -> EngineStats {
         EngineStats {
             running: self.senders.lock().unwrap().len(),
+            waiting: 1,
+            kv_storage_backend: "paged".into(),
+            kv_block_size: 32,
+            kv_block_bytes: 1024,
+            kv_blocks_total: 100,
+            kv_blocks_used: 10,
+            kv_blocks_free: 90,
+            kv_blocks_active: 2,
+            kv_blocks_cached: 8,
+            prefix_cache_enabled: true,
+            prefix_cache_capacity_blocks: 100,
+            prefix_cache_lookups: 4,
+            prefix_cache_hits: 3,
+            prefix_cache_misses: 1,
+            prefix_cache_tokens_queried: 400,
+            prefix_cache_tokens_reused: 256,
+            prefix_cache_inserts: 9,
+            prefix_cache_evictions: 1,
+            steps: 50,
+            prefill_steps: 5,
+            decode_steps: 45,
+            prefill_tokens: 400,
+            decode_tokens: 90,
+            attention_batched_rows: 80,
+            attention_per_row_rows: 10,
             ..EngineStats::default()
         }
     }
@@ -193,7 +225,16 @@ pub async fn post_json(app: Router, body: Value) -> Reply {
 }
 
 pub async fn post_raw(app: Router, content_type: Option<&str>, body: impl Into<Body>) -> Reply {
-    let mut request = Request::post("/v1/chat/completions");
+    post_raw_to(app, "/v1/chat/completions", content_type, body).await
+}
+
+pub async fn post_raw_to(
+    app: Router,
+    uri: &str,
+    content_type: Option<&str>,
+    body: impl Into<Body>,
+) -> Reply {
+    let mut request = Request::post(uri);
     if let Some(content_type) = content_type {
         request = request.header("content-type", content_type);
     }

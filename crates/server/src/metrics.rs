@@ -1,0 +1,324 @@
+//! `/metrics` in Prometheus text format (the `prometheus` crate).
+//!
+//! Two sources: what the HTTP layer sees (requests by endpoint and status;
+//! per request TTFT, inter-token latency, end-to-end latency and token
+//! counts, observed on the request's event stream), and the engine's
+//! counters and gauges, copied from [`EngineStats`] at scrape time. Names
+//! are `mlxcel_*`, in base units (seconds, tokens, blocks), counters end in
+//! `_total`.
+
+use std::time::Instant;
+
+use mlxcel_engine_api::{EngineStats, EventStream, GenerationEvent};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Latency buckets in seconds (1 ms to 2 min).
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    prompt_tokens: IntCounter,
+    completion_tokens: IntCounter,
+    cached_tokens: IntCounter,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: HistogramVec,
+    engine: EngineMetrics,
+}
+
+/// Engine-side series, refreshed from a stats snapshot at scrape time.
+struct EngineMetrics {
+    blocks: IntGaugeVec,
+    sequences: IntGaugeVec,
+    prefix_enabled: IntGauge,
+    prefix: IntCounterVec,
+    prefix_tokens_reused: IntCounter,
+    steps: IntCounterVec,
+    step_tokens: IntCounterVec,
+    failed_steps: IntCounter,
+    attention_rows: IntCounterVec,
+}
+
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric definition")
+}
+
+fn counter(name: &str, help: &str) -> IntCounter {
+    IntCounter::new(name, help).expect("valid metric definition")
+}
+
+fn histogram(name: &str, help: &str) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()))
+        .expect("valid metric definition")
+}
+
+impl EngineMetrics {
+    fn new() -> Self {
+        EngineMetrics {
+            blocks: IntGaugeVec::new(
+                Opts::new("mlxcel_kv_blocks", "KV pool blocks by state"),
+                &["state"],
+            )
+            .expect("valid metric definition"),
+            sequences: IntGaugeVec::new(
+                Opts::new(
+                    "mlxcel_sequences",
+                    "Requests running or waiting for admission",
+                ),
+                &["state"],
+            )
+            .expect("valid metric definition"),
+            prefix_enabled: IntGauge::new("mlxcel_prefix_cache_enabled", "1 when on")
+                .expect("valid metric definition"),
+            prefix: counter_vec(
+                "mlxcel_prefix_cache_events_total",
+                "Prefix-cache lookups, hits, misses, block inserts and evictions",
+                &["event"],
+            ),
+            prefix_tokens_reused: counter(
+                "mlxcel_prefix_cache_tokens_reused_total",
+                "Prompt tokens served from the prefix cache",
+            ),
+            steps: counter_vec(
+                "mlxcel_steps_total",
+                "Engine steps with prefill rows / decode rows",
+                &["kind"],
+            ),
+            step_tokens: counter_vec(
+                "mlxcel_step_tokens_total",
+                "Tokens run by engine steps (prefill, decode, and pad tokens rewound)",
+                &["kind"],
+            ),
+            failed_steps: counter(
+                "mlxcel_failed_steps_total",
+                "Engine steps that failed (their requests failed)",
+            ),
+            attention_rows: counter_vec(
+                "mlxcel_attention_rows_total",
+                "Decode rows by attention path",
+                &["path"],
+            ),
+        }
+    }
+
+    fn register(&self, r: &Registry) -> prometheus::Result<()> {
+        r.register(Box::new(self.blocks.clone()))?;
+        r.register(Box::new(self.sequences.clone()))?;
+        r.register(Box::new(self.prefix_enabled.clone()))?;
+        r.register(Box::new(self.prefix.clone()))?;
+        r.register(Box::new(self.prefix_tokens_reused.clone()))?;
+        r.register(Box::new(self.steps.clone()))?;
+        r.register(Box::new(self.step_tokens.clone()))?;
+        r.register(Box::new(self.failed_steps.clone()))?;
+        r.register(Box::new(self.attention_rows.clone()))
+    }
+
+    /// Copies `s` into the series (counters move by the difference).
+    fn refresh(&self, s: &EngineStats) {
+        let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        for (state, v) in [
+            ("total", s.kv_blocks_total),
+            ("used", s.kv_blocks_used),
+            ("free", s.kv_blocks_free),
+            ("cached", s.kv_blocks_cached),
+            ("active", s.kv_blocks_active),
+        ] {
+            self.blocks.with_label_values(&[state]).set(as_i64(v));
+        }
+        self.sequences
+            .with_label_values(&["running"])
+            .set(as_i64(s.running));
+        self.sequences
+            .with_label_values(&["waiting"])
+            .set(as_i64(s.waiting));
+        self.prefix_enabled.set(i64::from(s.prefix_cache_enabled));
+        for (event, v) in [
+            ("lookup", s.prefix_cache_lookups),
+            ("hit", s.prefix_cache_hits),
+            ("miss", s.prefix_cache_misses),
+            ("insert", s.prefix_cache_inserts),
+            ("eviction", s.prefix_cache_evictions),
+        ] {
+            catch_up(&self.prefix.with_label_values(&[event]), v);
+        }
+        catch_up(&self.prefix_tokens_reused, s.prefix_cache_tokens_reused);
+        catch_up(&self.steps.with_label_values(&["prefill"]), s.prefill_steps);
+        catch_up(&self.steps.with_label_values(&["decode"]), s.decode_steps);
+        catch_up(
+            &self.step_tokens.with_label_values(&["prefill"]),
+            s.prefill_tokens,
+        );
+        catch_up(
+            &self.step_tokens.with_label_values(&["decode"]),
+            s.decode_tokens,
+        );
+        catch_up(&self.step_tokens.with_label_values(&["pad"]), s.pad_tokens);
+        catch_up(&self.failed_steps, s.failed_steps);
+        catch_up(
+            &self.attention_rows.with_label_values(&["batched"]),
+            s.attention_batched_rows,
+        );
+        catch_up(
+            &self.attention_rows.with_label_values(&["per_row"]),
+            s.attention_per_row_rows,
+        );
+    }
+}
+
+/// Moves a counter up to the engine's monotonic value.
+fn catch_up(c: &IntCounter, value: u64) {
+    let now = c.get();
+    if value > now {
+        c.inc_by(value - now);
+    }
+}
+
+impl Metrics {
+    /// All series, registered in a fresh registry.
+    pub fn new() -> Self {
+        let m = Metrics {
+            registry: Registry::new(),
+            requests: counter_vec(
+                "mlxcel_http_requests_total",
+                "HTTP requests by endpoint and status code",
+                &["endpoint", "status"],
+            ),
+            prompt_tokens: counter(
+                "mlxcel_prompt_tokens_total",
+                "Prompt tokens of finished requests",
+            ),
+            completion_tokens: counter(
+                "mlxcel_completion_tokens_total",
+                "Completion tokens of finished requests",
+            ),
+            cached_tokens: counter(
+                "mlxcel_prompt_cached_tokens_total",
+                "Prompt tokens of finished requests served from the prefix cache",
+            ),
+            ttft: histogram(
+                "mlxcel_time_to_first_token_seconds",
+                "Time from request arrival to its first token",
+            ),
+            itl: histogram(
+                "mlxcel_inter_token_latency_seconds",
+                "Time between consecutive tokens of a request",
+            ),
+            e2e: HistogramVec::new(
+                HistogramOpts::new(
+                    "mlxcel_request_duration_seconds",
+                    "Generation requests from arrival to their end, by outcome",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["outcome"],
+            )
+            .expect("valid metric definition"),
+            engine: EngineMetrics::new(),
+        };
+        m.register().expect("metric names are unique");
+        m
+    }
+
+    fn register(&self) -> prometheus::Result<()> {
+        let r = &self.registry;
+        r.register(Box::new(self.requests.clone()))?;
+        r.register(Box::new(self.prompt_tokens.clone()))?;
+        r.register(Box::new(self.completion_tokens.clone()))?;
+        r.register(Box::new(self.cached_tokens.clone()))?;
+        r.register(Box::new(self.ttft.clone()))?;
+        r.register(Box::new(self.itl.clone()))?;
+        r.register(Box::new(self.e2e.clone()))?;
+        self.engine.register(r)
+    }
+
+    /// Counts one HTTP response.
+    pub fn record_request(&self, endpoint: &str, status: u16) {
+        self.requests
+            .with_label_values(&[endpoint, &status.to_string()])
+            .inc();
+    }
+
+    /// The text exposition, engine series refreshed from `stats`.
+    pub fn render(&self, stats: &EngineStats) -> Result<String, String> {
+        self.engine.refresh(stats);
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .map_err(|e| e.to_string())?;
+        String::from_utf8(out).map_err(|e| e.to_string())
+    }
+
+    /// Wraps a request's event stream so that its TTFT, inter-token
+    /// latencies, duration and token counts are observed as events pass.
+    /// Dropping the returned stream drops the engine's (cancellation).
+    pub fn instrument(
+        self: &std::sync::Arc<Self>,
+        mut events: EventStream,
+        arrived: Instant,
+    ) -> EventStream {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let metrics = std::sync::Arc::clone(self);
+        tokio::spawn(async move {
+            let mut last: Option<Instant> = None;
+            let mut outcome = "cancelled";
+            loop {
+                let event = tokio::select! {
+                    e = events.recv() => e,
+                    () = tx.closed() => None,
+                };
+                let Some(event) = event else { break };
+                outcome = metrics
+                    .observe(&event, arrived, &mut last)
+                    .unwrap_or(outcome);
+                if tx.send(event).is_err() {
+                    break;
+                }
+            }
+            metrics
+                .e2e
+                .with_label_values(&[outcome])
+                .observe(arrived.elapsed().as_secs_f64());
+        });
+        rx
+    }
+
+    /// Observes one event; returns the request's outcome when it ends.
+    fn observe(
+        &self,
+        event: &GenerationEvent,
+        arrived: Instant,
+        last: &mut Option<Instant>,
+    ) -> Option<&'static str> {
+        match event {
+            GenerationEvent::Delta { .. } => {
+                let now = Instant::now();
+                match last {
+                    None => self.ttft.observe((now - arrived).as_secs_f64()),
+                    Some(prev) => self.itl.observe((now - *prev).as_secs_f64()),
+                }
+                *last = Some(now);
+                None
+            }
+            GenerationEvent::Finished { usage, .. } => {
+                self.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+                self.completion_tokens
+                    .inc_by(usage.completion_tokens as u64);
+                self.cached_tokens.inc_by(usage.cached_tokens as u64);
+                Some("finished")
+            }
+            GenerationEvent::Failed { .. } => Some("failed"),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
