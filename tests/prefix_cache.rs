@@ -1,0 +1,298 @@
+//! The prefix cache on the real model (ARCHITECTURE.md invariants 5 and 7):
+//! the same answer warm or cold, one copy of a shared prefix, blocks
+//! conserved, reset empties the pool.
+
+mod common;
+
+use common::{collect_tokens, greedy_request, model_dir, readme_tokens, settled};
+use mlxcel_engine::api::{ChatMessage, InferenceService, Prompt};
+use mlxcel_engine::scheduler::{plan_step, SchedulerConfig, SeqProgress};
+use mlxcel_engine::{Engine, EngineConfig};
+use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, RowReserve, StorageBackend};
+use mlxcel_mlx::Dtype;
+use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, StepRow, WeightMode};
+
+/// Prompt lengths around block (32) multiples, as the issue asks.
+const LENGTHS: &[usize] = &[31, 32, 33, 64, 65, 200];
+
+fn engine(prefix_cache: bool) -> Engine {
+    let mut c = EngineConfig::new(model_dir());
+    c.parallel = 4;
+    c.kv_cache_budget = Some(256 << 20);
+    c.prefix_cache = prefix_cache;
+    c.check_invariants = true;
+    Engine::start(c).expect("engine")
+}
+
+/// Runs `prompt` through `model` the way the engine does (chunks on the
+/// 512-token grid from what the cache already holds) and returns the last
+/// position's logits; donates the blocks when `cache` is set.
+fn prefill(model: &dyn Model, kv: &mut KvCache, prompt: &[u32], cache: bool) -> (Vec<f32>, usize) {
+    let (seq, cached) = if cache {
+        kv.new_sequence_for_prompt(prompt).expect("lookup")
+    } else {
+        (kv.new_sequence(), 0)
+    };
+    let mut computed = cached;
+    let config = SchedulerConfig {
+        prefill_chunk_size: 512,
+        prefill_tile: 0,
+    };
+    loop {
+        let plan = plan_step(
+            &[SeqProgress {
+                known: prompt.len(),
+                computed,
+            }],
+            config,
+        );
+        let row = plan.rows[0];
+        let tokens = &prompt[computed..computed + row.real];
+        let reservation = kv
+            .reserve_step(&[RowReserve {
+                seq: &seq,
+                real: row.real,
+                padded: row.real,
+            }])
+            .expect("reserve");
+        let logits = {
+            let mut view = kv.step(&[(&seq, row.real)]).expect("view");
+            let rows = [StepRow {
+                tokens,
+                logits_at: row.sample.then(|| row.real - 1),
+            }];
+            model
+                .forward(&rows, &mut view, AttentionPath::PerRow)
+                .expect("forward")
+        };
+        kv.complete_step(reservation, true).expect("complete");
+        computed += row.real;
+        if cache {
+            kv.donate(&seq, &prompt[..computed]).expect("donate");
+        }
+        if row.sample {
+            return (logits.to_vec_f32().expect("logits"), cached);
+        }
+    }
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold(
+            (0, f32::MIN),
+            |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) },
+        )
+        .0
+}
+
+#[test]
+fn warm_logits_match_cold_logits() {
+    let dir = model_dir();
+    let config = ModelConfig::from_model_dir(&dir).expect("config");
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+    };
+    let model = mlxcel_engine::loader::load_model(&dir, config, options).expect("model");
+    let mut kv = KvCache::new(KvCacheConfig {
+        layout: model.kv_layout(),
+        block_size: 32,
+        num_blocks: 128,
+        backend: StorageBackend::Paged,
+        prefix: Some(PrefixCacheConfig {
+            extra_key: 1,
+            capacity_blocks: 128,
+        }),
+    })
+    .expect("kv");
+    let engine = engine(false);
+    let ids = readme_tokens(&engine);
+    drop(engine);
+    let mut worst = 0f32;
+    for &n in LENGTHS {
+        let prompt = &ids[..n];
+        let (cold, _) = prefill(model.as_ref(), &mut kv, prompt, false);
+        prefill(model.as_ref(), &mut kv, prompt, true);
+        let (warm, cached) = prefill(model.as_ref(), &mut kv, prompt, true);
+        kv.reclaim().expect("reclaim");
+        assert_eq!(
+            cached,
+            (n / 32 * 32).min(n - 1),
+            "{n}: tokens from the cache"
+        );
+        let diff = cold
+            .iter()
+            .zip(&warm)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{n} tokens: {cached} cached, largest |cold - warm| logit difference {diff:e}");
+        assert_eq!(argmax(&cold), argmax(&warm), "{n}: same greedy token");
+        assert!(diff < 1e-3, "{n}: logits differ by {diff}");
+        worst = worst.max(diff);
+    }
+    eprintln!("largest cold/warm logit difference over all prompts: {worst:e}");
+}
+
+#[test]
+fn greedy_answers_are_the_same_cold_warm_opted_out_and_disabled() {
+    let on = engine(true);
+    let ids = readme_tokens(&on);
+    let prompts: Vec<Prompt> = LENGTHS
+        .iter()
+        .map(|&n| Prompt::Tokens(ids[..n].to_vec()))
+        .collect();
+    let run = |e: &Engine, p: &Prompt, cache: bool| {
+        let mut r = greedy_request(p.clone(), 64);
+        r.cache_prompt = cache;
+        collect_tokens(e.submit(r).expect("submit")).expect("run")
+    };
+    let off = engine(false);
+    assert!(!off.stats().prefix_cache_enabled);
+    for (p, &n) in prompts.iter().zip(LENGTHS) {
+        let (disabled, _) = run(&off, p, true);
+        let (opted_out, u0) = run(&on, p, false);
+        let (cold, u1) = run(&on, p, true);
+        let (warm, u2) = run(&on, p, true);
+        assert_eq!(u0.cached_tokens, 0, "{n}: cache_prompt false reads nothing");
+        assert_eq!(
+            u2.cached_tokens,
+            (n / 32 * 32).min(n - 1),
+            "{n}: replay hits"
+        );
+        assert!(u1.cached_tokens <= u2.cached_tokens);
+        assert_eq!(cold, disabled, "{n}: cold == --no-prompt-cache");
+        assert_eq!(opted_out, disabled, "{n}: cache_prompt false == disabled");
+        assert_eq!(
+            warm, disabled,
+            "{n}: warm (whole-prompt replay) == disabled"
+        );
+    }
+    let s = settled(&on);
+    assert_eq!(s.kv_blocks_active, 0);
+    assert_eq!(
+        s.kv_blocks_used, s.kv_blocks_cached,
+        "after all end, used == cached"
+    );
+}
+
+#[test]
+fn concurrent_requests_share_one_copy_of_a_system_prompt_and_reset_empties_the_pool() {
+    let e = engine(true);
+    let ids = readme_tokens(&e);
+    let system = ids[..200].to_vec();
+    // 8 prompts: the same 200 tokens, then 20 distinct ones each.
+    let prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| {
+            let mut p = system.clone();
+            p.extend(&ids[400 + 20 * i..420 + 20 * i]);
+            p
+        })
+        .collect();
+    let max_tokens = 8;
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut r = greedy_request(Prompt::Tokens(p.clone()), max_tokens);
+            r.ignore_eos = true;
+            e.submit(r).expect("submit")
+        })
+        .collect();
+    let outs: Vec<_> = streams
+        .into_iter()
+        .map(|s| collect_tokens(s).expect("run"))
+        .collect();
+    let s = settled(&e);
+    // Positions with K/V: the prompt and all completion tokens but the last.
+    let computed = 220 + max_tokens - 1;
+    let shared = 200 / 32;
+    let want = shared + 8 * (computed / 32 - shared);
+    assert_eq!(
+        s.kv_blocks_cached, want,
+        "{shared} shared system-prompt blocks held once, plus each request's own"
+    );
+    assert_eq!(s.kv_blocks_used, s.kv_blocks_cached);
+    assert_eq!(s.kv_blocks_active, 0);
+    for (_, usage) in &outs {
+        assert_eq!(usage.prompt_tokens, 220);
+    }
+    // Reset: everything was unreferenced, so the pool empties.
+    let reset = e.reset_prefix_cache().expect("reset");
+    assert_eq!(reset.blocks_freed, want);
+    let s = e.stats();
+    assert_eq!((s.kv_blocks_used, s.kv_blocks_cached), (0, 0));
+    assert_eq!(
+        e.reset_prefix_cache().expect("again").blocks_freed,
+        0,
+        "idempotent"
+    );
+    // A request right after answers as before, from a cold cache.
+    let mut r = greedy_request(Prompt::Tokens(prompts[0].clone()), max_tokens);
+    r.ignore_eos = true;
+    let (again, usage) = collect_tokens(e.submit(r).expect("submit")).expect("run");
+    assert_eq!(usage.cached_tokens, 0);
+    assert_eq!(again, outs[0].0);
+}
+
+#[test]
+fn a_three_turn_chat_hits_its_earlier_turns() {
+    let e = engine(true);
+    let mut messages = vec![ChatMessage {
+        role: "system".into(),
+        content: "You are a concise assistant. Answer in one sentence.".into(),
+    }];
+    let mut last_prompt_len = 0;
+    let mut reused_before = e.stats().prefix_cache_tokens_reused;
+    for (turn, question) in [
+        "What is the capital of France?",
+        "And of Italy?",
+        "And of Spain?",
+    ]
+    .iter()
+    .enumerate()
+    {
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: (*question).into(),
+        });
+        let (answer, usage) = chat_turn(&e, &messages);
+        let reused = e.stats().prefix_cache_tokens_reused;
+        if turn > 0 {
+            assert!(
+                usage.cached_tokens >= last_prompt_len / 32 * 32,
+                "turn {}: {} cached, earlier turns hold {last_prompt_len} prompt tokens",
+                turn + 1,
+                usage.cached_tokens
+            );
+            assert!(usage.cached_tokens < usage.prompt_tokens);
+        }
+        assert_eq!(
+            (reused - reused_before) as usize,
+            usage.cached_tokens,
+            "stats move by what usage reports"
+        );
+        reused_before = reused;
+        last_prompt_len = usage.prompt_tokens;
+        messages.push(ChatMessage {
+            role: "assistant".into(),
+            content: answer,
+        });
+    }
+}
+
+/// One greedy chat turn: the answer's text and the usage.
+fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::api::Usage) {
+    use mlxcel_engine::api::GenerationEvent;
+    let mut stream = e
+        .submit(greedy_request(Prompt::Chat(messages.to_vec()), 24))
+        .expect("submit");
+    let mut text = String::new();
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::Delta { text: t, .. } => text.push_str(&t),
+            GenerationEvent::Finished { usage, .. } => return (text, usage),
+            GenerationEvent::Failed { message } => panic!("failed: {message}"),
+        }
+    }
+    panic!("stream ended without Finished")
+}
