@@ -254,3 +254,204 @@ fn server_answers_like_the_goldens() {
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
     check_non_streaming(port, &paris);
 }
+
+/// Polls `/v1/cache/stats` until nothing runs or waits; returns the stats.
+fn settled_stats(port: u16) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let s = get(port, "/v1/cache/stats").json();
+        if s["running"] == 0 && s["waiting"] == 0 {
+            return s;
+        }
+        assert!(std::time::Instant::now() < deadline, "never settled: {s}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// The value of the sample `name` (with its labels, as printed) in a
+/// Prometheus text body; 0 when absent.
+fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn metrics_text(port: u16) -> String {
+    let r = get(port, "/metrics");
+    assert_eq!(r.status, 200);
+    String::from_utf8(r.body).expect("utf-8 metrics")
+}
+
+/// Parses `/metrics` with the Prometheus project's Python client parser
+/// (installed by scripts/setup.sh) and returns the metric family names.
+fn parse_with_prometheus_client(text: &str) -> Vec<String> {
+    let python = std::env::var("MLXCEL_PYTHON")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/python").to_string());
+    let script = "import sys\n\
+        from prometheus_client.parser import text_string_to_metric_families\n\
+        for f in text_string_to_metric_families(sys.stdin.read()):\n    print(f.name)\n";
+    let mut child = Command::new(python)
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the project's python (scripts/setup.sh)");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write metrics");
+    let out = child.wait_with_output().expect("parser");
+    assert!(
+        out.status.success(),
+        "prometheus_client rejected /metrics: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn server_reuses_prompts_reports_cached_tokens_and_exports_metrics() {
+    let server = start_server();
+    let port = server.port;
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a helpful assistant who answers briefly."}),
+    ];
+    let mut last_prompt = 0;
+    for (turn, q) in ["Name a color.", "Name a fruit.", "Name an animal."]
+        .iter()
+        .enumerate()
+    {
+        messages.push(json!({"role": "user", "content": q}));
+        let before_stats = get(port, "/v1/cache/stats").json();
+        let before_metrics = metrics_text(port);
+        let v = post_json(
+            port,
+            "/v1/chat/completions",
+            &json!({"messages": messages, "temperature": 0, "max_tokens": 16}),
+        )
+        .json();
+        let usage = &v["usage"];
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens");
+        let prompt = usage["prompt_tokens"].as_u64().expect("prompt_tokens");
+        if turn > 0 {
+            assert!(
+                cached >= last_prompt / 32 * 32 && cached < prompt,
+                "turn {}: {cached} cached of {prompt}; the earlier turn had {last_prompt}",
+                turn + 1
+            );
+        }
+        let after_stats = get(port, "/v1/cache/stats").json();
+        let moved = |k: &str| {
+            after_stats[k].as_u64().expect("counter") - before_stats[k].as_u64().expect("counter")
+        };
+        assert_eq!(moved("tokens_reused"), cached, "stats move with usage");
+        assert_eq!(moved("lookups"), 1);
+        let after_metrics = metrics_text(port);
+        let delta = |n: &str| metric(&after_metrics, n) - metric(&before_metrics, n);
+        assert_eq!(delta("mlxcel_prompt_cached_tokens_total"), cached as f64);
+        assert_eq!(
+            delta("mlxcel_prefix_cache_tokens_reused_total"),
+            cached as f64
+        );
+        assert_eq!(delta("mlxcel_prompt_tokens_total"), prompt as f64);
+        last_prompt = prompt;
+        let answer = v["choices"][0]["message"]["content"].clone();
+        messages.push(json!({"role": "assistant", "content": answer}));
+    }
+
+    // A replay, streamed: the final usage chunk carries cached_tokens.
+    let body = json!({"messages": messages, "temperature": 0, "max_tokens": 4, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let r = post_json(port, "/v1/chat/completions", &body);
+    let text = String::from_utf8(r.body).expect("utf-8");
+    let usage: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|c| c["usage"].is_object())
+        .expect("usage chunk")["usage"]
+        .clone();
+    assert!(usage["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+
+    // A client that disconnects midway: its request stops and its blocks
+    // return (only the prefix cache keeps any).
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let body = json!({"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+                          "max_tokens": 500, "stream": true})
+        .to_string();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes())
+            .and_then(|()| s.write_all(body.as_bytes()))
+            .expect("send");
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while seen.windows(6).filter(|w| w == b"data: ").count() < 4 {
+            let n = s.read(&mut buf).expect("read");
+            assert!(n > 0, "stream ended early");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    }
+    let stats = settled_stats(port);
+    assert_eq!(stats["blocks"]["active"], 0, "{stats}");
+    assert_eq!(
+        stats["blocks"]["used"], stats["blocks"]["cached"],
+        "{stats}"
+    );
+    let m = metrics_text(port);
+    assert_eq!(
+        metric(
+            &m,
+            r#"mlxcel_request_duration_seconds_count{outcome="cancelled"}"#
+        ),
+        1.0,
+        "the disconnected request was cancelled, not finished"
+    );
+
+    // /metrics parses with a real Prometheus parser and has every family.
+    let families = parse_with_prometheus_client(&m);
+    for name in [
+        "mlxcel_http_requests",
+        "mlxcel_prompt_tokens",
+        "mlxcel_completion_tokens",
+        "mlxcel_prompt_cached_tokens",
+        "mlxcel_prefix_cache_events",
+        "mlxcel_prefix_cache_tokens_reused",
+        "mlxcel_kv_blocks",
+        "mlxcel_sequences",
+        "mlxcel_steps",
+        "mlxcel_step_tokens",
+        "mlxcel_time_to_first_token_seconds",
+        "mlxcel_inter_token_latency_seconds",
+        "mlxcel_request_duration_seconds",
+        "mlxcel_attention_rows",
+    ] {
+        assert!(
+            families.iter().any(|f| f == name),
+            "no {name} in {families:?}"
+        );
+    }
+
+    // Reset empties the pool; the next request still answers right.
+    let reset = post_json(port, "/v1/cache/reset", &json!({})).json();
+    assert!(reset["blocks_freed"].as_u64() > Some(0), "{reset}");
+    let stats = get(port, "/v1/cache/stats").json();
+    assert_eq!(
+        (&stats["blocks"]["used"], &stats["blocks"]["cached"]),
+        (&json!(0), &json!(0))
+    );
+    check_non_streaming(port, &golden("capital_france"));
+}
