@@ -87,6 +87,12 @@ pub struct ModelArgs {
     /// padded to the longest (`batched`), or one per row.
     #[arg(long, value_enum, default_value_t = AttentionPathArg::Batched)]
     pub attention_path: AttentionPathArg,
+    /// Keep at most N tokens of K/V per sequence: older ones are dropped
+    /// from the front (positions keep counting), so long prompts and
+    /// generations run in bounded memory. Models with a sliding window use
+    /// it as the bound.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_kv_size: Option<u32>,
     /// Turn the prompt prefix cache off (it needs paged storage).
     #[arg(long)]
     pub no_prompt_cache: bool,
@@ -195,6 +201,7 @@ impl ModelArgs {
             BackendArg::Paged => Some(StorageBackend::Paged),
         };
         c.prefix_cache = !self.no_prompt_cache;
+        c.max_kv_size = self.max_kv_size.map(|n| n as usize);
         c.prefix_cache_capacity = self.prompt_cache_capacity.value();
         c.attention_path = match self.attention_path {
             AttentionPathArg::Batched => AttentionPath::BatchedDecode,

@@ -455,3 +455,129 @@ fn server_reuses_prompts_reports_cached_tokens_and_exports_metrics() {
     );
     check_non_streaming(port, &golden("capital_france"));
 }
+
+/// Hostile and malformed bodies for the fuzz test: every one must be
+/// refused with a 4xx before it reaches the engine.
+fn hostile_bodies(rng: &mut rand_chacha::ChaCha8Rng) -> Vec<(Option<&'static str>, Vec<u8>)> {
+    use rand_core::RngCore;
+    let json_ct = Some("application/json");
+    let ok_message = json!([{"role": "user", "content": "hi"}]);
+    let mut out: Vec<(Option<&'static str>, Vec<u8>)> = Vec::new();
+    // Wrong types and out-of-range values, field by field.
+    let bad_fields: Vec<(&str, Value)> = vec![
+        ("messages", json!("hi")),
+        ("messages", json!(5)),
+        ("messages", json!({})),
+        ("messages", json!([])),
+        ("messages", json!([1, 2])),
+        ("messages", json!([{"role": "wizard", "content": "hi"}])),
+        ("messages", json!([{"role": "user"}])),
+        ("messages", json!([{"role": "user", "content": 7}])),
+        ("messages", json!([{"content": "hi"}])),
+        ("max_tokens", json!(-1)),
+        ("max_tokens", json!(0)),
+        ("max_tokens", json!("ten")),
+        ("max_tokens", json!(1.5)),
+        ("max_tokens", json!(1e300)),
+        ("temperature", json!(-1)),
+        ("temperature", json!(1e9)),
+        ("temperature", json!("hot")),
+        ("top_p", json!(0)),
+        ("top_p", json!(-0.5)),
+        ("top_p", json!(1.5)),
+        ("top_k", json!(-3)),
+        ("min_p", json!(2)),
+        ("n", json!(0)),
+        ("n", json!(1_000_000_000)),
+        ("seed", json!("x")),
+        ("stream", json!("yes")),
+        ("stream_options", json!({"include_usage": true})),
+        ("model", json!(42)),
+        ("model", json!("no-such-model")),
+        ("cache_prompt", json!("sure")),
+        ("user", json!(3)),
+        ("tools", json!([{"type": "function"}])),
+        ("frobnicate", json!(true)),
+    ];
+    for (field, value) in bad_fields {
+        let mut body = json!({"messages": ok_message, "max_tokens": 4});
+        body[field] = value;
+        out.push((json_ct, body.to_string().into_bytes()));
+    }
+    // Not JSON, random bytes, invalid UTF-8, deep nesting, non-objects.
+    for raw in [
+        &b""[..],
+        b"{",
+        b"null",
+        b"[]",
+        b"\"string\"",
+        b"{\"messages\": [}",
+        b"{\"messages\": \"\xff\xfe\"}",
+        b"\xc3\x28\xa0\xa1",
+    ] {
+        out.push((json_ct, raw.to_vec()));
+    }
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    out.push((json_ct, deep.into_bytes()));
+    let deep_obj = format!("{}1{}", "{\"a\":".repeat(50_000), "}".repeat(50_000));
+    out.push((json_ct, deep_obj.into_bytes()));
+    // Wrong content types.
+    out.push((Some("text/plain"), b"{}".to_vec()));
+    out.push((Some("application/xml"), b"<a/>".to_vec()));
+    // A body over the 4 MiB limit, and a huge model name under it.
+    out.push((json_ct, vec![b' '; 5 << 20]));
+    let huge = json!({"model": "m".repeat(3 << 20), "messages": ok_message});
+    out.push((json_ct, huge.to_string().into_bytes()));
+    // Truncations of a valid body, and random mutations of it.
+    let valid = json!({"messages": ok_message, "max_tokens": 4, "temperature": 0}).to_string();
+    let valid = valid.as_bytes();
+    for cut in 1..valid.len() {
+        out.push((json_ct, valid[..cut].to_vec()));
+    }
+    while out.len() < 260 {
+        let mut body = valid.to_vec();
+        for _ in 0..1 + rng.next_u32() % 4 {
+            let at = rng.next_u32() as usize % body.len();
+            body[at] = b"{}[]\",:\\\xff\x00"[rng.next_u32() as usize % 10];
+        }
+        if serde_json::from_slice::<Value>(&body).is_err() {
+            out.push((json_ct, body));
+        }
+    }
+    for _ in 0..20 {
+        let len = 1 + rng.next_u32() as usize % 512;
+        let bytes: Vec<u8> = (0..len).map(|_| rng.next_u32() as u8).collect();
+        if serde_json::from_slice::<Value>(&bytes).is_err() {
+            out.push((json_ct, bytes));
+        }
+    }
+    out
+}
+
+#[test]
+fn hostile_requests_get_4xx_and_the_server_stays_healthy() {
+    use rand_core::SeedableRng;
+    let server = start_server();
+    let port = server.port;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2026);
+    let bodies = hostile_bodies(&mut rng);
+    assert!(bodies.len() >= 200, "{} bodies", bodies.len());
+    for (i, (ct, body)) in bodies.iter().enumerate() {
+        let r = request(port, "POST", "/v1/chat/completions", *ct, body);
+        assert!(
+            (400..500).contains(&r.status),
+            "body {i} ({:?}...): status {}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(80)]),
+            r.status,
+            String::from_utf8_lossy(&r.body)
+        );
+        if r.status != 413 {
+            let v = r.json();
+            assert!(v["error"]["message"].is_string(), "body {i}: {v}");
+        }
+    }
+    assert_eq!(get(port, "/health").status, 200);
+    check_non_streaming(port, &golden("capital_france"));
+    let stats = settled_stats(port);
+    assert_eq!(stats["blocks"]["active"], 0);
+}

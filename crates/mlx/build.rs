@@ -13,11 +13,13 @@ fn main() {
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
         .file("src/gemv_forward.cc")
+        .file("src/skinny_gemm.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
-        .opt_level(2)
+        .opt_level(3)
+        .flag_if_supported("-funroll-loops")
         .compile("mlxcel_mlx_shim");
     println!(
         "cargo:rustc-link-search=native={}",
@@ -28,5 +30,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi.rs");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/gemv_forward.cc");
+    println!("cargo:rerun-if-changed=src/skinny_gemm.cc");
+    println!("cargo:rerun-if-changed=src/skinny_gemm.h");
     println!("cargo:rerun-if-changed=include/shim.h");
 }

@@ -61,6 +61,12 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Most unreferenced cached blocks kept; `None` = the whole pool.
     pub prefix_cache_capacity: Option<usize>,
+    /// Most K/V tokens each sequence keeps (older ones are dropped from the
+    /// front; positions keep counting). `None`: all (up to the context).
+    pub max_kv_size: Option<usize>,
+    /// Test-only: make chosen forwards fail.
+    #[cfg(feature = "fault-injection")]
+    pub fault: crate::fault::FaultInjection,
 }
 
 impl EngineConfig {
@@ -82,6 +88,9 @@ impl EngineConfig {
             check_invariants: cfg!(debug_assertions),
             prefix_cache: true,
             prefix_cache_capacity: None,
+            max_kv_size: None,
+            #[cfg(feature = "fault-injection")]
+            fault: crate::fault::FaultInjection::default(),
         }
     }
 }
@@ -146,7 +155,7 @@ impl Engine {
     ///
     /// # Errors
     /// Unreadable tokenizer/template/config, unsupported model, weight errors.
-    pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
+    pub fn start(mut config: EngineConfig) -> Result<Engine, EngineError> {
         let started = Instant::now();
         let dir = config.model_dir.clone();
         let model_config = ModelConfig::from_model_dir(&dir)?;
@@ -182,6 +191,12 @@ impl Engine {
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
         let options = LoadOptions { dtype, weight_mode };
+        // A sliding window keeps `window - 1` keys between steps (the new
+        // token is the window's last).
+        if let Some(w) = model_config.sliding_window {
+            let keep = w.saturating_sub(1).max(1);
+            config.max_kv_size = Some(config.max_kv_size.map_or(keep, |m| m.min(keep)));
+        }
         let identity = format!("{}|{:?}|{model_type}", dir.display(), dtype);
         let plan = ThreadPlan::new(&config, gpu, stable_hash(&identity))?;
         std::thread::Builder::new()
@@ -388,6 +403,9 @@ impl ThreadPlan {
                 parallel: config.parallel,
                 attention_path: config.attention_path,
                 check_invariants: config.check_invariants,
+                max_kv_size: config.max_kv_size,
+                #[cfg(feature = "fault-injection")]
+                fault: config.fault,
             },
             block_size: config.kv_block_size,
             budget: config.kv_cache_budget,
@@ -431,11 +449,17 @@ impl ThreadPlan {
     fn loaded(&self, kv: &KvCache) -> Loaded {
         let c = kv.config();
         let slack = worst_case_blocks(0, c.block_size, self.worker.scheduler.prefill_tile);
+        let pool_tokens = (c.num_blocks - slack) * c.block_size;
+        // With a KV window a request holds at most the window plus a chunk,
+        // whatever its length.
+        let windowed = self.worker.max_kv_size.is_some_and(|max| {
+            max + self.worker.scheduler.prefill_chunk_size + c.block_size <= pool_tokens
+        });
         Loaded {
             backend: c.backend,
             blocks: c.num_blocks,
             block_size: c.block_size,
-            max_request_tokens: (c.num_blocks - slack) * c.block_size,
+            max_request_tokens: if windowed { usize::MAX } else { pool_tokens },
         }
     }
 }

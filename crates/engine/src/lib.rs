@@ -10,6 +10,8 @@ pub use mlxcel_engine_api as api;
 pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod loader;
 pub mod sampler;
 pub mod scheduler;

@@ -20,7 +20,9 @@ use crate::api::{
 };
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::sampler::Sampler;
-use crate::scheduler::{plan_step, worst_case_blocks, SchedulerConfig, SeqProgress, StepPlan};
+use crate::scheduler::{
+    plan_step, worst_case_blocks, PlannedRow, SchedulerConfig, SeqProgress, StepPlan,
+};
 use crate::Text;
 
 /// One queued request, tokenized and validated by the handle.
@@ -50,6 +52,12 @@ pub(crate) struct WorkerConfig {
     /// Check every row's KV invariants after every step (debug builds and
     /// tests).
     pub(crate) check_invariants: bool,
+    /// Most K/V tokens a sequence keeps (`--max-kv-size`, or the model's
+    /// sliding window): older ones are dropped from the front.
+    pub(crate) max_kv_size: Option<usize>,
+    /// Test-only: make chosen forwards fail.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fault: crate::fault::FaultInjection,
 }
 
 /// A running request.
@@ -87,8 +95,8 @@ pub(crate) struct Worker<'m> {
     waiting: VecDeque<Job>,
     running: Vec<Sequence>,
     next_id: u64,
-    /// Ids of the sequences in the step being run (failed together).
-    in_step: Vec<u64>,
+    /// Ids of the sequences that ended during the step being run.
+    done: Vec<u64>,
     counters: EngineStats,
     published: Arc<Mutex<EngineStats>>,
 }
@@ -114,7 +122,7 @@ impl<'m> Worker<'m> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 0,
-            in_step: Vec::new(),
+            done: Vec::new(),
             counters,
             published,
         };
@@ -162,27 +170,93 @@ impl<'m> Worker<'m> {
         }
     }
 
-    /// Runs one step; an error or a panic fails the step's requests only.
+    /// Plans and runs one step. A forward that fails (an error or a panic)
+    /// over several rows is retried row by row, so only the rows that also
+    /// fail alone fail: a poisoned request can't take its batch-mates down.
     fn guarded_step(&mut self) {
-        self.in_step.clear();
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
-        let message = match outcome {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e,
-            Err(panic) => format!("internal error: {}", panic_message(&panic)),
-        };
-        self.counters.failed_steps += 1;
-        tracing::error!(error = %message, rows = self.in_step.len(), "step failed");
-        let failed = std::mem::take(&mut self.in_step);
-        self.running.retain(|s| {
-            if !failed.contains(&s.id) {
-                return true;
+        let plan = self.plan();
+        if plan.rows.is_empty() {
+            return;
+        }
+        match self.guarded_forward(&plan) {
+            Ok(logits) => self.after_forward(&plan, &logits),
+            Err(message) => {
+                self.counters.failed_steps += 1;
+                tracing::error!(error = %message, rows = plan.rows.len(), "step failed");
+                if let [row] = plan.rows[..] {
+                    self.fail(row.seq, &message);
+                } else {
+                    self.isolate(&plan);
+                }
             }
-            let _ = s.job.events.send(GenerationEvent::Failed {
-                message: message.clone(),
-            });
-            false
+        }
+        self.remove_done();
+    }
+
+    /// Re-runs each row of a failed step alone.
+    fn isolate(&mut self, plan: &StepPlan) {
+        for row in &plan.rows {
+            let single = StepPlan { rows: vec![*row] };
+            match self.guarded_forward(&single) {
+                Ok(logits) => self.after_forward(&single, &logits),
+                Err(message) => {
+                    self.counters.failed_steps += 1;
+                    tracing::error!(error = %message, "row failed alone");
+                    self.fail(row.seq, &message);
+                }
+            }
+        }
+    }
+
+    fn plan(&self) -> StepPlan {
+        let progress: Vec<SeqProgress> = self
+            .running
+            .iter()
+            .map(|s| SeqProgress {
+                known: s.tokens.len(),
+                computed: s.computed,
+            })
+            .collect();
+        plan_step(&progress, self.config.scheduler)
+    }
+
+    /// [`Worker::forward`] with panics caught; on any failure every row's
+    /// cache is rewound to where it was before the step.
+    fn guarded_forward(&mut self, plan: &StepPlan) -> Result<Vec<f32>, String> {
+        let ends: Vec<usize> = plan
+            .rows
+            .iter()
+            .map(|r| self.running[r.seq].computed)
+            .collect();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.forward(plan)));
+        let result =
+            outcome.unwrap_or_else(|p| Err(format!("internal error: {}", panic_message(&p))));
+        if result.is_err() {
+            for (r, &end) in plan.rows.iter().zip(&ends) {
+                let kv = &self.running[r.seq].kv;
+                if self.kv.end(kv).is_ok_and(|e| e > end) {
+                    if let Err(e) = self.kv.truncate_tail(kv, end) {
+                        tracing::error!(error = %e, "rewinding a failed step");
+                    }
+                }
+            }
+        }
+        result
+    }
+
+    /// Marks `seq` failed: its client gets the error; it leaves at the end of
+    /// the step (its blocks return).
+    fn fail(&mut self, seq: usize, message: &str) {
+        let s = &self.running[seq];
+        let _ = s.job.events.send(GenerationEvent::Failed {
+            message: message.to_owned(),
         });
+        self.done.push(s.id);
+    }
+
+    fn remove_done(&mut self) {
+        let done = std::mem::take(&mut self.done);
+        self.running.retain(|s| !done.contains(&s.id));
     }
 
     fn drop_cancelled(&mut self) {
@@ -213,7 +287,7 @@ impl<'m> Worker<'m> {
             let Some(job) = self.waiting.front() else {
                 break;
             };
-            let need = worst_case_blocks(job.prompt.len() + job.request.max_tokens, bs, tile);
+            let need = self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile);
             let promised: usize = self
                 .running
                 .iter()
@@ -238,6 +312,17 @@ impl<'m> Worker<'m> {
                 }
             }
         }
+    }
+
+    /// Blocks a request of `tokens` (prompt + max completion) may hold at
+    /// once: all of them, or with a KV window, the window plus one chunk
+    /// (and one more block, as the window starts mid-block).
+    fn worst_blocks(&self, tokens: usize, bs: usize, tile: usize) -> usize {
+        let held = match self.config.max_kv_size {
+            Some(max) => tokens.min(max + self.config.scheduler.prefill_chunk_size) + bs,
+            None => tokens,
+        };
+        worst_case_blocks(held, bs, tile)
     }
 
     /// A running sequence for `job`, its prompt prefix taken from the prefix
@@ -284,54 +369,54 @@ impl<'m> Worker<'m> {
         })
     }
 
-    /// One forward over the planned rows.
-    fn step(&mut self) -> Result<(), String> {
-        let progress: Vec<SeqProgress> = self
-            .running
-            .iter()
-            .map(|s| SeqProgress {
-                known: s.tokens.len(),
-                computed: s.computed,
-            })
-            .collect();
-        let plan = plan_step(&progress, self.config.scheduler);
-        if plan.rows.is_empty() {
-            return Ok(());
-        }
-        self.in_step = plan.rows.iter().map(|r| self.running[r.seq].id).collect();
-        let started = Instant::now();
-        let logits = self.forward(&plan)?;
-        self.count(&plan);
+    /// Everything after a successful forward: the rows' computed tokens,
+    /// prefix-cache donation, the `--max-kv-size` window, invariant checks,
+    /// then sampling and streaming. A failure here fails only its row.
+    fn after_forward(&mut self, plan: &StepPlan, logits: &[f32]) {
+        self.count(plan);
         for r in &plan.rows {
-            let s = &mut self.running[r.seq];
-            s.computed += r.real;
-            if s.job.request.cache_prompt {
-                // Full blocks become hittable as soon as they are computed.
-                self.kv
-                    .donate(&s.kv, &s.tokens[..s.computed])
-                    .map_err(|e| e.to_string())?;
+            if let Err(message) = self.advance(r) {
+                tracing::error!(error = %message, "row failed after its forward");
+                self.fail(r.seq, &message);
+            }
+        }
+        self.sample_and_emit(plan, logits);
+    }
+
+    /// Moves row `r`'s sequence past its computed tokens.
+    fn advance(&mut self, r: &PlannedRow) -> Result<(), String> {
+        let s = &mut self.running[r.seq];
+        s.computed += r.real;
+        let kv = &mut self.kv;
+        if s.job.request.cache_prompt {
+            // Full blocks become hittable as soon as they are computed.
+            kv.donate(&s.kv, &s.tokens[..s.computed])
+                .map_err(|e| e.to_string())?;
+        }
+        if let Some(max) = self.config.max_kv_size {
+            let (start, end) = (kv.start(&s.kv), kv.end(&s.kv));
+            let (start, end) = (
+                start.map_err(|e| e.to_string())?,
+                end.map_err(|e| e.to_string())?,
+            );
+            if end - start > max {
+                kv.drop_front(&s.kv, end - max).map_err(|e| e.to_string())?;
             }
         }
         if self.config.check_invariants {
-            for r in &plan.rows {
-                let s = &self.running[r.seq];
-                self.kv.check(&s.kv).map_err(|e| e.to_string())?;
-                let end = self.kv.end(&s.kv).map_err(|e| e.to_string())?;
-                if end != s.computed {
-                    return Err(format!("cache end {end} != computed {}", s.computed));
-                }
+            kv.check(&s.kv).map_err(|e| e.to_string())?;
+            let end = kv.end(&s.kv).map_err(|e| e.to_string())?;
+            if end != s.computed {
+                return Err(format!("cache end {end} != computed {}", s.computed));
             }
         }
-        let elapsed = started.elapsed().as_secs_f64();
-        for r in plan.rows.iter().filter(|r| r.padded > 1) {
-            self.running[r.seq].timings.prefill_s += elapsed;
-        }
-        self.sample_and_emit(&plan, &logits)
+        Ok(())
     }
 
     /// Reserves, runs and completes the step's forward; float32 logits of
     /// the sampling rows, `[rows * vocab]`, on the host.
     fn forward(&mut self, plan: &StepPlan) -> Result<Vec<f32>, String> {
+        let started = Instant::now();
         let reserve: Vec<RowReserve<'_>> = plan
             .rows
             .iter()
@@ -364,6 +449,8 @@ impl<'m> Worker<'m> {
                 logits_at: r.sample.then(|| r.real - 1),
             })
             .collect();
+        #[cfg(feature = "fault-injection")]
+        self.config.fault.check(&inputs)?;
         let path = match self.kv.config().backend {
             StorageBackend::Paged => self.config.attention_path,
             StorageBackend::Dense => AttentionPath::PerRow,
@@ -382,6 +469,18 @@ impl<'m> Worker<'m> {
         self.kv
             .complete_step(reservation, result.is_ok())
             .map_err(|e| e.to_string())?;
+        let elapsed = started.elapsed().as_secs_f64();
+        tracing::debug!(
+            rows = plan.rows.len(),
+            decode_rows = plan.decode_rows(),
+            prefill_tokens = plan.prefill_tokens(),
+            ok = result.is_ok(),
+            ms = elapsed * 1e3,
+            "step"
+        );
+        for r in plan.rows.iter().filter(|r| r.padded > 1) {
+            self.running[r.seq].timings.prefill_s += elapsed;
+        }
         if path == AttentionPath::BatchedDecode && plan.decode_rows() > 0 {
             self.counters.attention_batched_rows += plan.decode_rows() as u64;
         } else {
@@ -408,7 +507,7 @@ impl<'m> Worker<'m> {
 
     /// Samples each sampling row's next token and streams it; finishes and
     /// removes sequences that are done or whose client left.
-    fn sample_and_emit(&mut self, plan: &StepPlan, logits: &[f32]) -> Result<(), String> {
+    fn sample_and_emit(&mut self, plan: &StepPlan, logits: &[f32]) {
         let sampling: Vec<usize> = plan
             .rows
             .iter()
@@ -416,19 +515,20 @@ impl<'m> Worker<'m> {
             .map(|r| r.seq)
             .collect();
         if sampling.is_empty() {
-            return Ok(());
+            return;
         }
         let vocab = logits.len() / sampling.len();
-        let mut done = Vec::new();
         for (i, &seq) in sampling.iter().enumerate() {
+            if self.done.contains(&self.running[seq].id) {
+                continue;
+            }
             let row = &logits[i * vocab..(i + 1) * vocab];
-            match self.emit(seq, row)? {
-                Emitted::Continue => {}
-                Emitted::Finished | Emitted::Cancelled => done.push(self.running[seq].id),
+            match self.emit(seq, row) {
+                Ok(Emitted::Continue) => {}
+                Ok(Emitted::Finished | Emitted::Cancelled) => self.done.push(self.running[seq].id),
+                Err(message) => self.fail(seq, &message),
             }
         }
-        self.running.retain(|s| !done.contains(&s.id));
-        Ok(())
     }
 
     fn emit(&mut self, seq: usize, logits: &[f32]) -> Result<Emitted, String> {

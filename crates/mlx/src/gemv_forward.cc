@@ -13,6 +13,8 @@
 // releases do the same forwarding internally (GEMM_GEMV_FORWARD).
 #include <dlfcn.h>
 
+#include "skinny_gemm.h"
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -76,6 +78,12 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(
     } else {
       real_sgemv()(kRowMajor, kTrans, k, m, alpha, a, lda, b, incx, beta, c, ldc);
     }
+    return;
+  }
+  if (plain && trans_a == kNoTrans && trans_b == kTrans && m >= 2 && m <= 8 && n >= 64 &&
+      k >= 8 && alpha == 1.0f && beta == 0.0f && mlxcel::skinny_sgemm_available()) {
+    // A few rows against a [n, k] weight: stream the weight once.
+    mlxcel::skinny_sgemm(m, n, k, a, lda, b, ldb, c, ldc);
     return;
   }
   real_sgemm()(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

@@ -21,6 +21,9 @@ pub struct Attention {
     kv_heads: i32,
     head_dim: i32,
     scale: f32,
+    /// Sliding window (Mistral-style): a query sees at most this many keys,
+    /// itself included.
+    window: Option<usize>,
 }
 
 impl Attention {
@@ -40,6 +43,7 @@ impl Attention {
             kv_heads: config.num_key_value_heads as i32,
             head_dim: config.head_dim as i32,
             scale: (config.head_dim as f32).powf(-0.5),
+            window: config.sliding_window,
         })
     }
 
@@ -93,7 +97,11 @@ impl Attention {
             .reshape(&[1, n, h, d])?
             .transpose(&[0, 2, 1, 3])?;
         let (keys, values) = kv.read(layer, row)?;
-        let mask = causal_mask(n, keys.dim(2)?)?;
+        let live = keys.dim(2)?;
+        let mask = match self.window {
+            Some(w) => windowed_causal_mask(n, live, w, q.dtype())?,
+            None => causal_mask(n, live)?,
+        };
         let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
         Ok(o.transpose(&[0, 2, 1, 3])?.reshape(&[n, h * d])?)
     }
@@ -173,6 +181,39 @@ pub fn padding_mask(
         m[row * max + len..(row + 1) * max].fill(f32::NEG_INFINITY);
     }
     let mask = Array::from_f32(&m, &[lens.len() as i32, 1, 1, max_len])?;
+    Ok(AttentionMask::Array(if dtype == Dtype::Float32 {
+        mask
+    } else {
+        mask.astype(dtype)?
+    }))
+}
+
+/// [`causal_mask`] with a sliding window of `window` keys: query `i` of the
+/// last `q_len` sees the live keys at distance `0..window` from it. The
+/// cache keeps `window - 1` keys between steps, so a single query needs no
+/// band; a chunk of several does once `k_len > window`.
+///
+/// # Errors
+/// As [`causal_mask`].
+pub fn windowed_causal_mask(
+    q_len: i32,
+    k_len: i32,
+    window: usize,
+    dtype: Dtype,
+) -> Result<AttentionMask, ModelError> {
+    let plain = causal_mask(q_len, k_len)?;
+    if k_len as usize <= window {
+        return Ok(plain);
+    }
+    let (q, k) = (q_len as usize, k_len as usize);
+    let mut m = vec![f32::NEG_INFINITY; q * k];
+    for i in 0..q {
+        // Query i sits at key index k - q + i.
+        let at = k - q + i;
+        let first = (at + 1).saturating_sub(window);
+        m[i * k + first..=i * k + at].fill(0.0);
+    }
+    let mask = Array::from_f32(&m, &[1, 1, q_len, k_len])?;
     Ok(AttentionMask::Array(if dtype == Dtype::Float32 {
         mask
     } else {

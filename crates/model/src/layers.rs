@@ -73,9 +73,10 @@ impl QuantizedMatrix {
 /// The weight of a linear layer.
 #[derive(Debug, Clone)]
 pub enum Matrix {
-    /// Dense, stored transposed and contiguous, `[in, out]`: `x @ w` is then
-    /// a plain (NN) GEMM, which OpenBLAS runs without re-packing a strided
-    /// operand (measured 1.7x faster than `x @ wᵀ` at one row on CPU).
+    /// Dense, `[out, in]` contiguous as in the checkpoint: `x @ wᵀ` streams
+    /// weight rows, the layout the CPU paths want (GEMV for one row, the
+    /// skinny GEMM of `mlxcel-mlx` for 2-8 decode rows, which reads every
+    /// weight row once).
     Dense(Array),
     Quantized(QuantizedMatrix),
 }
@@ -83,8 +84,7 @@ pub enum Matrix {
 impl Matrix {
     fn load(ctx: &mut LoadContext<'_>, path: &str) -> Result<Matrix, ModelError> {
         let weight = ctx.weights.take(&format!("{path}.weight"))?;
-        let dense =
-            |w: Array| -> Result<Matrix, ModelError> { Ok(Matrix::Dense(w.t()?.contiguous()?)) };
+        let dense = |w: Array| -> Result<Matrix, ModelError> { Ok(Matrix::Dense(w.contiguous()?)) };
         match ctx.quant_of(path)? {
             None => dense(weight.astype(ctx.dtype)?),
             Some(spec) => {
@@ -105,7 +105,7 @@ impl Matrix {
     /// `x @ selfᵀ`: `[..., in] -> [..., out]`.
     pub fn apply(&self, x: &Array) -> Result<Array, ModelError> {
         Ok(match self {
-            Matrix::Dense(w) => x.matmul(w)?,
+            Matrix::Dense(w) => x.matmul(&w.t()?)?,
             Matrix::Quantized(q) => x.quantized_matmul(
                 &q.weight,
                 &q.scales,
@@ -121,7 +121,7 @@ impl Matrix {
     /// `[n] -> [n, in]`.
     pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array, ModelError> {
         Ok(match self {
-            Matrix::Dense(w) => w.take(ids, 1)?.t()?,
+            Matrix::Dense(w) => w.take(ids, 0)?,
             Matrix::Quantized(q) => {
                 let w = q.weight.take(ids, 0)?;
                 let s = q.scales.take(ids, 0)?;

@@ -1,5 +1,6 @@
-//! The Llama family: Llama 2/3 (Touvron et al. 2023), SmolLM, Mistral without
-//! a sliding window, and Qwen2 (same wiring plus q/k/v biases).
+//! The Llama family: Llama 2/3 (Touvron et al. 2023), SmolLM, Mistral (with
+//! its sliding window, kept by the engine's KV window and the attention
+//! mask), and Qwen2 (same wiring plus q/k/v biases).
 //!
 //! Reference implementations: Meta's `llama/model.py`, mlx_lm's
 //! `mlx_lm/models/llama.py` and `qwen2.py`. Weight paths mirror the
@@ -96,11 +97,6 @@ impl LlamaModel {
                 "model_type {} in the llama family",
                 config.model_type
             )));
-        }
-        if config.sliding_window.is_some() {
-            return Err(ModelError::Unsupported(
-                "sliding-window attention (comes with --max-kv-size)".into(),
-            ));
         }
         let mut ctx = LoadContext {
             weights,

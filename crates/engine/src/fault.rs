@@ -1,0 +1,28 @@
+//! Test-only fault injection (cargo feature `fault-injection`, never in a
+//! release build): makes chosen forwards fail, to prove that a failing step
+//! fails only its own requests (ARCHITECTURE.md invariant 6).
+
+/// Which forwards fail, and how.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultInjection {
+    /// Any forward that runs this token id (in any row) fails.
+    pub poison_token: Option<u32>,
+    /// Fail by panicking (caught at the step boundary) instead of an error.
+    pub panic: bool,
+}
+
+impl FaultInjection {
+    /// Fails when a row of the step holds the poison token.
+    pub(crate) fn check(&self, rows: &[Vec<u32>]) -> Result<(), String> {
+        let Some(poison) = self.poison_token else {
+            return Ok(());
+        };
+        if !rows.iter().any(|r| r.contains(&poison)) {
+            return Ok(());
+        }
+        if self.panic {
+            panic!("injected panic (token {poison})");
+        }
+        Err(format!("injected fault (token {poison})"))
+    }
+}
