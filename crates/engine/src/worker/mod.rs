@@ -1,0 +1,306 @@
+//! The engine thread's loop: admit, plan, run one forward, sample, stream.
+//!
+//! A step (ARCHITECTURE.md, crates/engine): take new requests off the queue,
+//! drop the ones whose client went away, give released blocks back, admit
+//! waiting requests the pool can hold to completion, plan the rows
+//! ([`crate::scheduler`]), reserve their positions, run the forward, rewind
+//! pad tokens, sample, stream deltas, and finish requests. A failing or
+//! panicking step fails only its rows' requests; their blocks return.
+
+use std::collections::VecDeque;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+
+use mlxcel_kv::{KvCache, KvSequence};
+use mlxcel_model::{AttentionPath, Model};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest, Timings, Usage};
+use crate::detokenizer::IncrementalDetokenizer;
+
+mod emit;
+mod step;
+use crate::sampler::Sampler;
+use crate::scheduler::{worst_case_blocks, SchedulerConfig};
+use crate::Text;
+
+/// One queued request, tokenized and validated by the handle.
+pub(crate) struct Job {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) request: GenerationRequest,
+    pub(crate) submitted: Instant,
+    pub(crate) events: UnboundedSender<GenerationEvent>,
+}
+
+/// What the handle sends the engine thread.
+pub(crate) enum Message {
+    /// A request to run.
+    Job(Job),
+    /// Free unreferenced prefix-cache blocks; the outcome goes back.
+    ResetPrefixCache(mpsc::Sender<CacheReset>),
+}
+
+/// The worker's options.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WorkerConfig {
+    pub(crate) scheduler: SchedulerConfig,
+    /// Sequences running at once.
+    pub(crate) parallel: usize,
+    /// How decode rows read the cache (batched needs the paged backend).
+    pub(crate) attention_path: AttentionPath,
+    /// Check every row's KV invariants after every step (debug builds and
+    /// tests).
+    pub(crate) check_invariants: bool,
+    /// Most K/V tokens a sequence keeps (`--max-kv-size`, or the model's
+    /// sliding window): older ones are dropped from the front.
+    pub(crate) max_kv_size: Option<usize>,
+    /// Test-only: make chosen forwards fail.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fault: crate::fault::FaultInjection,
+}
+
+/// A running request.
+struct Sequence {
+    id: u64,
+    job: Job,
+    kv: KvSequence,
+    /// Prompt then sampled tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose K/V is cached.
+    computed: usize,
+    /// Blocks it may need by its last token.
+    worst_blocks: usize,
+    sampler: Sampler,
+    detok: IncrementalDetokenizer,
+    usage: Usage,
+    timings: Timings,
+    first_token_at: Option<Instant>,
+    span: tracing::Span,
+}
+
+/// What happened to a sequence after its token was emitted.
+enum Emitted {
+    Continue,
+    Finished,
+    Cancelled,
+}
+
+/// The engine thread's state.
+pub(crate) struct Worker<'m> {
+    model: &'m dyn Model,
+    text: &'m Text,
+    kv: KvCache,
+    config: WorkerConfig,
+    waiting: VecDeque<Job>,
+    running: Vec<Sequence>,
+    next_id: u64,
+    /// Ids of the sequences that ended during the step being run.
+    done: Vec<u64>,
+    counters: EngineStats,
+    published: Arc<Mutex<EngineStats>>,
+}
+
+impl<'m> Worker<'m> {
+    pub(crate) fn new(
+        model: &'m dyn Model,
+        text: &'m Text,
+        kv: KvCache,
+        config: WorkerConfig,
+        published: Arc<Mutex<EngineStats>>,
+    ) -> Self {
+        let counters = EngineStats {
+            kv_storage_backend: kv.config().backend.to_string(),
+            kv_block_size: kv.config().block_size,
+            ..EngineStats::default()
+        };
+        let mut w = Worker {
+            model,
+            text,
+            kv,
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            done: Vec::new(),
+            counters,
+            published,
+        };
+        w.publish();
+        w
+    }
+
+    /// Serves `queue` until every sender is gone and no request is left.
+    pub(crate) fn run(mut self, queue: &mpsc::Receiver<Message>) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match queue.recv() {
+                    Ok(message) => self.handle(message),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(message) = queue.try_recv() {
+                self.handle(message);
+            }
+            self.drop_cancelled();
+            self.reclaim();
+            self.admit();
+            if !self.running.is_empty() {
+                self.guarded_step();
+            }
+            self.reclaim();
+            self.publish();
+        }
+        tracing::info!("engine thread stopping");
+    }
+
+    fn handle(&mut self, message: Message) {
+        match message {
+            Message::Job(job) => self.waiting.push_back(job),
+            Message::ResetPrefixCache(reply) => {
+                self.reclaim();
+                let r = self.kv.reset_prefix_cache();
+                tracing::info!(blocks_freed = r.blocks_freed, "prefix cache reset");
+                let _ = reply.send(CacheReset {
+                    blocks_freed: r.blocks_freed,
+                    bytes_freed: r.bytes_freed,
+                });
+                self.publish();
+            }
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|j| !j.events.is_closed());
+        self.running.retain(|s| {
+            let open = !s.job.events.is_closed();
+            if !open {
+                s.span
+                    .in_scope(|| tracing::info!("client went away; request cancelled"));
+            }
+            open
+        });
+    }
+
+    fn reclaim(&mut self) {
+        if let Err(e) = self.kv.reclaim() {
+            tracing::error!(error = %e, "KV reclaim failed");
+        }
+    }
+
+    /// Admits waiting requests, in order, while a slot is free and the pool
+    /// can hold each to its last token on top of what running ones may
+    /// still take. A request that doesn't fit waits (and so do later ones).
+    fn admit(&mut self) {
+        let bs = self.kv.config().block_size;
+        let tile = self.config.scheduler.prefill_tile;
+        while self.running.len() < self.config.parallel {
+            let Some(job) = self.waiting.front() else {
+                break;
+            };
+            let need = self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile);
+            let promised: usize = self
+                .running
+                .iter()
+                .map(|s| {
+                    let held = self.kv.blocks_held(&s.kv).unwrap_or(s.worst_blocks);
+                    s.worst_blocks.saturating_sub(held)
+                })
+                .sum();
+            if self.kv.pool().free_blocks() < promised + need {
+                break;
+            }
+            let Some(job) = self.waiting.pop_front() else {
+                break;
+            };
+            match self.new_sequence(job, need) {
+                Ok(seq) => self.running.push(seq),
+                Err((job, e)) => {
+                    tracing::error!(error = %e, "prefix lookup failed");
+                    let _ = job.events.send(GenerationEvent::Failed {
+                        message: e.to_string(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Blocks a request of `tokens` (prompt + max completion) may hold at
+    /// once: all of them, or with a KV window, the window plus one chunk
+    /// (and one more block, as the window starts mid-block).
+    fn worst_blocks(&self, tokens: usize, bs: usize, tile: usize) -> usize {
+        let held = match self.config.max_kv_size {
+            Some(max) => tokens.min(max + self.config.scheduler.prefill_chunk_size) + bs,
+            None => tokens,
+        };
+        worst_case_blocks(held, bs, tile)
+    }
+
+    /// A running sequence for `job`, its prompt prefix taken from the prefix
+    /// cache unless the request opted out.
+    #[allow(clippy::result_large_err)]
+    fn new_sequence(
+        &mut self,
+        job: Job,
+        worst_blocks: usize,
+    ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
+        let (kv, cached) = if job.request.cache_prompt {
+            match self.kv.new_sequence_for_prompt(&job.prompt) {
+                Ok(found) => found,
+                Err(e) => return Err((job, e)),
+            }
+        } else {
+            (self.kv.new_sequence(), 0)
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let span = tracing::info_span!(
+            "request",
+            id,
+            prompt_tokens = job.prompt.len(),
+            cached_tokens = cached
+        );
+        Ok(Sequence {
+            id,
+            kv,
+            tokens: job.prompt.clone(),
+            computed: cached,
+            worst_blocks,
+            sampler: Sampler::new(&job.request.sampling),
+            detok: IncrementalDetokenizer::new(),
+            usage: Usage {
+                prompt_tokens: job.prompt.len(),
+                completion_tokens: 0,
+                cached_tokens: cached,
+            },
+            timings: Timings::default(),
+            first_token_at: None,
+            span,
+            job,
+        })
+    }
+
+    fn publish(&mut self) {
+        let counts = self.kv.pool().counts();
+        let prefix = self.kv.prefix_stats();
+        let c = &mut self.counters;
+        c.running = self.running.len();
+        c.waiting = self.waiting.len();
+        c.kv_block_bytes = self.kv.block_bytes();
+        c.kv_blocks_total = counts.total;
+        c.kv_blocks_used = counts.used + counts.evictable;
+        c.kv_blocks_free = counts.free - counts.evictable;
+        c.kv_blocks_active = counts.used;
+        c.kv_blocks_cached = counts.cached;
+        c.prefix_cache_enabled = self.kv.prefix_cache_enabled();
+        c.prefix_cache_capacity_blocks = self.kv.prefix_capacity_blocks();
+        c.prefix_cache_lookups = prefix.lookups;
+        c.prefix_cache_hits = prefix.hits;
+        c.prefix_cache_misses = prefix.misses;
+        c.prefix_cache_tokens_queried = prefix.tokens_queried;
+        c.prefix_cache_tokens_reused = prefix.tokens_reused;
+        c.prefix_cache_inserts = prefix.inserts;
+        c.prefix_cache_evictions = prefix.evictions;
+        let mut out = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        out.clone_from(&self.counters);
+    }
+}
