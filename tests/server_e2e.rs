@@ -22,9 +22,14 @@ impl Drop for Server {
 }
 
 fn start_server() -> Server {
+    start_server_with(&[])
+}
+
+fn start_server_with(extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
         .args(["-m", model_dir().to_str().expect("utf-8 path")])
         .args(["--port", "0", "--alias", "smollm2"])
+        .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -580,4 +585,42 @@ fn hostile_requests_get_4xx_and_the_server_stays_healthy() {
     check_non_streaming(port, &golden("capital_france"));
     let stats = settled_stats(port);
     assert_eq!(stats["blocks"]["active"], 0);
+}
+
+#[test]
+fn long_prompts_answer_200_under_a_64_token_kv_window() {
+    let server = start_server_with(&["--max-kv-size", "64", "--prefill-chunk-size", "16"]);
+    let port = server.port;
+    let readme = include_str!("../README.md");
+    // Chat prompts of roughly 100 to 1,500 tokens, plus two short ones, all
+    // at once: long prompts continue in chunks after trims, batched with
+    // the short ones.
+    let sizes = [400, 1500, 3200, 6000, 10, 40];
+    let handles: Vec<_> = sizes
+        .iter()
+        .map(|&chars| {
+            let content: String = readme.chars().take(chars).collect();
+            std::thread::spawn(move || {
+                post_json(
+                    port,
+                    "/v1/chat/completions",
+                    &json!({"messages": [{"role": "user", "content": content}],
+                            "temperature": 0, "max_tokens": 8}),
+                )
+            })
+        })
+        .collect();
+    let mut prompt_tokens = Vec::new();
+    for h in handles {
+        let r = h.join().expect("request thread");
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        prompt_tokens.push(r.json()["usage"]["prompt_tokens"].as_u64().expect("usage"));
+    }
+    assert!(
+        prompt_tokens.iter().any(|&t| t >= 1400),
+        "{prompt_tokens:?}"
+    );
+    assert!(prompt_tokens.iter().any(|&t| t <= 120), "{prompt_tokens:?}");
+    let stats = settled_stats(port);
+    assert_eq!(stats["blocks"]["active"], 0, "{stats}");
 }

@@ -349,16 +349,6 @@ impl KvCache {
         Ok(self.state(seq)?.blocks.blocks().len())
     }
 
-    /// Blocks a sequence holding `[start, end)` needs at most to grow to
-    /// `end + n` (one more for a copy-on-write of a shared last block).
-    pub fn blocks_to_append(&self, seq: &KvSequence, n: usize) -> Result<usize, KvError> {
-        let b = &self.state(seq)?.blocks;
-        let bs = self.config.block_size;
-        let span = |s: usize, e: usize| if e > s { e.div_ceil(bs) - s / bs } else { 0 };
-        let grow = span(b.start(), b.end() + n) - b.blocks().len();
-        Ok(grow + usize::from(n > 0 && b.end() % bs != 0))
-    }
-
     /// Reserves positions `[end, end + n)` for `n` new tokens: blocks from
     /// the pool (copy-on-write of a shared last block first) and, dense, room
     /// in the buffers. All or nothing.
@@ -480,18 +470,5 @@ impl KvCache {
     /// same sequence twice.
     pub fn step(&mut self, rows: &[(&KvSequence, usize)]) -> Result<StepKv<'_>, KvError> {
         StepKv::new(self, rows.iter().map(|(s, n)| (s.id, *n)).collect())
-    }
-
-    /// Bytes of K/V storage allocated (pool arrays, or dense buffers).
-    pub fn storage_bytes(&self) -> usize {
-        match &self.paged {
-            Some(p) => p.arrays().map(mlxcel_mlx::Array::nbytes).sum(),
-            None => self
-                .seqs
-                .values()
-                .filter_map(|s| s.dense.as_ref())
-                .map(DenseStorage::nbytes)
-                .sum(),
-        }
     }
 }

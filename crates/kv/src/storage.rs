@@ -292,9 +292,4 @@ impl DenseStorage {
         }
         Ok(())
     }
-
-    /// Bytes held.
-    pub(crate) fn nbytes(&self) -> usize {
-        self.arrays().map(Array::nbytes).sum()
-    }
 }
