@@ -14,7 +14,6 @@ one JSON line with the ratios (mlxcel / mlx_lm; > 1 means mlxcel is faster).
 """
 import argparse
 import json
-import platform
 import re
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_mlx_lm import prompt_ids  # noqa: E402
+from load import machine  # noqa: E402
 
 
 def prompt_text(model_dir, n):
@@ -32,19 +32,6 @@ def prompt_text(model_dir, n):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return tok.decode(prompt_ids(tok, n))
-
-
-def machine():
-    cpu = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor()
-    import os
-    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
 
 
 def run_mlxcel(binary, model_dir, text, gen_tokens, extra):

@@ -381,23 +381,27 @@ impl KvCache {
     /// tokens): positions and blocks move together; the dropped positions
     /// are never read again.
     pub fn truncate_tail(&mut self, seq: &KvSequence, new_end: usize) -> Result<(), KvError> {
-        let id = seq.id;
-        let state = self
-            .seqs
-            .get_mut(&id)
-            .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
-        state.blocks.truncate_tail(&mut self.pool, new_end)
+        let (state, pool) = self.state_and_pool(seq)?;
+        state.blocks.truncate_tail(pool, new_end)
     }
 
     /// Drops the front to `new_start` (a window or `--max-kv-size`);
     /// positions keep their absolute values.
     pub fn drop_front(&mut self, seq: &KvSequence, new_start: usize) -> Result<(), KvError> {
-        let id = seq.id;
+        let (state, pool) = self.state_and_pool(seq)?;
+        state.blocks.drop_front(pool, new_start)
+    }
+
+    /// The sequence's state and the pool, borrowed together.
+    fn state_and_pool(
+        &mut self,
+        seq: &KvSequence,
+    ) -> Result<(&mut SeqState, &mut BlockPool), KvError> {
         let state = self
             .seqs
-            .get_mut(&id)
-            .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
-        state.blocks.drop_front(&mut self.pool, new_start)
+            .get_mut(&seq.id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {}", seq.id)))?;
+        Ok((state, &mut self.pool))
     }
 
     /// Checks that the sequence's positions, block table and storage agree.

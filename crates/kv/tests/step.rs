@@ -15,6 +15,15 @@ const LAYERS: usize = 2;
 const HEAD_DIM: usize = 2;
 
 fn cache(backend: StorageBackend, block_size: usize, num_blocks: usize) -> KvCache {
+    cache_with(backend, block_size, num_blocks, None)
+}
+
+fn cache_with(
+    backend: StorageBackend,
+    block_size: usize,
+    num_blocks: usize,
+    prefix: Option<mlxcel_kv::PrefixCacheConfig>,
+) -> KvCache {
     KvCache::new(KvCacheConfig {
         layout: KvLayout {
             layers: LAYERS,
@@ -25,7 +34,7 @@ fn cache(backend: StorageBackend, block_size: usize, num_blocks: usize) -> KvCac
         block_size,
         num_blocks,
         backend,
-        prefix: None,
+        prefix,
     })
     .expect("cache")
 }
@@ -280,22 +289,11 @@ fn front_drop_keeps_positions_absolute_and_reads_the_window() {
 }
 
 fn prefix_cache(num_blocks: usize, capacity_blocks: usize) -> KvCache {
-    KvCache::new(KvCacheConfig {
-        layout: KvLayout {
-            layers: LAYERS,
-            kv_heads: 1,
-            head_dim: HEAD_DIM,
-            dtype: Dtype::Float32,
-        },
-        block_size: 4,
-        num_blocks,
-        backend: StorageBackend::Paged,
-        prefix: Some(mlxcel_kv::PrefixCacheConfig {
-            extra_key: 1,
-            capacity_blocks,
-        }),
-    })
-    .expect("cache")
+    let prefix = mlxcel_kv::PrefixCacheConfig {
+        extra_key: 1,
+        capacity_blocks,
+    };
+    cache_with(StorageBackend::Paged, 4, num_blocks, Some(prefix))
 }
 
 /// Prefills `prompt` (ids = positions) as sequence `seq_tag`'s K/V, from
