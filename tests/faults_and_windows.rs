@@ -313,3 +313,34 @@ fn a_sliding_window_gives_the_same_tokens_whatever_the_chunking() {
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(whole, chunked);
 }
+
+#[test]
+fn a_prefix_hit_under_a_kv_window_answers_like_a_cold_run() {
+    let mut c = config();
+    c.max_kv_size = Some(64);
+    c.prefill_chunk_size = 64;
+    let e = Engine::start(c).expect("engine");
+    let ids = readme_tokens(&e);
+    for n in [300, 320] {
+        let prompt = ids[..n].to_vec();
+        let mut cold = long_request(prompt.clone(), 16);
+        cold.cache_prompt = false;
+        let (want, _) = collect_tokens(e.submit(cold).expect("submit")).expect("cold");
+        let (first, _) =
+            collect_tokens(e.submit(long_request(prompt.clone(), 16)).expect("submit"))
+                .expect("first");
+        let (warm, usage) =
+            collect_tokens(e.submit(long_request(prompt, 16)).expect("submit")).expect("warm");
+        assert!(
+            usage.cached_tokens >= 256,
+            "{n}: {} cached",
+            usage.cached_tokens
+        );
+        assert_eq!(first, want, "{n}: first cached run");
+        assert_eq!(
+            warm, want,
+            "{n}: a hit starts from the window a cold run has"
+        );
+    }
+    assert_eq!(settled(&e).kv_blocks_active, 0);
+}

@@ -129,6 +129,9 @@ pub(crate) struct SeqState {
     pub(crate) dense: Option<DenseStorage>,
     /// Chained hashes of its full blocks from position 0 (prefix cache).
     hashes: Vec<BlockHash>,
+    /// A tensor-side failure may have left its K/V half-updated (a block
+    /// copy, a buffer resize): it can't run again and only awaits release.
+    poisoned: bool,
 }
 
 /// The engine's KV cache; see the module docs.
@@ -199,6 +202,7 @@ impl KvCache {
             blocks: SequenceBlocks::new(&self.pool),
             dense,
             hashes: Vec::new(),
+            poisoned: false,
         })
     }
 
@@ -232,13 +236,16 @@ impl KvCache {
             return Ok((self.new_sequence(), 0));
         };
         let found = cache.lookup(&mut self.pool, tokens, cfg.extra_key)?;
-        let mut hashes = Vec::with_capacity(found.len());
-        for &b in &found {
-            hashes.extend(self.pool.hash_of(b)?);
-        }
+        let mut hashes: Vec<BlockHash> = found
+            .iter()
+            .filter_map(|&b| self.pool.hash_of(b).ok().flatten())
+            .collect();
         let mut blocks = SequenceBlocks::from_prefix(&self.pool, found);
         if !tokens.is_empty() && blocks.end() >= tokens.len() {
-            blocks.truncate_tail(&mut self.pool, tokens.len() - 1)?;
+            if let Err(e) = blocks.truncate_tail(&mut self.pool, tokens.len() - 1) {
+                blocks.release(&mut self.pool)?;
+                return Err(e);
+            }
         }
         hashes.truncate(blocks.end() / self.config.block_size);
         let cached = blocks.end();
@@ -246,6 +253,7 @@ impl KvCache {
             blocks,
             dense: None,
             hashes,
+            poisoned: false,
         });
         Ok((seq, cached))
     }
@@ -312,15 +320,21 @@ impl KvCache {
     /// many sequences were released.
     pub fn reclaim(&mut self) -> Result<usize, KvError> {
         let ids: Vec<u64> = self.released.borrow_mut().drain(..).collect();
+        let mut first_error = None;
         for id in &ids {
             if let Some(mut s) = self.seqs.remove(id) {
-                s.blocks.release(&mut self.pool)?;
+                if let Err(e) = s.blocks.release(&mut self.pool) {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         if !ids.is_empty() {
             self.enforce_prefix_capacity();
         }
-        Ok(ids.len())
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(ids.len()),
+        }
     }
 
     pub(crate) fn state(&self, seq: &KvSequence) -> Result<&SeqState, KvError> {
@@ -363,6 +377,11 @@ impl KvCache {
             .seqs
             .get_mut(&id)
             .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
+        if state.poisoned {
+            return Err(KvError::Invariant(format!(
+                "sequence {id} lost its K/V to an earlier storage failure"
+            )));
+        }
         let old_end = state.blocks.end();
         let appended = state.blocks.append_slots(&mut self.pool, n)?;
         let grown = match (&mut state.dense, &mut self.paged, appended.copy) {
@@ -371,6 +390,9 @@ impl KvCache {
             _ => Ok(()),
         };
         if let Err(e) = grown {
+            // The copy or the resize may have stopped half-way: this
+            // sequence's K/V can no longer be trusted.
+            state.poisoned = true;
             state.blocks.truncate_tail(&mut self.pool, old_end)?;
             return Err(e);
         }

@@ -125,12 +125,13 @@ impl PrefixCache {
     }
 
     /// Registers the full blocks of `seq` past the `hashes` already known
-    /// (the chain of its full blocks from position 0, extended here), so
-    /// later lookups hit them. A block whose content another block already
-    /// caches (computed concurrently by another sequence) is swapped for
-    /// that block, so concurrent prompts sharing a prefix end up holding one
-    /// copy. Returns (blocks newly cached, blocks swapped for shared ones).
-    /// Does nothing once the front was dropped (`start > 0`).
+    /// (the chain of its full blocks from position 0, extended here from
+    /// `tokens`), so later lookups hit them. A block whose content another
+    /// block already caches (computed concurrently by another sequence) is
+    /// swapped for that block, so concurrent prompts sharing a prefix end up
+    /// holding one copy. After a front drop the chain still starts at
+    /// position 0 (hashes need only tokens); blocks no longer held are
+    /// skipped. Returns (blocks newly cached, blocks swapped for shared ones).
     pub fn donate(
         &mut self,
         pool: &mut BlockPool,
@@ -145,26 +146,22 @@ impl PrefixCache {
                 got: tokens.len(),
             });
         }
-        if seq.start() > 0 {
-            return Ok((0, 0));
-        }
         let bs = pool.block_size();
+        let first = seq.first_logical_block();
         let (mut added, mut shared) = (0, 0);
         while hashes.len() < seq.end() / bs {
             let i = hashes.len();
-            let hash = BlockHash::chained(
-                hashes.last().copied(),
-                &tokens[i * bs..(i + 1) * bs],
-                extra_key,
-            );
-            let id = seq.blocks()[i];
-            match pool.cached_block(hash) {
-                Some(other) if other != id => {
-                    seq.replace_block(pool, i, other)?;
-                    shared += 1;
+            let block = &tokens[i * bs..(i + 1) * bs];
+            let hash = BlockHash::chained(hashes.last().copied(), block, extra_key);
+            if let Some(&id) = i.checked_sub(first).and_then(|t| seq.blocks().get(t)) {
+                match pool.cached_block(hash) {
+                    Some(other) if other != id => {
+                        seq.replace_block(pool, i - first, other)?;
+                        shared += 1;
+                    }
+                    Some(_) => {}
+                    None => added += usize::from(pool.register(id, hash)?),
                 }
-                Some(_) => {}
-                None => added += usize::from(pool.register(id, hash)?),
             }
             hashes.push(hash);
         }

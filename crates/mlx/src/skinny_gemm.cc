@@ -5,6 +5,8 @@
 #include <immintrin.h>
 #endif
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -77,8 +79,7 @@ constexpr KernelFn kKernels[9] = {nullptr,   kernel<1>, kernel<2>, kernel<3>, ke
 class Pool {
  public:
   Pool() {
-    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    helpers_ = static_cast<int>(std::min(hw, 8u)) - 1;
+    helpers_ = std::min(usable_cpus(), 8) - 1;
     for (int i = 0; i < helpers_; i++) threads_.emplace_back([this, i] { loop(i + 1); });
   }
   ~Pool() {
@@ -88,6 +89,13 @@ class Pool {
     for (auto& t : threads_) t.join();
   }
   int size() const { return helpers_ + 1; }
+
+  // CPUs this process may run on (affinity and cgroup cpusets), at least 1.
+  static int usable_cpus() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
 
   // Runs task(part) for part in [0, size()) and returns when all are done.
   // Callers that find the pool busy run every part themselves.
@@ -102,10 +110,14 @@ class Pool {
     generation_.fetch_add(1, std::memory_order_release);
     generation_.notify_all();
     task(0);
-    while (pending_.load(std::memory_order_acquire) != 0) {
-#if defined(__x86_64__)
-      _mm_pause();
-#endif
+    // Helpers finish within microseconds of the caller unless descheduled:
+    // spin briefly, then yield the CPU to them.
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; spin++) {
+      if (spin < 4000) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
     }
     task_ = nullptr;
   }
@@ -115,7 +127,7 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       uint64_t now = generation_.load(std::memory_order_acquire);
-      for (int spin = 0; now == seen && spin < 20000; spin++) {
+      for (int spin = 0; now == seen && spin < 4000; spin++) {
         _mm_pause();
         now = generation_.load(std::memory_order_acquire);
       }

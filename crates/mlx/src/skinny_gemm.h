@@ -7,8 +7,9 @@
 // the same weights (measured: perf shows half of decode in sgemm_itcopy).
 // This kernel streams each weight row once, computing all m dot products
 // against it while it is in registers: memory traffic is that of one GEMV.
-// Each output is a k-ordered sum of 8-lane partial sums, the same whatever m
-// is, so a row's result does not depend on which other rows share the step.
+// Each output is a k-ordered sum of 8-lane partial sums, the same for any m
+// in 2..8; one row (GEMV) and more than 8 rows (OpenBLAS) round differently,
+// within float32 noise.
 #pragma once
 
 namespace mlxcel {

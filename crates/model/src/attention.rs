@@ -126,7 +126,7 @@ impl Attention {
             return Ok(mlxcel_mlx::concatenate(&parts, 0)?);
         };
         let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
-        let mask = padding_mask(&lens, keys.dim(2)?, q.dtype())?;
+        let mask = padding_mask(&lens, keys.dim(2)?, self.window, q.dtype())?;
         let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
         Ok(o.reshape(&[rows as i32, h * d])?)
     }
@@ -161,13 +161,15 @@ pub fn causal_mask(q_len: i32, k_len: i32) -> Result<AttentionMask, ModelError> 
 
 /// The additive mask `[rows, 1, 1, max_len]` of one query per row over keys
 /// padded to `max_len`: row `r` sees its first `lens[r]` keys (its live
-/// keys, as the view returned them) and none of the padding.
+/// keys, as the view returned them) and none of the padding; with a sliding
+/// `window`, only the last `window` of them.
 ///
 /// # Errors
 /// A row with no live key, or one longer than `max_len`.
 pub fn padding_mask(
     lens: &[usize],
     max_len: i32,
+    window: Option<usize>,
     dtype: Dtype,
 ) -> Result<AttentionMask, ModelError> {
     let max = max_len as usize;
@@ -176,9 +178,10 @@ pub fn padding_mask(
             "row of {bad} live keys in a batch padded to {max}"
         )));
     }
-    let mut m = vec![0f32; lens.len() * max];
+    let mut m = vec![f32::NEG_INFINITY; lens.len() * max];
     for (row, &len) in lens.iter().enumerate() {
-        m[row * max + len..(row + 1) * max].fill(f32::NEG_INFINITY);
+        let first = window.map_or(0, |w| len.saturating_sub(w));
+        m[row * max + first..row * max + len].fill(0.0);
     }
     let mask = Array::from_f32(&m, &[lens.len() as i32, 1, 1, max_len])?;
     Ok(AttentionMask::Array(if dtype == Dtype::Float32 {

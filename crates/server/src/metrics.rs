@@ -31,6 +31,9 @@ pub struct Metrics {
     itl: Histogram,
     e2e: HistogramVec,
     engine: EngineMetrics,
+    /// One scrape at a time: engine counters catch up by difference, which
+    /// two concurrent scrapes would add twice.
+    scrape: std::sync::Mutex<()>,
 }
 
 /// Engine-side series, refreshed from a stats snapshot at scrape time.
@@ -220,6 +223,7 @@ impl Metrics {
             )
             .expect("valid metric definition"),
             engine: EngineMetrics::new(),
+            scrape: std::sync::Mutex::new(()),
         };
         m.register().expect("metric names are unique");
         m
@@ -246,6 +250,7 @@ impl Metrics {
 
     /// The text exposition, engine series refreshed from `stats`.
     pub fn render(&self, stats: &EngineStats) -> Result<String, String> {
+        let _one_at_a_time = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
         self.engine.refresh(stats);
         let mut out = Vec::new();
         TextEncoder::new()

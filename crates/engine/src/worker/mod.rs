@@ -235,6 +235,26 @@ impl<'m> Worker<'m> {
         worst_case_blocks(held, bs, tile)
     }
 
+    /// Puts a sequence that starts from `cached` prefix-cache tokens in the
+    /// state a cold run has at that point under a KV window: a cold run
+    /// trims to the window after each chunk, so the keys it has at the last
+    /// chunk boundary are the window before that boundary.
+    fn window_after_hit(
+        &mut self,
+        kv: &KvSequence,
+        cached: usize,
+    ) -> Result<(), mlxcel_kv::KvError> {
+        let Some(max) = self.config.max_kv_size else {
+            return Ok(());
+        };
+        let chunk = self.config.scheduler.prefill_chunk_size;
+        let boundary = cached / chunk * chunk;
+        if boundary > max {
+            self.kv.drop_front(kv, boundary - max)?;
+        }
+        Ok(())
+    }
+
     /// A running sequence for `job`, its prompt prefix taken from the prefix
     /// cache unless the request opted out.
     #[allow(clippy::result_large_err)]
@@ -251,6 +271,9 @@ impl<'m> Worker<'m> {
         } else {
             (self.kv.new_sequence(), 0)
         };
+        if let Err(e) = self.window_after_hit(&kv, cached) {
+            return Err((job, e));
+        }
         let id = self.next_id;
         self.next_id += 1;
         let span = tracing::info_span!(

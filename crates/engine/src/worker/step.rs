@@ -208,13 +208,15 @@ impl Worker<'_> {
             ms = elapsed * 1e3,
             "step"
         );
-        for r in plan.rows.iter().filter(|r| r.padded > 1) {
-            self.running[r.seq].timings.prefill_s += elapsed;
-        }
-        if path == AttentionPath::BatchedDecode && plan.decode_rows() > 0 {
-            self.counters.attention_batched_rows += plan.decode_rows() as u64;
-        } else {
-            self.counters.attention_per_row_rows += plan.decode_rows() as u64;
+        if result.is_ok() {
+            for r in plan.rows.iter().filter(|r| r.padded > 1) {
+                self.running[r.seq].timings.prefill_s += elapsed;
+            }
+            if path == AttentionPath::BatchedDecode && plan.decode_rows() > 0 {
+                self.counters.attention_batched_rows += plan.decode_rows() as u64;
+            } else {
+                self.counters.attention_per_row_rows += plan.decode_rows() as u64;
+            }
         }
         result.map_err(|e| e.to_string())
     }
