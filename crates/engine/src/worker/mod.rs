@@ -160,11 +160,12 @@ impl<'m> Worker<'m> {
                 self.reclaim();
                 let r = self.kv.reset_prefix_cache();
                 tracing::info!(blocks_freed = r.blocks_freed, "prefix cache reset");
+                // Stats first: whoever gets the reply reads them next.
+                self.publish();
                 let _ = reply.send(CacheReset {
                     blocks_freed: r.blocks_freed,
                     bytes_freed: r.bytes_freed,
                 });
-                self.publish();
             }
         }
     }
