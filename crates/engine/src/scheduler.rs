@@ -111,7 +111,8 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
 /// maximum completion) plus room for a tile's pad tokens and one
 /// copy-on-write block.
 pub fn worst_case_blocks(tokens: usize, block_size: usize, tile: usize) -> usize {
-    (tokens + tile).div_ceil(block_size) + 1
+    // A padded chunk ends before `real end + tile`.
+    (tokens + tile.saturating_sub(1)).div_ceil(block_size) + 1
 }
 
 #[cfg(test)]
