@@ -183,12 +183,7 @@ pub fn padding_mask(
         let first = window.map_or(0, |w| len.saturating_sub(w));
         m[row * max + first..row * max + len].fill(0.0);
     }
-    let mask = Array::from_f32(&m, &[lens.len() as i32, 1, 1, max_len])?;
-    Ok(AttentionMask::Array(if dtype == Dtype::Float32 {
-        mask
-    } else {
-        mask.astype(dtype)?
-    }))
+    additive_mask(&m, &[lens.len() as i32, 1, 1, max_len], dtype)
 }
 
 /// [`causal_mask`] with a sliding window of `window` keys: query `i` of the
@@ -216,7 +211,12 @@ pub fn windowed_causal_mask(
         let first = (at + 1).saturating_sub(window);
         m[i * k + first..=i * k + at].fill(0.0);
     }
-    let mask = Array::from_f32(&m, &[1, 1, q_len, k_len])?;
+    additive_mask(&m, &[1, 1, q_len, k_len], dtype)
+}
+
+/// An additive mask (0 visible, -inf hidden) of `shape` in the compute dtype.
+fn additive_mask(values: &[f32], shape: &[i32], dtype: Dtype) -> Result<AttentionMask, ModelError> {
+    let mask = Array::from_f32(values, shape)?;
     Ok(AttentionMask::Array(if dtype == Dtype::Float32 {
         mask
     } else {

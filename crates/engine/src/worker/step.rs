@@ -124,12 +124,9 @@ impl Worker<'_> {
                 .map_err(|e| e.to_string())?;
         }
         if let Some(max) = self.config.max_kv_size {
-            let (start, end) = (kv.start(&s.kv), kv.end(&s.kv));
-            let (start, end) = (
-                start.map_err(|e| e.to_string())?,
-                end.map_err(|e| e.to_string())?,
-            );
-            if end - start > max {
+            let len = kv.len(&s.kv).map_err(|e| e.to_string())?;
+            if len > max {
+                let end = kv.end(&s.kv).map_err(|e| e.to_string())?;
                 kv.drop_front(&s.kv, end - max).map_err(|e| e.to_string())?;
             }
         }
