@@ -93,6 +93,10 @@ pub struct ModelArgs {
     /// it as the bound.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_kv_size: Option<u32>,
+    /// A Jinja chat template file to use instead of the model's own (e.g.
+    /// one that renders tools).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<std::path::PathBuf>,
     /// Turn the prompt prefix cache off (it needs paged storage).
     #[arg(long)]
     pub no_prompt_cache: bool,
@@ -202,6 +206,7 @@ impl ModelArgs {
         };
         c.prefix_cache = !self.no_prompt_cache;
         c.max_kv_size = self.max_kv_size.map(|n| n as usize);
+        c.chat_template = self.chat_template.clone();
         c.prefix_cache_capacity = self.prompt_cache_capacity.value();
         c.attention_path = match self.attention_path {
             AttentionPathArg::Batched => AttentionPath::BatchedDecode,

@@ -63,10 +63,7 @@ fn prompts(engine: &Engine) -> Vec<Prompt> {
             Prompt::Chat(
                 g.messages
                     .iter()
-                    .map(|(role, content)| ChatMessage {
-                        role: role.clone(),
-                        content: content.clone(),
-                    })
+                    .map(|(role, content)| ChatMessage::text(role.clone(), content.clone()))
                     .collect(),
             )
         })

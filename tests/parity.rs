@@ -13,18 +13,16 @@ use mlxcel_engine::{Engine, EngineConfig};
 
 fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, FinishReason, usize) {
     let mut stream = engine
-        .submit(GenerationRequest {
-            prompt: Prompt::Chat(messages),
-            sampling: SamplingParams::greedy(),
-            max_tokens: GOLDEN_MAX_TOKENS,
-            ignore_eos: false,
-            cache_prompt: true,
-        })
+        .submit(GenerationRequest::new(
+            Prompt::Chat(messages),
+            SamplingParams::greedy(),
+            GOLDEN_MAX_TOKENS,
+        ))
         .expect("submit");
     let (mut ids, mut text) = (Vec::new(), String::new());
     while let Some(event) = stream.blocking_recv() {
         match event {
-            GenerationEvent::Delta { token, text: t } => {
+            GenerationEvent::Delta { token, text: t, .. } => {
                 if !engine.eos_token_ids().contains(&token) {
                     ids.push(token);
                 }
@@ -34,6 +32,7 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
                 return (ids, text, reason, usage.completion_tokens)
             }
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
+            GenerationEvent::ToolCall { call, .. } => panic!("unexpected tool call {call:?}"),
         }
     }
     panic!("stream ended without Finished");
@@ -49,13 +48,10 @@ fn greedy_tokens_equal_mlx_lm() {
         let messages: Vec<ChatMessage> = g
             .messages
             .iter()
-            .map(|(role, content)| ChatMessage {
-                role: role.clone(),
-                content: content.clone(),
-            })
+            .map(|(role, content)| ChatMessage::text(role.clone(), content.clone()))
             .collect();
         let prompt = engine
-            .tokenize_prompt(&Prompt::Chat(messages.clone()))
+            .tokenize_prompt(&Prompt::Chat(messages.clone()), &[])
             .expect("tokenize");
         assert_eq!(prompt, g.prompt_ids, "{}: prompt tokens", g.name);
         let (ids, text, reason, completion_tokens) = run(&engine, messages);

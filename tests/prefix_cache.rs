@@ -237,10 +237,10 @@ fn concurrent_requests_share_one_copy_of_a_system_prompt_and_reset_empties_the_p
 #[test]
 fn a_three_turn_chat_hits_its_earlier_turns() {
     let e = engine(true);
-    let mut messages = vec![ChatMessage {
-        role: "system".into(),
-        content: "You are a concise assistant. Answer in one sentence.".into(),
-    }];
+    let mut messages = vec![ChatMessage::text(
+        "system",
+        "You are a concise assistant. Answer in one sentence.",
+    )];
     let mut last_prompt_len = 0;
     let mut reused_before = e.stats().prefix_cache_tokens_reused;
     for (turn, question) in [
@@ -251,10 +251,7 @@ fn a_three_turn_chat_hits_its_earlier_turns() {
     .iter()
     .enumerate()
     {
-        messages.push(ChatMessage {
-            role: "user".into(),
-            content: (*question).into(),
-        });
+        messages.push(ChatMessage::text("user", *question));
         let (answer, usage) = chat_turn(&e, &messages);
         let reused = e.stats().prefix_cache_tokens_reused;
         if turn > 0 {
@@ -273,10 +270,7 @@ fn a_three_turn_chat_hits_its_earlier_turns() {
         );
         reused_before = reused;
         last_prompt_len = usage.prompt_tokens;
-        messages.push(ChatMessage {
-            role: "assistant".into(),
-            content: answer,
-        });
+        messages.push(ChatMessage::text("assistant", answer));
     }
 }
 
@@ -292,6 +286,7 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
             GenerationEvent::Delta { text: t, .. } => text.push_str(&t),
             GenerationEvent::Finished { usage, .. } => return (text, usage),
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
+            GenerationEvent::ToolCall { call, .. } => panic!("unexpected tool call {call:?}"),
         }
     }
     panic!("stream ended without Finished")

@@ -69,29 +69,22 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let prompt = if args.no_chat_template {
         Prompt::Text(args.prompt.clone())
     } else {
-        Prompt::Chat(vec![ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-        }])
+        Prompt::Chat(vec![ChatMessage::text("user", args.prompt.clone())])
     };
-    let request = GenerationRequest {
-        prompt,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            seed: args.seed,
-            ..SamplingParams::default()
-        },
-        max_tokens: args.max_tokens as usize,
-        ignore_eos: args.ignore_eos,
-        cache_prompt: true,
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        ..SamplingParams::default()
     };
+    let mut request = GenerationRequest::new(prompt, sampling, args.max_tokens as usize);
+    request.ignore_eos = args.ignore_eos;
     let mut stream = engine.submit(request).context("submitting the prompt")?;
     let mut out = std::io::stdout().lock();
     let mut ids = Vec::new();
     while let Some(event) = stream.blocking_recv() {
         match event {
-            GenerationEvent::Delta { token, text } => {
+            GenerationEvent::Delta { token, text, .. } => {
                 ids.push(token);
                 write!(out, "{text}")?;
                 out.flush()?;
@@ -116,6 +109,8 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             GenerationEvent::Failed { message } => anyhow::bail!("generation failed: {message}"),
+            // No tools are offered, so none are parsed.
+            GenerationEvent::ToolCall { .. } => {}
         }
     }
     anyhow::bail!("the engine stopped before the request finished")

@@ -82,13 +82,11 @@ pub fn greedy_request(
     prompt: mlxcel_engine::api::Prompt,
     max_tokens: usize,
 ) -> mlxcel_engine::api::GenerationRequest {
-    mlxcel_engine::api::GenerationRequest {
+    mlxcel_engine::api::GenerationRequest::new(
         prompt,
-        sampling: mlxcel_engine::api::SamplingParams::greedy(),
+        mlxcel_engine::api::SamplingParams::greedy(),
         max_tokens,
-        ignore_eos: false,
-        cache_prompt: true,
-    }
+    )
 }
 
 /// Drains a stream: the token ids (EOS included) and the usage, or the
@@ -103,6 +101,9 @@ pub fn collect_tokens(
             GenerationEvent::Delta { token, .. } => ids.push(token),
             GenerationEvent::Finished { usage, .. } => return Ok((ids, usage)),
             GenerationEvent::Failed { message } => return Err(message),
+            GenerationEvent::ToolCall { call, .. } => {
+                return Err(format!("unexpected tool call {call:?}"))
+            }
         }
     }
     Err("stream ended without Finished".into())
@@ -130,6 +131,6 @@ pub fn settled(engine: &mlxcel_engine::Engine) -> mlxcel_engine::api::EngineStat
 pub fn readme_tokens(engine: &mlxcel_engine::Engine) -> Vec<u32> {
     let text = include_str!("../../README.md");
     engine
-        .tokenize_prompt(&mlxcel_engine::api::Prompt::Text(text.into()))
+        .tokenize_prompt(&mlxcel_engine::api::Prompt::Text(text.into()), &[])
         .expect("tokenize README")
 }

@@ -21,7 +21,8 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind};
 use serde::Serialize;
 
-use crate::api::ChatMessage;
+use crate::api::{ChatMessage, ToolDefinition};
+use crate::output::{TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 use crate::tokenizer::{bos_eos_strings, read_json_opt, TextError};
 
 /// Name of the one template in the environment.
@@ -31,6 +32,11 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// Compiled once; `Send + Sync`, so one instance serves every request.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template reads `tools` / `tool_calls`; when it does not, tools
+    /// and calls are written into the messages as text (see
+    /// [`ChatTemplate::render_with_tools`]).
+    knows_tools: bool,
+    knows_tool_calls: bool,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -62,6 +68,19 @@ impl ChatTemplate {
         Self::new(source, bos_token, eos_token).map(Some)
     }
 
+    /// Loads a template from a Jinja file (`--chat-template`), rendered with
+    /// the BOS/EOS strings of the model in `model_dir`.
+    ///
+    /// Errors: unreadable files, a template that does not compile.
+    pub fn from_file(path: &Path, model_dir: &Path) -> Result<Self, TextError> {
+        let source = std::fs::read_to_string(path).map_err(|source| TextError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let (bos_token, eos_token) = bos_eos_strings(model_dir)?;
+        Self::new(source, bos_token, eos_token)
+    }
+
     /// Compiles `source` (Jinja text) with the given special-token strings.
     ///
     /// Errors: [`TextError::TemplateSyntax`] when the source does not parse.
@@ -70,6 +89,9 @@ impl ChatTemplate {
         bos_token: Option<String>,
         eos_token: Option<String>,
     ) -> Result<Self, TextError> {
+        let source = source.into();
+        let knows_tools = source.contains("tools");
+        let knows_tool_calls = source.contains("tool_calls");
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -79,10 +101,12 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.into())
+        env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| TextError::TemplateSyntax(e.to_string()))?;
         Ok(Self {
             env,
+            knows_tools,
+            knows_tool_calls,
             bos_token,
             eos_token,
         })
@@ -102,14 +126,52 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with `tools` in the context, in the format
+    /// `transformers`' `apply_chat_template(tools=...)` passes them
+    /// (`{"type": "function", "function": {name, description, parameters}}`;
+    /// `none` when empty). Messages go in Hugging Face's format too: an
+    /// assistant's `tool_calls` as `{"id", "type": "function", "function":
+    /// {"name", "arguments"}}` with `arguments` parsed into an object when it
+    /// is JSON (templates such as Qwen2.5's `tojson` it), `content` `none`
+    /// when absent.
+    ///
+    /// A template that never reads `tools` (SmolLM2's, for one) still gets
+    /// them: they are described in a system message, in the Hermes
+    /// `<tool_call>` format the engine parses. One that never reads
+    /// `tool_calls` gets earlier calls as `<tool_call>` text in the
+    /// assistant message, and tool results wrapped in `<tool_response>`.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TextError::TemplateRender(e.to_string()))?;
         let mut ctx: BTreeMap<&str, Value> = BTreeMap::new();
-        ctx.insert("messages", Value::from_serialize(messages));
+        let messages: Vec<serde_json::Value> = if self.knows_tool_calls {
+            messages.iter().map(hf_message).collect()
+        } else {
+            messages.iter().map(|m| hf_message(&calls_as_text(m))).collect()
+        };
+        let messages = if !tools.is_empty() && !self.knows_tools {
+            with_tool_system_prompt(messages, tools)
+        } else {
+            messages
+        };
+        ctx.insert("messages", Value::from_serialize(&messages));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
-        ctx.insert("tools", Value::from(()));
+        if tools.is_empty() {
+            ctx.insert("tools", Value::from(()));
+        } else {
+            let tools: Vec<serde_json::Value> = tools.iter().map(hf_tool).collect();
+            ctx.insert("tools", Value::from_serialize(&tools));
+        }
         ctx.insert("documents", Value::from(()));
         if let Some(bos) = &self.bos_token {
             ctx.insert("bos_token", Value::from(bos.as_str()));
@@ -129,6 +191,105 @@ impl ChatTemplate {
     pub fn eos_token(&self) -> Option<&str> {
         self.eos_token.as_deref()
     }
+}
+
+/// A message as `transformers` hands it to a template.
+fn hf_message(m: &ChatMessage) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    out.insert("role".into(), m.role.clone().into());
+    out.insert(
+        "content".into(),
+        m.content.clone().map_or(serde_json::Value::Null, Into::into),
+    );
+    if !m.tool_calls.is_empty() {
+        let calls = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                let arguments = serde_json::from_str::<serde_json::Value>(&c.arguments)
+                    .unwrap_or_else(|_| c.arguments.clone().into());
+                serde_json::json!({
+                    "id": c.id,
+                    "type": "function",
+                    "function": { "name": c.name, "arguments": arguments },
+                })
+            })
+            .collect();
+        out.insert("tool_calls".into(), serde_json::Value::Array(calls));
+    }
+    if let Some(id) = &m.tool_call_id {
+        out.insert("tool_call_id".into(), id.clone().into());
+    }
+    if let Some(name) = &m.name {
+        out.insert("name".into(), name.clone().into());
+    }
+    serde_json::Value::Object(out)
+}
+
+/// A message with its tool calls (and tool results) written as text, for
+/// templates that know neither.
+fn calls_as_text(m: &ChatMessage) -> ChatMessage {
+    let mut text = m.content.clone().unwrap_or_default();
+    for c in &m.tool_calls {
+        let arguments = serde_json::from_str::<serde_json::Value>(&c.arguments)
+            .unwrap_or_else(|_| c.arguments.clone().into());
+        let call = serde_json::json!({ "name": c.name, "arguments": arguments });
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(&format!("{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"));
+    }
+    if m.role == "tool" {
+        text = format!("<tool_response>\n{text}\n</tool_response>");
+    }
+    ChatMessage::text(m.role.clone(), text)
+}
+
+/// The tools described in a system message (merged into the first one when
+/// there is one): what they are, and how to call them.
+fn with_tool_system_prompt(
+    mut messages: Vec<serde_json::Value>,
+    tools: &[ToolDefinition],
+) -> Vec<serde_json::Value> {
+    let mut prompt = String::from(
+        "You can call functions. Their JSON signatures are listed between \
+         <tools> and </tools>. To call one, answer with a JSON object holding \
+         its \"name\" and its \"arguments\", between <tool_call> and </tool_call>:\n\
+         <tool_call>\n{\"name\": \"function_name\", \"arguments\": {\"arg\": \"value\"}}\n</tool_call>\n\
+         Function results come back between <tool_response> and </tool_response>.\n<tools>",
+    );
+    for tool in tools {
+        prompt.push('\n');
+        prompt.push_str(&hf_tool(tool).to_string());
+    }
+    prompt.push_str("\n</tools>");
+    let first_is_system = messages
+        .first()
+        .and_then(|m| m.get("role"))
+        .and_then(|r| r.as_str())
+        == Some("system");
+    if first_is_system {
+        let existing = messages[0]
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_owned();
+        messages[0]["content"] = format!("{existing}\n\n{prompt}").trim_start().into();
+    } else {
+        messages.insert(0, serde_json::json!({ "role": "system", "content": prompt }));
+    }
+    messages
+}
+
+/// A tool as `transformers` hands it to a template.
+fn hf_tool(t: &ToolDefinition) -> serde_json::Value {
+    let mut function = serde_json::Map::new();
+    function.insert("name".into(), t.name.clone().into());
+    if let Some(d) = &t.description {
+        function.insert("description".into(), d.clone().into());
+    }
+    function.insert("parameters".into(), t.parameters.clone());
+    serde_json::json!({ "type": "function", "function": function })
 }
 
 /// Finds the template text in a model directory (see
@@ -322,10 +483,7 @@ mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage::text(role, content)
     }
 
     fn render_src(src: &str, messages: &[ChatMessage]) -> Result<String, TextError> {

@@ -13,9 +13,11 @@
 //! next step.
 
 use crate::api::{
-    CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, SubmitError,
+    CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, ResponseFormat,
+    SubmitError, ToolChoice, ToolDefinition,
 };
 use crate::chat_template::ChatTemplate;
+use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
 use crate::scheduler::{worst_case_blocks, SchedulerConfig};
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
 use crate::worker::{Job, Message, Worker, WorkerConfig};
@@ -64,6 +66,8 @@ pub struct EngineConfig {
     /// Most K/V tokens each sequence keeps (older ones are dropped from the
     /// front; positions keep counting). `None`: all (up to the context).
     pub max_kv_size: Option<usize>,
+    /// A Jinja chat template file used instead of the model's own.
+    pub chat_template: Option<PathBuf>,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub fault: crate::fault::FaultInjection,
@@ -89,6 +93,7 @@ impl EngineConfig {
             prefix_cache: true,
             prefix_cache_capacity: None,
             max_kv_size: None,
+            chat_template: None,
             #[cfg(feature = "fault-injection")]
             fault: crate::fault::FaultInjection::default(),
         }
@@ -117,6 +122,15 @@ pub(crate) struct Text {
     pub(crate) tokenizer: TextTokenizer,
     pub(crate) template: Option<ChatTemplate>,
     pub(crate) eos: Vec<u32>,
+    /// The vocabulary as byte strings, for grammars and logprob bytes.
+    pub(crate) grammar: GrammarTokenizer,
+}
+
+impl Text {
+    /// The exact bytes of token `id`.
+    pub(crate) fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.grammar.token_bytes(id)
+    }
 }
 
 /// Handle to a running engine. Cheap to share (`Arc`); dropping the last
@@ -124,6 +138,9 @@ pub(crate) struct Text {
 pub struct Engine {
     model_id: String,
     context_length: usize,
+    /// Rows of the model's output (token ids accepted in `logit_bias`).
+    vocab_size: usize,
+    parallel: usize,
     text: Arc<Text>,
     jobs: mpsc::Sender<Message>,
     stats: Arc<Mutex<EngineStats>>,
@@ -160,7 +177,10 @@ impl Engine {
         let dir = config.model_dir.clone();
         let model_config = ModelConfig::from_model_dir(&dir)?;
         let tokenizer = TextTokenizer::from_model_dir(&dir)?;
-        let template = ChatTemplate::from_model_dir(&dir)?;
+        let template = match &config.chat_template {
+            Some(path) => Some(ChatTemplate::from_file(path, &dir)?),
+            None => ChatTemplate::from_model_dir(&dir)?,
+        };
         // generation_config.json, config.json and the tokenizer's EOS.
         let eos = eos_token_ids(&dir, &tokenizer);
         let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
@@ -179,11 +199,20 @@ impl Engine {
                 .unwrap_or_else(|| "model".into())
         });
         let context_length = model_config.max_position_embeddings;
+        let vocab_size = model_config.vocab_size;
+        let trie_started = Instant::now();
+        let grammar = GrammarTokenizer::new(&tokenizer, vocab_size, &eos)
+            .map_err(|e| EngineError::Config(format!("building the grammar tokenizer: {e}")))?;
+        tracing::info!(
+            ms = trie_started.elapsed().as_secs_f64() * 1e3,
+            "grammar tokenizer ready"
+        );
         let model_type = model_config.model_type.clone();
         let text = Arc::new(Text {
             tokenizer,
             template,
             eos,
+            grammar,
         });
         let (jobs, queue) = mpsc::channel::<Message>();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -252,6 +281,8 @@ impl Engine {
         Ok(Engine {
             model_id,
             context_length,
+            vocab_size,
+            parallel: plan.worker.parallel,
             text,
             jobs,
             stats,
@@ -264,7 +295,11 @@ impl Engine {
     /// # Errors
     /// Template errors (`raise_exception`, bad messages) and tokenizer errors,
     /// as [`SubmitError::InvalidRequest`].
-    pub fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>, SubmitError> {
+    pub fn tokenize_prompt(
+        &self,
+        prompt: &Prompt,
+        tools: &[ToolDefinition],
+    ) -> Result<Vec<u32>, SubmitError> {
         let invalid = |e: crate::tokenizer::TextError| SubmitError::InvalidRequest {
             message: e.to_string(),
             param: Some("messages".into()),
@@ -281,7 +316,9 @@ impl Engine {
                             message: "this model has no chat template".into(),
                             param: Some("messages".into()),
                         })?;
-                let rendered = template.render(messages, true).map_err(invalid)?;
+                let rendered = template
+                    .render_with_tools(messages, tools, true)
+                    .map_err(invalid)?;
                 self.text
                     .tokenizer
                     .encode_chat_prompt(&rendered)
@@ -309,41 +346,103 @@ impl InferenceService for Engine {
         &self,
         mut request: GenerationRequest,
     ) -> Result<crate::api::EventStream, SubmitError> {
-        let prompt = self.tokenize_prompt(&request.prompt)?;
+        let invalid = |param: &str, message: String| SubmitError::InvalidRequest {
+            message,
+            param: Some(param.into()),
+        };
+        let n = request.n.max(1);
+        if n > self.parallel {
+            return Err(invalid(
+                "n",
+                format!(
+                    "n = {n} is more than the {} sequences this server runs at once (--parallel)",
+                    self.parallel
+                ),
+            ));
+        }
+        if let Some(&(bad, _)) = request
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= self.vocab_size)
+        {
+            return Err(invalid(
+                "logit_bias",
+                format!("token id {bad} is outside the vocabulary ({})", self.vocab_size),
+            ));
+        }
+        let chat = matches!(request.prompt, Prompt::Chat(_));
+        if !chat && !request.tools.is_empty() {
+            return Err(invalid("tools", "tools need a chat prompt".into()));
+        }
+        // `tool_choice: none` hides the tools from the model.
+        let tools: &[ToolDefinition] = if request.tool_choice == ToolChoice::None {
+            &[]
+        } else {
+            &request.tools
+        };
+        let grammar = grammar_of(&request)?;
+        let constraints = match &grammar {
+            Some((grammar, param)) => (0..n)
+                .map(|_| ConstrainedDecoder::new(&self.text.grammar, grammar))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| invalid(param, e.to_string()))?,
+            None => Vec::new(),
+        };
+        let prompt = self.tokenize_prompt(&request.prompt, tools)?;
         if prompt.is_empty() {
-            return Err(SubmitError::InvalidRequest {
-                message: "the prompt is empty".into(),
-                param: Some("messages".into()),
-            });
+            return Err(invalid("messages", "the prompt is empty".into()));
         }
         let vocab = self.text.tokenizer.vocab_size();
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(SubmitError::InvalidRequest {
-                message: format!("token id {bad} is outside the vocabulary ({vocab})"),
-                param: Some("prompt".into()),
-            });
+            return Err(invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary ({vocab})"),
+            ));
         }
         // A request must fit the model's context and, to its last token,
-        // the KV pool (else it could never be admitted).
+        // the KV pool (else it could never be admitted); each extra choice
+        // needs room for its own tokens (and a copied block, and slack).
         let limit = self.context_length.min(self.info.max_request_tokens);
-        if prompt.len() >= limit {
+        let extra = (n - 1) * (3 * self.info.kv_block_size + self.info.prefill_tile);
+        let room = limit.saturating_sub(prompt.len() + extra) / n;
+        if prompt.len() >= limit || room == 0 {
             return Err(SubmitError::ContextLengthExceeded {
                 prompt_tokens: prompt.len(),
                 context_length: limit,
             });
         }
-        request.max_tokens = request.max_tokens.min(limit - prompt.len()).max(1);
+        request.max_tokens = request.max_tokens.min(room).max(1);
+        let parse_tools = chat && !tools.is_empty();
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
         let job = Job {
             prompt,
             request,
             submitted: Instant::now(),
             events,
+            constraints,
+            parse_tools,
         };
         self.jobs
             .send(Message::Job(job))
             .map_err(|_| SubmitError::Unavailable("the engine has stopped".into()))?;
         Ok(stream)
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {
+        let vocab = self.text.tokenizer.vocab_size();
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(SubmitError::InvalidRequest {
+                message: format!("token id {bad} is outside the vocabulary ({vocab})"),
+                param: Some("prompt".into()),
+            });
+        }
+        self.text
+            .tokenizer
+            .decode(tokens, false)
+            .map_err(|e| SubmitError::InvalidRequest {
+                message: e.to_string(),
+                param: Some("prompt".into()),
+            })
     }
 
     fn stats(&self) -> EngineStats {
@@ -358,6 +457,47 @@ impl InferenceService for Engine {
             .map_err(|_| gone())?;
         outcome.recv().map_err(|_| gone())
     }
+}
+
+/// The grammar a request's output must follow, and the field that asked
+/// for it: a required or named tool call, or `response_format`.
+fn grammar_of(request: &GenerationRequest) -> Result<Option<(Grammar, &'static str)>, SubmitError> {
+    let only = match &request.tool_choice {
+        ToolChoice::Required => None,
+        ToolChoice::Function(name) => Some(name.clone()),
+        ToolChoice::Auto | ToolChoice::None => {
+            return Ok(request.response_format.as_ref().map(|f| {
+                let grammar = match f {
+                    ResponseFormat::JsonObject => Grammar::JsonObject,
+                    ResponseFormat::JsonSchema(schema) => Grammar::JsonSchema(schema.clone()),
+                };
+                (grammar, "response_format")
+            }));
+        }
+    };
+    let refuse = |message: &str| SubmitError::InvalidRequest {
+        message: message.into(),
+        param: Some("tool_choice".into()),
+    };
+    if request.tools.is_empty() {
+        return Err(refuse("tool_choice requires tools"));
+    }
+    if request.response_format.is_some() {
+        return Err(refuse(
+            "a required tool call cannot be combined with response_format",
+        ));
+    }
+    if let Some(name) = &only {
+        if !request.tools.iter().any(|t| &t.name == name) {
+            return Err(refuse(&format!("tool_choice names an unknown function `{name}`")));
+        }
+    }
+    let tools = request
+        .tools
+        .iter()
+        .map(|t| (t.name.clone(), t.parameters.clone()))
+        .collect();
+    Ok(Some((Grammar::ToolCalls { tools, only }, "tool_choice")))
 }
 
 /// What the engine thread builds after loading, decided from the config.

@@ -8,11 +8,14 @@
 /// The front-end seam (re-exported from `mlxcel-engine-api`).
 pub use mlxcel_engine_api as api;
 pub mod chat_template;
+pub mod constraint;
 pub mod detokenizer;
 pub mod engine;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod loader;
+pub mod logits;
+pub mod output;
 pub mod sampler;
 pub mod scheduler;
 pub mod tokenizer;

@@ -33,10 +33,7 @@ fn read(name: &str) -> String {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    }
+    ChatMessage::text(role, content)
 }
 
 fn hi() -> Vec<ChatMessage> {

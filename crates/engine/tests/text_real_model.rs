@@ -38,10 +38,7 @@ fn model_dir() -> PathBuf {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    }
+    ChatMessage::text(role, content)
 }
 
 #[test]

@@ -258,6 +258,32 @@ impl KvCache {
         Ok((seq, cached))
     }
 
+    /// A second sequence holding the same positions and K/V as `seq` (the
+    /// `n` choices of one prompt): paged, it references the same blocks
+    /// (each block's refcount goes up; the first write into a shared
+    /// partial block copies it); dense, it shares the buffers until one is
+    /// written. Errors: an unknown or poisoned sequence.
+    pub fn fork(&mut self, seq: &KvSequence) -> Result<KvSequence, KvError> {
+        let state = self
+            .seqs
+            .get(&seq.id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {}", seq.id)))?;
+        if state.poisoned {
+            return Err(KvError::Invariant(format!(
+                "sequence {} lost its K/V to an earlier storage failure",
+                seq.id
+            )));
+        }
+        let blocks = state.blocks.fork(&mut self.pool)?;
+        let forked = SeqState {
+            blocks,
+            dense: state.dense.clone(),
+            hashes: state.hashes.clone(),
+            poisoned: false,
+        };
+        Ok(self.insert_sequence(forked))
+    }
+
     /// Donates the sequence's full blocks of `tokens` (its token ids from
     /// position 0, at least `end` of them) to the prefix cache; see
     /// [`PrefixCache::donate`]. Returns (newly cached, swapped for shared).

@@ -156,8 +156,10 @@ impl PagedStorage {
     }
 }
 
-/// One sequence's contiguous K/V buffers (dense backend).
-#[derive(Debug)]
+/// One sequence's contiguous K/V buffers (dense backend). A clone shares
+/// the MLX buffers; MLX copies a buffer on the first write while it is
+/// shared (it updates in place only when it holds the only reference).
+#[derive(Debug, Clone)]
 pub(crate) struct DenseStorage {
     /// `[layer] -> [1, kv_heads, capacity, head_dim]`; `None` before the
     /// first write.

@@ -1,15 +1,24 @@
 //! Sampling and streaming: each sampling row's next token becomes a delta
-//! (or the request's end) on its stream.
+//! (or the choice's end) on its stream.
+//!
+//! Per choice and position: logit bias and penalties
+//! ([`crate::logits`]), the grammar mask ([`crate::constraint`]), the
+//! log-probabilities, the sampler; then the token's text goes through the
+//! detokenizer and the output filter ([`crate::output`]: stop strings, tool
+//! calls) before it is sent.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use super::{Emitted, Worker};
-use crate::api::{FinishReason, GenerationEvent};
+use crate::api::{FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob};
+use crate::logits::log_probs;
 use crate::scheduler::StepPlan;
 
 impl Worker<'_> {
-    /// Samples each sampling row's next token and streams it; finishes and
-    /// removes sequences that are done or whose client left.
+    /// Samples each sampling row's next token and streams it; forks the
+    /// other choices of a request whose prompt was just computed; finishes
+    /// and removes sequences that are done or whose client left.
     pub(super) fn sample_and_emit(&mut self, plan: &StepPlan, logits: &[f32]) {
         let sampling: Vec<usize> = plan
             .rows
@@ -26,20 +35,61 @@ impl Worker<'_> {
                 continue;
             }
             let row = &logits[i * vocab..(i + 1) * vocab];
-            match self.emit(seq, row) {
-                Ok(Emitted::Continue) => {}
-                Ok(Emitted::Finished | Emitted::Cancelled) => self.done.push(self.running[seq].id),
-                Err(message) => self.fail(seq, &message),
+            let mut choices = vec![seq];
+            if !self.running[seq].forks.is_empty() {
+                match self.fork_choices(seq) {
+                    Ok(forked) => choices.extend(forked),
+                    Err(message) => {
+                        self.fail(seq, &message);
+                        continue;
+                    }
+                }
+            }
+            for seq in choices {
+                match self.emit(seq, row) {
+                    Ok(Emitted::Continue) => {}
+                    Ok(Emitted::Finished | Emitted::Cancelled) => {
+                        self.done.push(self.running[seq].id)
+                    }
+                    Err(message) => self.fail(seq, &message),
+                }
             }
         }
     }
 
     fn emit(&mut self, seq: usize, logits: &[f32]) -> Result<Emitted, String> {
-        let eos = &self.text.eos;
-        let tokenizer = &self.text.tokenizer;
+        let text = self.text;
         let s = &mut self.running[seq];
         let _enter = s.span.enter();
-        let token = s.sampler.sample(logits);
+        let logits: Cow<'_, [f32]> = if s.processor.is_noop() && s.constraint.is_none() {
+            Cow::Borrowed(logits)
+        } else {
+            let mut owned = logits.to_vec();
+            s.processor.apply(&mut owned);
+            if let Some(c) = &mut s.constraint {
+                c.mask_logits(&mut owned).map_err(|e| e.to_string())?;
+            }
+            Cow::Owned(owned)
+        };
+        let token = s.sampler.sample(&logits);
+        let logprobs = s.job.request.logprobs.map(|k| {
+            let (logprob, top) = log_probs(&logits, token, k);
+            SampledLogprobs {
+                token: text.token_logprob(token, logprob),
+                top: top
+                    .into_iter()
+                    .map(|(id, lp)| text.token_logprob(id, lp))
+                    .collect(),
+            }
+        });
+        s.processor.record(token);
+        let grammar_done = match &mut s.constraint {
+            Some(c) => {
+                c.accept(token).map_err(|e| e.to_string())?;
+                c.is_finished()
+            }
+            None => false,
+        };
         s.tokens.push(token);
         s.usage.completion_tokens += 1;
         let now = Instant::now();
@@ -47,8 +97,8 @@ impl Worker<'_> {
             s.first_token_at = Some(now);
             s.timings.time_to_first_token_s = (now - s.job.submitted).as_secs_f64();
         }
-        let is_eos = !s.job.request.ignore_eos && eos.contains(&token);
-        let finish = if is_eos {
+        let is_eos = !s.job.request.ignore_eos && text.eos.contains(&token);
+        let mut finish = if is_eos || grammar_done {
             Some(FinishReason::Stop)
         } else if s.usage.completion_tokens >= s.job.request.max_tokens {
             Some(FinishReason::Length)
@@ -57,38 +107,78 @@ impl Worker<'_> {
         };
         // The EOS token is not text; on the last token, whatever the
         // detokenizer held back goes out with it.
-        let mut delta = if is_eos {
+        let tokenizer = &text.tokenizer;
+        let mut piece = if is_eos {
             String::new()
         } else {
             s.detok.push(tokenizer, token).map_err(|e| e.to_string())?
         };
         if finish.is_some() {
-            delta.push_str(&s.detok.flush(tokenizer).map_err(|e| e.to_string())?);
+            piece.push_str(&s.detok.flush(tokenizer).map_err(|e| e.to_string())?);
         }
-        let event = GenerationEvent::Delta { token, text: delta };
-        if (!is_eos || matches!(&event, GenerationEvent::Delta { text, .. } if !text.is_empty()))
-            && s.job.events.send(event).is_err()
-        {
+        let mut out = s.filter.push(&piece);
+        if out.stopped {
+            finish = Some(FinishReason::Stop);
+        } else if finish.is_some() {
+            let rest = s.filter.finish();
+            out.text.push_str(&rest.text);
+            out.tool_calls.extend(rest.tool_calls);
+        }
+        let index = s.index;
+        let send_delta = !is_eos || !out.text.is_empty();
+        let delta = GenerationEvent::Delta {
+            index,
+            token,
+            text: out.text,
+            logprobs: if is_eos { None } else { logprobs },
+        };
+        let mut sent = !send_delta || s.job.events.send(delta).is_ok();
+        for call in out.tool_calls {
+            sent &= s
+                .job
+                .events
+                .send(GenerationEvent::ToolCall { index, call })
+                .is_ok();
+        }
+        if !sent {
             tracing::info!("client went away; request cancelled");
             return Ok(Emitted::Cancelled);
         }
-        let Some(reason) = finish else {
+        let Some(mut reason) = finish else {
             return Ok(Emitted::Continue);
         };
+        if reason == FinishReason::Stop && s.filter.tool_calls() > 0 {
+            reason = FinishReason::ToolCalls;
+        }
         if let Some(t0) = s.first_token_at {
             s.timings.decode_s = t0.elapsed().as_secs_f64();
         }
         tracing::info!(
+            choice = index,
             completion_tokens = s.usage.completion_tokens,
             ?reason,
             ttft_s = s.timings.time_to_first_token_s,
-            "request finished"
+            "choice finished"
         );
         let _ = s.job.events.send(GenerationEvent::Finished {
+            index,
             reason,
             usage: s.usage,
             timings: s.timings,
         });
         Ok(Emitted::Finished)
+    }
+}
+
+impl crate::Text {
+    /// `logprob` of token `id`, with its text and exact bytes.
+    fn token_logprob(&self, id: u32, logprob: f32) -> TokenLogprob {
+        let bytes = self.token_bytes(id);
+        TokenLogprob {
+            id,
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+            logprob,
+        }
     }
 }

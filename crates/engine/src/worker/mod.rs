@@ -16,7 +16,10 @@ use mlxcel_model::{AttentionPath, Model};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest, Timings, Usage};
+use crate::constraint::ConstrainedDecoder;
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::logits::LogitsProcessor;
+use crate::output::OutputFilter;
 
 mod emit;
 mod step;
@@ -30,6 +33,11 @@ pub(crate) struct Job {
     pub(crate) request: GenerationRequest,
     pub(crate) submitted: Instant,
     pub(crate) events: UnboundedSender<GenerationEvent>,
+    /// One grammar matcher per choice when the output is constrained
+    /// (`response_format`, a required tool call), else empty.
+    pub(crate) constraints: Vec<ConstrainedDecoder>,
+    /// Whether tool calls are parsed out of the text.
+    pub(crate) parse_tools: bool,
 }
 
 /// What the handle sends the engine thread.
@@ -59,10 +67,16 @@ pub(crate) struct WorkerConfig {
     pub(crate) fault: crate::fault::FaultInjection,
 }
 
-/// A running request.
+/// One running choice of a request.
 struct Sequence {
     id: u64,
-    job: Job,
+    /// Shared by the request's choices.
+    job: Arc<Job>,
+    /// The choice (0..n).
+    index: usize,
+    /// Choice 0 before its first token: the other choices, forked from it
+    /// once the prompt is computed (they share its blocks).
+    forks: Vec<Fork>,
     kv: KvSequence,
     /// Prompt then sampled tokens.
     tokens: Vec<u32>,
@@ -71,11 +85,22 @@ struct Sequence {
     /// Blocks it may need by its last token.
     worst_blocks: usize,
     sampler: Sampler,
+    processor: LogitsProcessor,
+    constraint: Option<ConstrainedDecoder>,
     detok: IncrementalDetokenizer,
+    filter: OutputFilter,
     usage: Usage,
     timings: Timings,
     first_token_at: Option<Instant>,
     span: tracing::Span,
+}
+
+/// A choice still to fork from choice 0.
+struct Fork {
+    index: usize,
+    constraint: Option<ConstrainedDecoder>,
+    /// Blocks it may need beyond the prompt's.
+    own_blocks: usize,
 }
 
 /// What happened to a sequence after its token was emitted.
@@ -198,7 +223,13 @@ impl<'m> Worker<'m> {
             let Some(job) = self.waiting.front() else {
                 break;
             };
-            let need = self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile);
+            let n = job.request.n.max(1);
+            if !self.running.is_empty() && self.running.len() + n > self.config.parallel {
+                break;
+            }
+            let own = self.worst_blocks(job.request.max_tokens + bs, bs, tile);
+            let need =
+                self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile) + (n - 1) * own;
             let promised: usize = self
                 .running
                 .iter()
@@ -213,7 +244,7 @@ impl<'m> Worker<'m> {
             let Some(job) = self.waiting.pop_front() else {
                 break;
             };
-            match self.new_sequence(job, need) {
+            match self.new_sequence(job, need, own) {
                 Ok(seq) => self.running.push(seq),
                 Err((job, e)) => {
                     tracing::error!(error = %e, "prefix lookup failed");
@@ -256,13 +287,16 @@ impl<'m> Worker<'m> {
         Ok(())
     }
 
-    /// A running sequence for `job`, its prompt prefix taken from the prefix
-    /// cache unless the request opted out.
+    /// Choice 0 of `job`, its prompt prefix taken from the prefix cache
+    /// unless the request opted out; the other choices wait in its `forks`.
+    /// `worst_blocks` covers every choice; `own_blocks` is what each other
+    /// choice may need beyond the prompt.
     #[allow(clippy::result_large_err)]
     fn new_sequence(
         &mut self,
-        job: Job,
+        mut job: Job,
         worst_blocks: usize,
+        own_blocks: usize,
     ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
         let (kv, cached) = if job.request.cache_prompt {
             match self.kv.new_sequence_for_prompt(&job.prompt) {
@@ -275,6 +309,15 @@ impl<'m> Worker<'m> {
         if let Err(e) = self.window_after_hit(&kv, cached) {
             return Err((job, e));
         }
+        let mut constraints = std::mem::take(&mut job.constraints).into_iter();
+        let first = constraints.next();
+        let forks = (1..job.request.n.max(1))
+            .map(|index| Fork {
+                index,
+                constraint: constraints.next(),
+                own_blocks,
+            })
+            .collect();
         let id = self.next_id;
         self.next_id += 1;
         let span = tracing::info_span!(
@@ -290,7 +333,14 @@ impl<'m> Worker<'m> {
             computed: cached,
             worst_blocks,
             sampler: Sampler::new(&job.request.sampling),
+            processor: LogitsProcessor::new(
+                &job.request.sampling,
+                &job.request.logit_bias,
+                &job.prompt,
+            ),
+            constraint: first,
             detok: IncrementalDetokenizer::new(),
+            filter: OutputFilter::new(&job.request.stop, job.parse_tools),
             usage: Usage {
                 prompt_tokens: job.prompt.len(),
                 completion_tokens: 0,
@@ -299,8 +349,57 @@ impl<'m> Worker<'m> {
             timings: Timings::default(),
             first_token_at: None,
             span,
-            job,
+            index: 0,
+            forks,
+            job: Arc::new(job),
         })
+    }
+
+    /// Forks choice 0 (at `seq`, its prompt just computed) into the
+    /// request's other choices; returns their indices in `running`. Each
+    /// shares its blocks and samples from the same logits with its own
+    /// generator (seed + choice index).
+    fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, String> {
+        let forks = std::mem::take(&mut self.running[seq].forks);
+        let mut added = Vec::with_capacity(forks.len());
+        let bs = self.kv.config().block_size;
+        for fork in forks {
+            let parent = &self.running[seq];
+            let kv = self.kv.fork(&parent.kv).map_err(|e| e.to_string())?;
+            let held = self.kv.blocks_held(&kv).map_err(|e| e.to_string())?;
+            let mut sampling = parent.job.request.sampling;
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(fork.index as u64));
+            let id = self.next_id;
+            self.next_id += 1;
+            let span = tracing::info_span!(parent: &parent.span, "choice", index = fork.index);
+            let child = Sequence {
+                id,
+                job: Arc::clone(&parent.job),
+                index: fork.index,
+                forks: Vec::new(),
+                kv,
+                tokens: parent.tokens.clone(),
+                computed: parent.computed,
+                worst_blocks: held + fork.own_blocks,
+                sampler: Sampler::new(&sampling),
+                processor: parent.processor.clone(),
+                constraint: fork.constraint,
+                detok: IncrementalDetokenizer::new(),
+                filter: OutputFilter::new(&parent.job.request.stop, parent.job.parse_tools),
+                usage: parent.usage,
+                timings: parent.timings,
+                first_token_at: None,
+                span,
+            };
+            self.running.push(child);
+            added.push(self.running.len() - 1);
+        }
+        // Choice 0 now promises only its own tokens.
+        let job = &self.running[seq].job;
+        let own = job.prompt.len() + job.request.max_tokens;
+        let worst = self.worst_blocks(own, bs, self.config.scheduler.prefill_tile);
+        self.running[seq].worst_blocks = worst;
+        Ok(added)
     }
 
     fn publish(&mut self) {

@@ -1,0 +1,214 @@
+//! Logit processors applied before sampling, and log-probabilities.
+//!
+//! Order per position (the same as vLLM's and mlx-lm's): logit bias, then
+//! the repetition penalty, then presence/frequency penalties; then the
+//! grammar mask (in the worker); log-probabilities are read from the result,
+//! before temperature and the sampler's filters.
+//!
+//! - `logit_bias` (OpenAI): `logit[id] += bias`.
+//! - Presence / frequency penalties (OpenAI's definition): for each token
+//!   generated `c > 0` times, `logit -= presence + c * frequency`. Prompt
+//!   tokens do not count.
+//! - Repetition penalty (CTRL, Keskar et al. 2019; `transformers`'
+//!   `RepetitionPenaltyLogitsProcessor`): for each distinct token among the
+//!   last [`REPETITION_CONTEXT`] tokens (prompt and completion), a positive
+//!   logit is divided by the penalty and a negative one multiplied. The
+//!   window is mlx-lm's `repetition_context_size` default.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::api::SamplingParams;
+
+/// Tokens the repetition penalty looks back over (mlx-lm's default).
+pub const REPETITION_CONTEXT: usize = 20;
+
+/// One choice's processors and the token history they need.
+#[derive(Debug, Clone)]
+pub struct LogitsProcessor {
+    presence: f32,
+    frequency: f32,
+    repetition: f32,
+    bias: Vec<(u32, f32)>,
+    /// Times each token was generated.
+    counts: HashMap<u32, u32>,
+    /// The last [`REPETITION_CONTEXT`] tokens, prompt included.
+    recent: VecDeque<u32>,
+}
+
+impl LogitsProcessor {
+    /// Processors of one choice of a request with `params` and `bias`,
+    /// whose prompt is `prompt`.
+    pub fn new(params: &SamplingParams, bias: &[(u32, f32)], prompt: &[u32]) -> Self {
+        let tail = prompt.len().saturating_sub(REPETITION_CONTEXT);
+        Self {
+            presence: params.presence_penalty,
+            frequency: params.frequency_penalty,
+            repetition: params.repetition_penalty,
+            bias: bias.to_vec(),
+            counts: HashMap::new(),
+            recent: prompt[tail..].iter().copied().collect(),
+        }
+    }
+
+    /// True when [`LogitsProcessor::apply`] changes nothing.
+    pub fn is_noop(&self) -> bool {
+        self.bias.is_empty()
+            && self.presence == 0.0
+            && self.frequency == 0.0
+            && self.repetition == 1.0
+    }
+
+    /// Applies bias and penalties to one row of logits (ids past the row's
+    /// end are ignored).
+    pub fn apply(&self, logits: &mut [f32]) {
+        for &(id, bias) in &self.bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        if self.repetition != 1.0 {
+            let mut seen: Vec<u32> = self.recent.iter().copied().collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for id in seen {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = if *l > 0.0 {
+                        *l / self.repetition
+                    } else {
+                        *l * self.repetition
+                    };
+                }
+            }
+        }
+        if self.presence != 0.0 || self.frequency != 0.0 {
+            for (&id, &count) in &self.counts {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l -= self.presence + count as f32 * self.frequency;
+                }
+            }
+        }
+    }
+
+    /// Records a generated token.
+    pub fn record(&mut self, token: u32) {
+        *self.counts.entry(token).or_insert(0) += 1;
+        if self.recent.len() == REPETITION_CONTEXT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(token);
+    }
+}
+
+/// Natural-log probabilities from one row of logits: that of `token`, and
+/// the `k` most likely tokens (most likely first, ties by lower id). NaN
+/// logits count as `-inf`.
+pub fn log_probs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let clean = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let max = logits
+        .iter()
+        .map(|&l| clean(l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return (f32::NEG_INFINITY, Vec::new());
+    }
+    let sum: f64 = logits
+        .iter()
+        .map(|&l| f64::from(clean(l) - max).exp())
+        .sum();
+    let log_z = f64::from(max) + sum.ln();
+    let lp = |l: f32| (f64::from(clean(l)) - log_z) as f32;
+    let chosen = logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |&l| lp(l));
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(ids.len());
+    let rank = |a: &u32, b: &u32| {
+        clean(logits[*b as usize])
+            .total_cmp(&clean(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    if k > 0 && k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, rank);
+    }
+    ids.truncate(k);
+    ids.sort_unstable_by(rank);
+    let top = ids
+        .into_iter()
+        .map(|id| (id, lp(logits[id as usize])))
+        .collect();
+    (chosen, top)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(presence: f32, frequency: f32, repetition: f32) -> SamplingParams {
+        SamplingParams {
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            repetition_penalty: repetition,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    #[test]
+    fn bias_and_openai_penalties_follow_their_definitions() {
+        let mut p = LogitsProcessor::new(&params(0.5, 0.25, 1.0), &[(1, 3.0), (9, 1.0)], &[0]);
+        assert!(!p.is_noop());
+        p.record(2);
+        p.record(2);
+        p.record(3);
+        let mut logits = vec![1.0, 1.0, 1.0, 1.0];
+        p.apply(&mut logits);
+        // id 1: +3 bias; id 2: -(0.5 + 2*0.25); id 3: -(0.5 + 0.25);
+        // id 0 is a prompt token: untouched; id 9 is out of range.
+        assert_eq!(logits, vec![1.0, 4.0, 0.0, 0.25]);
+    }
+
+    #[test]
+    fn repetition_penalty_scales_recent_tokens_by_sign() {
+        let prompt: Vec<u32> = (0..30).map(|i| i % 4 + 10).collect();
+        let mut p = LogitsProcessor::new(&params(0.0, 0.0, 2.0), &[], &prompt);
+        p.record(1);
+        let mut logits = vec![4.0, 4.0, -4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, -6.0, 6.0];
+        p.apply(&mut logits);
+        assert_eq!(logits[0], 4.0, "not in the window");
+        assert_eq!(logits[1], 2.0, "generated: divided");
+        assert_eq!(logits[10], 3.0);
+        assert_eq!(logits[11], -12.0, "negative: multiplied");
+        assert_eq!(logits[12], 3.0);
+    }
+
+    #[test]
+    fn the_repetition_window_slides() {
+        let mut p = LogitsProcessor::new(&params(0.0, 0.0, 2.0), &[], &[5]);
+        for _ in 0..REPETITION_CONTEXT {
+            p.record(7);
+        }
+        let mut logits = vec![2.0; 8];
+        p.apply(&mut logits);
+        assert_eq!(logits[5], 2.0, "the prompt token slid out");
+        assert_eq!(logits[7], 1.0);
+    }
+
+    #[test]
+    fn defaults_change_nothing() {
+        let p = LogitsProcessor::new(&SamplingParams::default(), &[], &[1, 2, 3]);
+        assert!(p.is_noop());
+    }
+
+    #[test]
+    fn log_probs_are_a_log_softmax_with_sorted_top_k() {
+        let logits = [0.0_f32, (2.0f32).ln(), f32::NEG_INFINITY, (5.0f32).ln(), f32::NAN];
+        let (lp, top) = log_probs(&logits, 1, 3);
+        assert!((lp - (2.0f32 / 8.0).ln()).abs() < 1e-6);
+        let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![3, 1, 0]);
+        assert!((top[0].1 - (5.0f32 / 8.0).ln()).abs() < 1e-6);
+        let (masked, _) = log_probs(&logits, 2, 0);
+        assert_eq!(masked, f32::NEG_INFINITY);
+        let total: f32 = top.iter().map(|t| t.1.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,360 @@
+"""The official `openai` Python client against a running mlxcel server.
+
+Every test drives the real server (SmolLM2-135M-Instruct, CPU) through the
+client a user would use, and asserts values: texts against each other
+(streamed vs not, stopped vs full), usage arithmetic, logprob identities,
+JSON Schema validation, a full tool-call round trip, and the error types the
+client raises. Prompts and budgets are small: the whole file runs in about
+two minutes on a 2-core CPU.
+"""
+
+import json
+import math
+import os
+
+import jsonschema
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(mlxcel_server):
+    return openai.OpenAI(
+        base_url=mlxcel_server.base_url + "/v1",
+        api_key=mlxcel_server.api_key,
+        max_retries=0,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+def ask(text):
+    return [{"role": "user", "content": text}]
+
+
+def stream_chat(client, model, **kw):
+    """(chunks, text per choice, finish per choice, usage)."""
+    chunks = list(client.chat.completions.create(model=model, stream=True, **kw))
+    texts, finish, usage = {}, {}, None
+    for c in chunks:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            texts.setdefault(ch.index, "")
+            if ch.delta.content:
+                texts[ch.index] += ch.delta.content
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    return chunks, texts, finish, usage
+
+
+# --- chat and completions, streamed and not --------------------------------
+
+
+def test_chat_streamed_equals_non_streamed_and_usage_adds_up(client, model):
+    kw = dict(model=model, messages=ask("Name three colors."), max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert full.object == "chat.completion"
+    assert full.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    u = full.usage
+    assert u.prompt_tokens > 5 and 1 <= u.completion_tokens <= 12
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+    chunks, texts, finish, usage = stream_chat(
+        client, model, messages=kw["messages"], max_tokens=12, temperature=0,
+        stream_options={"include_usage": True},
+    )
+    assert texts[0] == choice.message.content
+    assert finish[0] == choice.finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (u.prompt_tokens, u.completion_tokens)
+    assert all(c.id == chunks[0].id for c in chunks)
+
+
+def test_completions_text_tokens_echo_and_stream(client, model):
+    prompt = "The capital of France is"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert full.object == "text_completion"
+    text = full.choices[0].text
+    assert text and full.usage.completion_tokens <= 8
+
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + text
+
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        if c.choices
+    )
+    assert streamed == text
+
+    # The same prompt as token ids answers the same, and echo decodes them.
+    tokens = tokenize(prompt)
+    by_ids = client.completions.create(model=model, prompt=tokens, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.choices[0].text == prompt + text
+    assert by_ids.usage.prompt_tokens == full.usage.prompt_tokens == len(tokens)
+
+
+def tokenize(text):
+    """Token ids of `text` from the model's own tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(os.environ["MLXCEL_TEST_MODEL"], "tokenizer.json"))
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+# --- n, seeds --------------------------------------------------------------
+
+
+def test_n_two_gives_two_choices_in_both_modes(client, model):
+    kw = dict(model=model, messages=ask("Say a random animal."), max_tokens=6, temperature=1.0, seed=3, n=2)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.content is not None for c in r.choices)
+    # Two distinct seeded streams (choice i uses seed + i): the run repeats.
+    again = client.chat.completions.create(**kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    _, texts, finish, usage = stream_chat(client, stream_options={"include_usage": True}, **kw)
+    assert sorted(texts) == [0, 1] and sorted(finish) == [0, 1]
+    assert [texts[0], texts[1]] == [c.message.content for c in r.choices]
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+    c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=9, n=2)
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert c.usage.completion_tokens <= 10
+
+
+def test_seed_reproducibility(client, model):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=model, messages=ask("Write a short poem."), max_tokens=10, temperature=1.0, seed=seed
+        ).choices[0].message.content
+
+    first = sample(42)
+    assert sample(42) == first
+    assert any(sample(s) != first for s in (43, 44, 45))
+
+
+# --- stop strings ----------------------------------------------------------
+
+
+def test_a_stop_string_straddling_stream_chunks_is_cut(client, model):
+    kw = dict(messages=ask("Explain what a rainbow is."), max_tokens=30, temperature=0)
+    chunks, texts, _, _ = stream_chat(client, model, **kw)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    full = texts[0]
+    # A stop string made of the end of one chunk and the start of the next.
+    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    cut = full.index(stop)
+    _, stopped, finish, _ = stream_chat(client, model, stop=[stop, "zzzz-never"], **kw)
+    assert stopped[0] == full[:cut]
+    assert finish[0] == "stop"
+    plain = client.chat.completions.create(model=model, stop=stop, **kw).choices[0]
+    assert plain.message.content == full[:cut] and plain.finish_reason == "stop"
+
+
+# --- logprobs --------------------------------------------------------------
+
+
+def test_chat_logprobs(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=ask("Count to three."), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    assert 1 <= len(content) <= 6
+    assert "".join(t.token for t in content).strip() == choice.message.content.strip()
+    for t in content:
+        assert t.logprob <= 0
+        assert len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token == t.token  # greedy: the top token
+        assert math.isclose(t.top_logprobs[0].logprob, t.logprob, abs_tol=1e-5)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+        assert sum(math.exp(x.logprob) for x in t.top_logprobs) <= 1 + 1e-5
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=ask("Count to three."), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    ))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+
+
+def test_legacy_completion_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="One, two, three,", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for tok, lpv, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2
+        assert math.isclose(max(top.values()), lpv, abs_tol=1e-5)
+        assert top[tok] == pytest.approx(lpv, abs=1e-5)
+
+
+# --- structured output -----------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates(client, model):
+    r = client.chat.completions.create(
+        model=model,
+        messages=ask("Invent a person. Reply in JSON."),
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    value = json.loads(choice.message.content)
+    jsonschema.validate(value, PERSON)
+
+    # Sampled, not greedy: still valid.
+    r = client.chat.completions.create(
+        model=model, messages=ask("A person, as JSON."), max_tokens=60, temperature=1.0, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_json_object_output_parses(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=ask("Give me a JSON object about a cat."), max_tokens=40, temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut by the budget: still the start of an object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+# --- tools -----------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time of a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}}, "required": ["tz"]},
+    },
+}
+
+
+def test_tool_call_round_trip(client, model):
+    messages = ask("What is the weather in Paris?")
+    first = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert isinstance(args["city"], str) and set(args) == {"city"}
+
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": args["city"], "temperature_c": 21})},
+    ]
+    final = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice="none", temperature=0, max_tokens=30)
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None
+    assert isinstance(answer.message.content, str) and answer.message.content.strip()
+    assert answer.finish_reason in ("stop", "length")
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and result are in the prompt
+
+
+def test_required_tool_calls_stream_as_deltas(client, model):
+    chunks = list(client.chat.completions.create(
+        model=model, messages=ask("What time is it in Tokyo?"), tools=[WEATHER, TIME], tool_choice="required",
+        temperature=0, max_tokens=80, stream=True,
+    ))
+    calls = {}
+    finish = None
+    for c in chunks:
+        for ch in c.choices:
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                if d.function and d.function.name:
+                    entry["name"] += d.function.name
+                if d.function and d.function.arguments:
+                    entry["arguments"] += d.function.arguments
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert calls, "no tool call streamed"
+    for entry in calls.values():
+        assert entry["id"].startswith("call_")
+        assert entry["name"] in ("get_weather", "get_time")
+        assert isinstance(json.loads(entry["arguments"]), dict)
+
+
+# --- errors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(temperature=3), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(n=0), "n"),
+        (dict(top_logprobs=3), "top_logprobs"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(logit_bias={"not-a-token": 1}), "logit_bias"),
+        (dict(presence_penalty=5), "presence_penalty"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}), "response_format"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ask("hi"), max_tokens=2, **kw)
+    assert e.value.status_code == 400
+    assert e.value.body["param"].startswith(param), e.value.body
+
+
+def test_unknown_model_and_bad_key(client, mlxcel_server):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=ask("hi"), max_tokens=2)
+    bad = openai.OpenAI(base_url=mlxcel_server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401

@@ -1,0 +1,204 @@
+//! The OpenAI sampling surface at engine level, on the real SmolLM2 model:
+//! `n` choices forked from one prefill, stop strings, penalties and logit
+//! bias, log-probabilities, seeds.
+
+mod common;
+
+use common::{greedy_request, settled};
+use mlxcel_engine::api::{
+    FinishReason, GenerationEvent, GenerationRequest, InferenceService, Prompt, SamplingParams,
+    Usage,
+};
+use mlxcel_engine::{Engine, EngineConfig};
+
+/// Per choice: (text, tokens, logprobs of the sampled tokens, finish, usage).
+type Choice = (String, Vec<u32>, Vec<f32>, FinishReason, Usage);
+
+fn engine() -> Engine {
+    let mut c = EngineConfig::new(common::model_dir());
+    c.check_invariants = true;
+    Engine::start(c).expect("engine")
+}
+
+fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
+    let n = request.n;
+    let mut stream = engine.submit(request).expect("submit");
+    let mut out: Vec<(String, Vec<u32>, Vec<f32>, Option<(FinishReason, Usage)>)> =
+        vec![(String::new(), Vec::new(), Vec::new(), None); n];
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::Delta {
+                index,
+                token,
+                text,
+                logprobs,
+            } => {
+                out[index].0.push_str(&text);
+                out[index].1.push(token);
+                if let Some(l) = logprobs {
+                    out[index].2.push(l.token.logprob);
+                }
+            }
+            GenerationEvent::Finished {
+                index,
+                reason,
+                usage,
+                ..
+            } => out[index].3 = Some((reason, usage)),
+            GenerationEvent::ToolCall { call, .. } => panic!("unexpected tool call {call:?}"),
+            GenerationEvent::Failed { message } => panic!("failed: {message}"),
+        }
+    }
+    out.into_iter()
+        .map(|(t, ids, lps, f)| {
+            let (reason, usage) = f.expect("every choice finishes");
+            (t, ids, lps, reason, usage)
+        })
+        .collect()
+}
+
+fn chat(text: &str) -> Prompt {
+    Prompt::Chat(vec![mlxcel_engine::api::ChatMessage::text("user", text)])
+}
+
+#[test]
+fn n_choices_share_one_prefill_and_each_follows_its_own_seed() {
+    let e = engine();
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        seed: Some(11),
+        ..SamplingParams::default()
+    };
+    let prompt = chat("Write one sentence about the sea.");
+    let mut req = GenerationRequest::new(prompt.clone(), sampling, 16);
+    req.n = 3;
+    let before = settled(&e);
+    let choices = run(&e, req.clone());
+    let after = settled(&e);
+    assert_eq!(choices.len(), 3);
+    let prompt_tokens = choices[0].4.prompt_tokens;
+    // One prefill for the three choices.
+    assert_eq!(
+        after.prefill_tokens - before.prefill_tokens,
+        prompt_tokens as u64
+    );
+    for c in &choices {
+        assert_eq!(c.4.prompt_tokens, prompt_tokens);
+        assert_eq!(c.4.completion_tokens, c.1.len().max(c.4.completion_tokens));
+    }
+    assert!(
+        choices[0].1 != choices[1].1 || choices[1].1 != choices[2].1,
+        "three seeded choices were identical: {choices:?}"
+    );
+    // The same seed gives the same three choices; choice 0 equals n = 1.
+    let again = run(&e, req.clone());
+    for (a, b) in choices.iter().zip(&again) {
+        assert_eq!(a.1, b.1);
+    }
+    let mut single = req;
+    single.n = 1;
+    assert_eq!(run(&e, single)[0].1, choices[0].1);
+    assert_eq!(settled(&e).kv_blocks_active, 0);
+}
+
+#[test]
+fn greedy_choices_are_identical_and_match_a_single_run() {
+    let e = engine();
+    let prompt = chat("What is the capital of France?");
+    let mut req = greedy_request(prompt, 12);
+    req.n = 2;
+    let choices = run(&e, req.clone());
+    req.n = 1;
+    let single = run(&e, req);
+    assert_eq!(choices[0].1, single[0].1);
+    assert_eq!(choices[1].1, single[0].1);
+    assert_eq!(choices[0].0, single[0].0);
+}
+
+#[test]
+fn a_stop_string_ends_the_text_before_it() {
+    let e = engine();
+    let prompt = chat("What is the capital of France?");
+    let full = run(&e, greedy_request(prompt.clone(), 24)).remove(0);
+    // Stop at a word from the middle of the greedy answer.
+    let word = full
+        .0
+        .split_whitespace()
+        .nth(3)
+        .expect("a few words")
+        .to_owned();
+    let mut req = greedy_request(prompt, 24);
+    req.stop = vec![word.clone(), "never appears".into()];
+    let stopped = run(&e, req).remove(0);
+    let cut = full.0.find(&word).expect("word in text");
+    assert_eq!(stopped.0, full.0[..cut]);
+    assert_eq!(stopped.3, FinishReason::Stop);
+    assert!(stopped.4.completion_tokens < full.4.completion_tokens);
+    assert!(!stopped.0.contains(&word));
+}
+
+#[test]
+fn logprobs_match_the_greedy_choice_and_bias_and_penalties_act() {
+    let e = engine();
+    let prompt = chat("Count from one to five.");
+    let mut req = greedy_request(prompt.clone(), 8);
+    req.logprobs = Some(3);
+    let mut stream = e.submit(req).expect("submit");
+    let mut checked = 0;
+    while let Some(event) = stream.blocking_recv() {
+        if let GenerationEvent::Delta {
+            token,
+            logprobs: Some(l),
+            ..
+        } = event
+        {
+            assert_eq!(l.token.id, token);
+            assert_eq!(l.top.len(), 3);
+            // Greedy: the sampled token is the most likely one.
+            assert_eq!(l.top[0].id, token);
+            assert!((l.top[0].logprob - l.token.logprob).abs() < 1e-6);
+            assert!(l.token.logprob <= 0.0 && l.top[1].logprob <= l.top[0].logprob);
+            assert_eq!(
+                l.token.bytes,
+                l.token.text.as_bytes(),
+                "ASCII tokens: bytes are the text"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4);
+
+    let base = run(&e, greedy_request(prompt.clone(), 8)).remove(0);
+    // A -100 bias on the first greedy token forbids it.
+    let mut biased = greedy_request(prompt.clone(), 8);
+    biased.logit_bias = vec![(base.1[0], -100.0)];
+    let b = run(&e, biased).remove(0);
+    assert_ne!(b.1[0], base.1[0]);
+    // A +100 bias forces a token everywhere (up to the budget).
+    let mut forced = greedy_request(prompt.clone(), 5);
+    forced.logit_bias = vec![(28, 100.0)];
+    assert_eq!(run(&e, forced).remove(0).1, vec![28; 5]);
+    // Penalties lower how often the most repeated token comes back.
+    let most_repeated = |ids: &[u32]| {
+        let mut counts = std::collections::HashMap::new();
+        for &id in ids {
+            *counts.entry(id).or_insert(0) += 1;
+        }
+        counts.into_values().max().unwrap_or(0)
+    };
+    let echo = chat("Repeat the word hello twenty times.");
+    let plain = run(&e, greedy_request(echo.clone(), 24)).remove(0);
+    for (presence, frequency, repetition) in [(0.0, 1.5, 1.0), (1.5, 0.0, 1.0), (0.0, 0.0, 1.8)] {
+        let mut penalized = greedy_request(echo.clone(), 24);
+        penalized.sampling.presence_penalty = presence;
+        penalized.sampling.frequency_penalty = frequency;
+        penalized.sampling.repetition_penalty = repetition;
+        let p = run(&e, penalized).remove(0);
+        assert!(
+            most_repeated(&p.1) < most_repeated(&plain.1),
+            "penalties ({presence}, {frequency}, {repetition}): {:?} vs {:?}",
+            p.0,
+            plain.0
+        );
+    }
+}
