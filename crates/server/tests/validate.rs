@@ -28,10 +28,7 @@ fn a_full_request_becomes_a_generation_request() {
     .unwrap();
     assert_eq!(
         request.generation.prompt,
-        Prompt::Chat(vec![ChatMessage {
-            role: "system".into(),
-            content: "ab".into()
-        }])
+        Prompt::Chat(vec![ChatMessage::text("system", "ab")])
     );
     assert_eq!(request.generation.max_tokens, 64);
     assert_eq!(
@@ -41,7 +38,8 @@ fn a_full_request_becomes_a_generation_request() {
             top_p: 0.5,
             top_k: 5,
             min_p: 0.25,
-            seed: Some(7)
+            seed: Some(7),
+            ..SamplingParams::default()
         }
     );
     assert_eq!(
@@ -95,7 +93,7 @@ fn each_rule_has_its_variant() {
             with("min_p", json!(2)),
             ValidationError::MinPOutOfRange(2.0),
         ),
-        (with("n", json!(3)), ValidationError::UnsupportedN(3)),
+        (with("n", json!(17)), ValidationError::NOutOfRange(17)),
         (
             with("model", json!("other")),
             ValidationError::ModelNotFound("other".into()),
@@ -105,9 +103,9 @@ fn each_rule_has_its_variant() {
             ValidationError::StreamOptionsWithoutStream,
         ),
         (
-            with("stop", json!(["x"])),
+            with("store", json!(true)),
             ValidationError::UnsupportedParameter {
-                param: "stop".into(),
+                param: "store".into(),
             },
         ),
         (

@@ -8,12 +8,81 @@
 use serde::{Deserialize, Serialize};
 
 /// One chat message, as the chat template sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant` (or `tool`).
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// Plain text content.
-    pub content: String,
+    /// Plain text content; `None` for an assistant message that only calls
+    /// tools.
+    pub content: Option<String>,
+    /// Tool calls an assistant message made (empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// On a `tool` message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// Optional participant name (on `tool` messages: the function's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` with text `content` and nothing else.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: Some(content.into()),
+            ..Self::default()
+        }
+    }
+}
+
+/// One function call made by the model (OpenAI's `tool_calls[i]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// `call_` followed by random characters; echoed back by the client in
+    /// the `tool` message that answers it.
+    pub id: String,
+    /// The function's name.
+    pub name: String,
+    /// The arguments, as JSON text (an object).
+    pub arguments: String,
+}
+
+/// A function the model may call (OpenAI's `tools[i].function`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolDefinition {
+    /// The function's name.
+    pub name: String,
+    /// What it does, for the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON Schema of its arguments (`{"type": "object", ...}`).
+    pub parameters: serde_json::Value,
+}
+
+/// Whether and which tools the model must call (OpenAI's `tool_choice`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model decides; calls are parsed from its output.
+    #[default]
+    Auto,
+    /// No tools: they are not rendered and nothing is parsed.
+    None,
+    /// At least one call, enforced by constrained decoding.
+    Required,
+    /// Exactly one call of this function, enforced by constrained decoding.
+    Function(String),
+}
+
+/// A grammar the completion must follow, enforced token by token
+/// (constrained decoding), never by retrying.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this schema (`{"type": "json_schema", ...}`).
+    JsonSchema(serde_json::Value),
 }
 
 /// What to generate from.
@@ -42,6 +111,17 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Seed of the request's random generator; `None` picks one.
     pub seed: Option<u64>,
+    /// OpenAI's presence penalty in [-2, 2]: subtracted once from the logit
+    /// of every token already generated; 0 disables it.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty in [-2, 2]: subtracted from a token's
+    /// logit once per time it was generated; 0 disables it.
+    pub frequency_penalty: f32,
+    /// CTRL-style repetition penalty (Keskar et al. 2019, as in
+    /// `transformers` and mlx-lm) over the prompt and completion tokens:
+    /// positive logits are divided by it, negative ones multiplied; 1
+    /// disables it.
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -52,6 +132,9 @@ impl Default for SamplingParams {
             top_k: 0,
             min_p: 0.0,
             seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
         }
     }
 }
@@ -71,8 +154,8 @@ impl SamplingParams {
 pub struct GenerationRequest {
     pub prompt: Prompt,
     pub sampling: SamplingParams,
-    /// Upper bound on completion tokens (>= 1). The engine may stop earlier
-    /// at EOS or at the model's context length.
+    /// Upper bound on completion tokens of each choice (>= 1). The engine
+    /// may stop earlier at EOS, a stop string, or the context length.
     pub max_tokens: usize,
     /// Keep generating past end-of-sequence tokens (benchmarks; vLLM's
     /// `ignore_eos`).
@@ -80,16 +163,60 @@ pub struct GenerationRequest {
     /// Read the prompt's prefix from the prefix cache and donate the
     /// request's blocks to it (llama.cpp's `cache_prompt`; default true).
     pub cache_prompt: bool,
+    /// Stop strings (at most 4, non-empty): generation ends before the
+    /// first one to appear in the text, which is not returned.
+    pub stop: Vec<String>,
+    /// Added to the logits of these token ids before sampling (OpenAI's
+    /// `logit_bias`, values in [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// `Some(k)`: report each sampled token's log-probability and the `k`
+    /// (0..=20) most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// Choices generated from the one prompt (>= 1); they share the
+    /// prompt's KV blocks.
+    pub n: usize,
+    /// Grammar the output must follow (`response_format`).
+    pub response_format: Option<ResponseFormat>,
+    /// Functions the model may call; rendered through the chat template
+    /// (chat prompts only).
+    pub tools: Vec<ToolDefinition>,
+    /// Whether the model must call them.
+    pub tool_choice: ToolChoice,
+}
+
+impl GenerationRequest {
+    /// A request of `prompt` with these sampling settings and budget, and
+    /// every other option off: one choice, no stop strings, no logprobs,
+    /// no tools, the prompt cache on.
+    pub fn new(prompt: Prompt, sampling: SamplingParams, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            sampling,
+            max_tokens,
+            ignore_eos: false,
+            cache_prompt: true,
+            stop: Vec::new(),
+            logit_bias: Vec::new(),
+            logprobs: None,
+            n: 1,
+            response_format: None,
+            tools: Vec::new(),
+            tool_choice: ToolChoice::Auto,
+        }
+    }
 }
 
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
-    /// An end-of-sequence token was sampled (it is not part of the text).
+    /// An end-of-sequence token was sampled (it is not part of the text),
+    /// a stop string appeared, or the output grammar was complete.
     Stop,
     /// `max_tokens` or the context length was reached.
     Length,
+    /// The model called tools (sent as [`GenerationEvent::ToolCall`]).
+    ToolCalls,
 }
 
 /// Token accounting of one request.
@@ -114,21 +241,59 @@ pub struct Timings {
     pub decode_s: f64,
 }
 
-/// One event on a request's stream.
+/// Log-probability of one token (natural log, after logit bias and
+/// penalties, before temperature and the top-k/top-p/min-p filters, as
+/// OpenAI and vLLM report them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// Token id.
+    pub id: u32,
+    /// The token's text; bytes that are not valid UTF-8 on their own are
+    /// shown as U+FFFD.
+    pub text: String,
+    /// The token's exact bytes.
+    pub bytes: Vec<u8>,
+    /// `ln p(token)`.
+    pub logprob: f32,
+}
+
+/// The log-probabilities reported for one sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledLogprobs {
+    /// The sampled token.
+    pub token: TokenLogprob,
+    /// The `k` most likely tokens at this position, most likely first.
+    pub top: Vec<TokenLogprob>,
+}
+
+/// One event on a request's stream. `index` is the choice (0..n) it
+/// belongs to.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerationEvent {
     /// New text, completed by `token`. `text` may be empty when a token ends
-    /// inside a multi-byte character (it is held back until the character
-    /// is complete). An EOS token is sent only when held-back text is left.
-    Delta { token: u32, text: String },
-    /// The request ended normally; every piece of text was sent in a
-    /// `Delta` before this event.
+    /// inside a multi-byte character, or inside what may become a stop
+    /// string or a tool call (it is held back until decided). An EOS token
+    /// is sent only when held-back text is left.
+    Delta {
+        index: usize,
+        token: u32,
+        text: String,
+        /// Set when the request asked for logprobs.
+        logprobs: Option<SampledLogprobs>,
+    },
+    /// A complete tool call parsed from the output of choice `index`; its
+    /// text is not sent as a `Delta`.
+    ToolCall { index: usize, call: ToolCall },
+    /// Choice `index` ended normally; every piece of its text was sent
+    /// before this event. The request ends when every choice has.
     Finished {
+        index: usize,
         reason: FinishReason,
         usage: Usage,
         timings: Timings,
     },
-    /// The request failed inside the engine; nothing else was affected.
+    /// The request failed inside the engine (every choice ends); nothing
+    /// else was affected.
     Failed { message: String },
 }
 
@@ -168,6 +333,10 @@ pub trait InferenceService: Send + Sync + 'static {
     fn context_length(&self) -> usize;
     /// Validate, tokenize and queue a request; events arrive on the stream.
     fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError>;
+    /// The text of `tokens` (special tokens included), as the model's
+    /// tokenizer decodes them: `/v1/completions` echoes token prompts with
+    /// it. Errors: an id outside the vocabulary (`InvalidRequest`).
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError>;
     /// The engine's counters and gauges now.
     fn stats(&self) -> EngineStats;
     /// Frees every prefix-cache block no running request holds.
