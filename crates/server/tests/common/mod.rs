@@ -109,6 +109,7 @@ impl InferenceService for FakeService {
     }
 
     fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError> {
+        let n = request.n;
         let submitted = {
             let mut requests = self.requests.lock().unwrap();
             requests.push(request);
@@ -121,8 +122,8 @@ impl InferenceService for FakeService {
         }
         let script = &self.scripts[submitted.min(self.scripts.len() - 1)];
         let (tx, rx) = unbounded_channel();
-        for event in script {
-            tx.send(event.clone()).unwrap();
+        for event in choices_script(script, n) {
+            tx.send(event).unwrap();
         }
         if self.hold_open {
             self.senders.lock().unwrap().push(tx);
@@ -184,6 +185,34 @@ impl InferenceService for FakeService {
             ..EngineStats::default()
         }
     }
+}
+
+/// `script` as sent for a request of `n` choices: a script that names only
+/// choice 0 is played once per choice (choice 0's events, then choice 1's,
+/// ...); one that names other choices is sent as it is.
+fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> {
+    let index_of = |event: &GenerationEvent| match event {
+        GenerationEvent::Delta { index, .. }
+        | GenerationEvent::ToolCall { index, .. }
+        | GenerationEvent::Finished { index, .. } => *index,
+        GenerationEvent::Failed { .. } => 0,
+    };
+    if n == 1 || script.iter().any(|e| index_of(e) != 0) {
+        return script.to_vec();
+    }
+    (0..n)
+        .flat_map(|choice| {
+            script.iter().cloned().map(move |mut event| {
+                match &mut event {
+                    GenerationEvent::Delta { index, .. }
+                    | GenerationEvent::ToolCall { index, .. }
+                    | GenerationEvent::Finished { index, .. } => *index = choice,
+                    GenerationEvent::Failed { .. } => {}
+                }
+                event
+            })
+        })
+        .collect()
 }
 
 pub const USAGE: Usage = Usage {
@@ -376,6 +405,22 @@ pub fn sse_data(body: &[u8]) -> Vec<String> {
                 .collect();
             (!data.is_empty()).then(|| data.join("\n"))
         })
+        .collect()
+}
+
+/// The JSON payloads of an SSE body, which must end with `[DONE]`.
+pub fn sse_json(reply: &Reply) -> Vec<Value> {
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.headers["content-type"], "text/event-stream");
+    let mut data = sse_data(&reply.body);
+    assert_eq!(data.pop().as_deref(), Some("[DONE]"), "last event");
+    data.iter()
+        .map(|d| serde_json::from_str(d).unwrap())
         .collect()
 }
 
