@@ -73,8 +73,13 @@ pub enum ApiError {
         param: Option<String>,
     },
     /// The prompt does not fit the model's context.
-    #[error("{0}")]
-    ContextLengthExceeded(String),
+    #[error("{message}")]
+    ContextLengthExceeded {
+        /// The engine's explanation.
+        message: String,
+        /// The field holding the prompt (`messages` or `prompt`).
+        param: &'static str,
+    },
     /// The engine is gone or shutting down.
     #[error("The engine is unavailable: {0}")]
     Unavailable(String),
@@ -118,7 +123,7 @@ impl ApiError {
             | Self::MalformedJson(_)
             | Self::BodyRead(_)
             | Self::EngineRejected { .. }
-            | Self::ContextLengthExceeded(_) => StatusCode::BAD_REQUEST,
+            | Self::ContextLengthExceeded { .. } => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
@@ -140,7 +145,7 @@ impl ApiError {
             Self::Validation(err) => err.param(),
             Self::EngineRejected { param, .. } => param.clone(),
             Self::UnknownModel(_) => Some("model".to_owned()),
-            Self::ContextLengthExceeded(_) => Some("messages".to_owned()),
+            Self::ContextLengthExceeded { param, .. } => Some((*param).to_owned()),
             _ => None,
         }
     }
@@ -157,7 +162,7 @@ impl ApiError {
                 Some("unrecognized_parameter")
             }
             Self::Unavailable(_) => Some("service_unavailable"),
-            Self::ContextLengthExceeded(_) => Some("context_length_exceeded"),
+            Self::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
             _ => None,
         }
     }
@@ -175,17 +180,27 @@ impl ApiError {
     }
 }
 
-impl From<SubmitError> for ApiError {
-    fn from(err: SubmitError) -> Self {
+impl ApiError {
+    /// The engine's refusal of a request whose prompt is in the field
+    /// `prompt_param` (`messages` or `prompt`).
+    pub fn from_submit(err: SubmitError, prompt_param: &'static str) -> Self {
         match err {
             SubmitError::InvalidRequest { message, param } => {
                 Self::EngineRejected { message, param }
             }
-            SubmitError::ContextLengthExceeded { .. } => {
-                Self::ContextLengthExceeded(err.to_string())
-            }
+            SubmitError::ContextLengthExceeded { .. } => Self::ContextLengthExceeded {
+                message: err.to_string(),
+                param: prompt_param,
+            },
             SubmitError::Unavailable(reason) => Self::Unavailable(reason),
         }
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    /// A refusal of a chat request (the prompt is in `messages`).
+    fn from(err: SubmitError) -> Self {
+        Self::from_submit(err, "messages")
     }
 }
 

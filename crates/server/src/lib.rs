@@ -4,9 +4,12 @@
 //! [`router`] builds the whole application without a socket, so tests drive
 //! it with `tower::ServiceExt::oneshot`; [`serve`] runs it on a listener with
 //! graceful shutdown. Every request body is parsed at the edge into a
-//! [`validate::ValidatedChatRequest`]; every error a client sees is an
+//! [`validate::ValidatedChatRequest`] or a
+//! [`validate::ValidatedCompletionRequest`]; every error a client sees is an
 //! [`error::ApiError`], turned into the OpenAI error body in one place.
 
+mod choices;
+mod completions;
 pub mod error;
 mod extract;
 pub mod metrics;
@@ -129,7 +132,7 @@ impl std::fmt::Debug for AppState {
 
 /// The whole HTTP application. Every request gets an `x-request-id` (the
 /// client's, or a new UUID), echoed in the response and recorded on the
-/// request's tracing span.
+/// request's tracing span (with the body's `user`, when it has one).
 pub fn router(state: AppState) -> Router {
     let body_limit = state.config().body_limit_bytes;
     let trace = TraceLayer::new_for_http()
@@ -144,11 +147,13 @@ pub fn router(state: AppState) -> Router {
                 request_id,
                 method = %request.method(),
                 path = %request.uri().path(),
+                user = tracing::field::Empty,
             )
         })
         .on_response(DefaultOnResponse::new().level(Level::INFO));
     Router::new()
-        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(routes::list_models))
         .route("/v1/models/{*id}", get(routes::retrieve_model))
         .route("/v1/cache/stats", get(routes::cache_stats))

@@ -270,7 +270,7 @@ impl Metrics {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let metrics = std::sync::Arc::clone(self);
         tokio::spawn(async move {
-            let mut last: Option<Instant> = None;
+            let mut seen = Seen::default();
             let mut outcome = "cancelled";
             loop {
                 let event = tokio::select! {
@@ -279,7 +279,7 @@ impl Metrics {
                 };
                 let Some(event) = event else { break };
                 outcome = metrics
-                    .observe(&event, arrived, &mut last)
+                    .observe(&event, arrived, &mut seen)
                     .unwrap_or(outcome);
                 if tx.send(event).is_err() {
                     break;
@@ -298,28 +298,47 @@ impl Metrics {
         &self,
         event: &GenerationEvent,
         arrived: Instant,
-        last: &mut Option<Instant>,
+        seen: &mut Seen,
     ) -> Option<&'static str> {
         match event {
-            GenerationEvent::Delta { .. } => {
+            GenerationEvent::Delta { index, .. } => {
                 let now = Instant::now();
-                match last {
-                    None => self.ttft.observe((now - arrived).as_secs_f64()),
-                    Some(prev) => self.itl.observe((now - *prev).as_secs_f64()),
+                if !seen.first_token {
+                    seen.first_token = true;
+                    self.ttft.observe((now - arrived).as_secs_f64());
                 }
-                *last = Some(now);
+                if let Some(prev) = seen.last_token.insert(*index, now) {
+                    self.itl.observe((now - prev).as_secs_f64());
+                }
                 None
             }
+            GenerationEvent::ToolCall { .. } => None,
             GenerationEvent::Finished { usage, .. } => {
-                self.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+                // Every choice reports the prompt they share: count it once.
+                if !seen.prompt_counted {
+                    seen.prompt_counted = true;
+                    self.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+                    self.cached_tokens.inc_by(usage.cached_tokens as u64);
+                }
                 self.completion_tokens
                     .inc_by(usage.completion_tokens as u64);
-                self.cached_tokens.inc_by(usage.cached_tokens as u64);
                 Some("finished")
             }
             GenerationEvent::Failed { .. } => Some("failed"),
         }
     }
+}
+
+/// What one request's stream has shown so far.
+#[derive(Debug, Default)]
+struct Seen {
+    /// A token arrived (TTFT observed).
+    first_token: bool,
+    /// Per choice: when its last token arrived (inter-token latency is
+    /// measured within a choice).
+    last_token: std::collections::HashMap<usize, Instant>,
+    /// The prompt's tokens were counted.
+    prompt_counted: bool,
 }
 
 impl Default for Metrics {

@@ -1,6 +1,5 @@
-//! The route handlers.
-
-use std::time::Instant;
+//! The route handlers, but for the completion endpoints (in
+//! `completions`).
 
 use axum::extract::rejection::PathRejection;
 use axum::extract::{MatchedPath, Path, Request, State};
@@ -8,75 +7,11 @@ use axum::http::{header, Method, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine_api::{EventStream, GenerationEvent};
 use serde_json::json;
 
 use crate::error::ApiError;
-use crate::extract::JsonBody;
-use crate::openai::{ChatCompletion, CompletionMeta, ModelCard, ModelList};
-use crate::sse::chat_completion_stream;
-use crate::validate::ValidatedChatRequest;
+use crate::openai::{ModelCard, ModelList};
 use crate::AppState;
-
-/// `POST /v1/chat/completions`, streamed or not.
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    JsonBody(body): JsonBody,
-) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let service = state.service();
-    let request =
-        ValidatedChatRequest::parse(body, service.model_id(), state.config().default_max_tokens)?;
-    let meta = CompletionMeta::new(service.model_id());
-    tracing::info!(
-        id = %meta.id,
-        stream = request.stream.is_some(),
-        max_tokens = request.generation.max_tokens,
-        "chat completion"
-    );
-    // Rendering the template and tokenizing a (up to 4 MiB) prompt is CPU
-    // work: keep it off the async workers.
-    let handle = state.service_handle();
-    let generation = request.generation;
-    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
-        .await
-        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))??;
-    let events = state.metrics().instrument(events, arrived);
-    match request.stream {
-        Some(options) => Ok(chat_completion_stream(
-            events,
-            meta,
-            options,
-            state.keep_alive(),
-        )),
-        None => collect_completion(events, &meta).await,
-    }
-}
-
-/// Reads `events` to the end into one `chat.completion`. If the client goes
-/// away first, this future is dropped with the receiver, which cancels the
-/// request.
-async fn collect_completion(
-    mut events: EventStream,
-    meta: &CompletionMeta,
-) -> Result<Response, ApiError> {
-    let mut content = String::new();
-    while let Some(event) = events.recv().await {
-        match event {
-            GenerationEvent::Delta { text, .. } => content.push_str(&text),
-            GenerationEvent::Finished { reason, usage, .. } => {
-                let completion = ChatCompletion::new(meta, content, reason, usage);
-                return Ok(Json(completion).into_response());
-            }
-            GenerationEvent::Failed { message } => {
-                return Err(ApiError::GenerationFailed(message));
-            }
-        }
-    }
-    Err(ApiError::GenerationFailed(
-        "the engine ended the request without finishing it".to_owned(),
-    ))
-}
 
 /// `GET /v1/models`: the one served model.
 pub async fn list_models(State(state): State<AppState>) -> Response {

@@ -1,131 +1,287 @@
-//! The streamed answer: engine events in, `chat.completion.chunk` SSE
-//! events out.
+//! Streamed answers: the pieces of a request's choices in, SSE events out
+//! (`chat.completion.chunk` or `text_completion` chunks, then `[DONE]`).
 //!
-//! The stream owns the request's [`EventStream`] and nothing else holds it:
-//! when the client goes away, axum drops the response body, the stream and
-//! the receiver with it, and the engine sees the request cancelled.
+//! The stream owns the request's [`Choices`], and with them its event
+//! streams; nothing else holds them. When the client goes away, axum drops
+//! the response body, the stream and the receivers with it, and the engine
+//! sees the request cancelled.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
-use mlxcel_engine_api::{EventStream, GenerationEvent, Usage};
+use mlxcel_engine_api::{FinishReason, SampledLogprobs, Usage};
 use serde::Serialize;
 
+use crate::choices::{Choices, Piece};
 use crate::error::{ApiError, SERIALIZATION_FAILED_BODY};
-use crate::openai::{ChatCompletionChunk, ChunkDelta, CompletionMeta};
-use crate::validate::StreamOptions;
+use crate::openai::chat::{
+    ChatCompletionChunk, ChatLogprobs, ChunkChoice, ChunkDelta, ToolCallDelta,
+};
+use crate::openai::completion::{LegacyLogprobs, TextChoice, TextCompletion};
+use crate::openai::CompletionMeta;
 
-/// The SSE response of a streamed chat completion.
-pub fn chat_completion_stream(
-    events: EventStream,
-    meta: CompletionMeta,
-    options: StreamOptions,
+/// How one endpoint shapes pieces into SSE events.
+pub trait ChunkFormat: Send + 'static {
+    /// The events sent before the first piece.
+    fn opening(&mut self) -> Vec<Event>;
+    /// The event of `piece`, if it makes one.
+    fn piece(&mut self, piece: Piece) -> Option<Event>;
+    /// The usage event after the last finish, if the client asked for one.
+    fn usage(&self, usage: Usage) -> Option<Event>;
+}
+
+/// The SSE response of `choices`, shaped by `format`.
+pub fn stream_response<F: ChunkFormat>(
+    choices: Choices,
+    mut format: F,
     keep_alive: KeepAlive,
 ) -> Response {
-    let state = ChunkStream {
-        events,
-        meta,
-        include_usage: options.include_usage,
-        phase: Phase::Role,
+    let state = SseState {
+        queue: format.opening().into(),
+        choices,
+        format,
+        ended: false,
     };
     Sse::new(into_stream(state))
         .keep_alive(keep_alive)
         .into_response()
 }
 
-fn into_stream(state: ChunkStream) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+fn into_stream<F: ChunkFormat>(
+    state: SseState<F>,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
     stream::unfold(state, |mut state| async move {
         let event = state.next_event().await?;
         Some((Ok(event), state))
     })
 }
 
-/// Where the stream is in OpenAI's sequence of chunks.
-#[derive(Debug)]
-enum Phase {
-    /// Next: the chunk with `delta.role`.
-    Role,
-    /// Next: content deltas, until the engine finishes or fails.
-    Content,
-    /// Next: the usage chunk.
-    Usage(Usage),
-    /// Next: `[DONE]`.
-    Done,
-    /// Nothing more.
-    End,
+struct SseState<F> {
+    choices: Choices,
+    format: F,
+    /// Events ready to send, before anything else is read.
+    queue: VecDeque<Event>,
+    /// No more pieces: the queue is the rest of the stream.
+    ended: bool,
 }
 
-struct ChunkStream {
-    events: EventStream,
-    meta: CompletionMeta,
-    include_usage: bool,
-    phase: Phase,
-}
-
-impl ChunkStream {
+impl<F: ChunkFormat> SseState<F> {
     async fn next_event(&mut self) -> Option<Event> {
         loop {
-            match std::mem::replace(&mut self.phase, Phase::End) {
-                Phase::Role => {
-                    self.phase = Phase::Content;
-                    let delta = ChunkDelta {
-                        role: Some("assistant"),
-                        content: Some(""),
-                    };
-                    return Some(self.chunk(delta, None));
+            if let Some(event) = self.queue.pop_front() {
+                return Some(event);
+            }
+            if self.ended {
+                return None;
+            }
+            match self.choices.next().await {
+                Ok(Some(piece)) => {
+                    if let Some(event) = self.format.piece(piece) {
+                        return Some(event);
+                    }
                 }
-                Phase::Content => match self.events.recv().await {
-                    Some(GenerationEvent::Delta { text, .. }) => {
-                        self.phase = Phase::Content;
-                        if text.is_empty() {
-                            continue;
-                        }
-                        let delta = ChunkDelta {
-                            role: None,
-                            content: Some(&text),
-                        };
-                        return Some(self.chunk(delta, None));
-                    }
-                    Some(GenerationEvent::Finished { reason, usage, .. }) => {
-                        tracing::debug!(id = %self.meta.id, ?reason, ?usage, "stream finished");
-                        self.phase = if self.include_usage {
-                            Phase::Usage(usage)
-                        } else {
-                            Phase::Done
-                        };
-                        return Some(self.chunk(ChunkDelta::default(), Some(reason)));
-                    }
-                    Some(GenerationEvent::Failed { message }) => {
-                        return Some(error_event(ApiError::GenerationFailed(message)));
-                    }
-                    None => {
-                        let message = "the engine ended the request without finishing it";
-                        return Some(error_event(ApiError::GenerationFailed(message.to_owned())));
-                    }
-                },
-                Phase::Usage(usage) => {
-                    self.phase = Phase::Done;
-                    return Some(json_event(&ChatCompletionChunk::usage(&self.meta, usage)));
+                Ok(None) => {
+                    self.ended = true;
+                    let usage = self.choices.usage();
+                    tracing::debug!(?usage, "stream finished");
+                    self.queue.extend(self.format.usage(usage));
+                    self.queue.push_back(Event::default().data("[DONE]"));
                 }
-                Phase::Done => return Some(Event::default().data("[DONE]")),
-                Phase::End => return None,
+                Err(error) => {
+                    self.ended = true;
+                    return Some(error_event(error));
+                }
             }
         }
     }
+}
 
-    fn chunk(
+/// `chat.completion.chunk`s: a role chunk per choice, then content, tool
+/// call and finishing chunks as they come.
+pub struct ChatChunks {
+    /// Id, time and model of every chunk.
+    pub meta: CompletionMeta,
+    /// Choices in the answer.
+    pub choices: usize,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+impl ChatChunks {
+    fn event(
         &self,
-        delta: ChunkDelta<'_>,
-        finish_reason: Option<mlxcel_engine_api::FinishReason>,
+        index: usize,
+        delta: ChunkDelta,
+        logprobs: &[SampledLogprobs],
+        finish_reason: Option<FinishReason>,
     ) -> Event {
-        json_event(&ChatCompletionChunk::delta(
-            &self.meta,
+        let choice = ChunkChoice {
+            index,
             delta,
+            logprobs: ChatLogprobs::non_empty(logprobs),
             finish_reason,
+        };
+        json_event(&ChatCompletionChunk::new(
+            &self.meta,
+            choice,
             self.include_usage,
         ))
+    }
+}
+
+impl ChunkFormat for ChatChunks {
+    fn opening(&mut self) -> Vec<Event> {
+        (0..self.choices)
+            .map(|index| {
+                let delta = ChunkDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    tool_calls: None,
+                };
+                self.event(index, delta, &[], None)
+            })
+            .collect()
+    }
+
+    fn piece(&mut self, piece: Piece) -> Option<Event> {
+        let event = match piece {
+            Piece::Text {
+                index,
+                text,
+                logprobs,
+            } => {
+                let delta = ChunkDelta {
+                    content: Some(text),
+                    ..ChunkDelta::default()
+                };
+                self.event(index, delta, &logprobs, None)
+            }
+            Piece::ToolCall {
+                index,
+                position,
+                call,
+                logprobs,
+            } => {
+                let delta = ChunkDelta {
+                    tool_calls: Some(vec![ToolCallDelta {
+                        index: position,
+                        call: call.into(),
+                    }]),
+                    ..ChunkDelta::default()
+                };
+                self.event(index, delta, &logprobs, None)
+            }
+            Piece::Finish {
+                index,
+                reason,
+                logprobs,
+            } => self.event(index, ChunkDelta::default(), &logprobs, Some(reason)),
+        };
+        Some(event)
+    }
+
+    fn usage(&self, usage: Usage) -> Option<Event> {
+        self.include_usage
+            .then(|| json_event(&ChatCompletionChunk::usage(&self.meta, usage)))
+    }
+}
+
+/// `text_completion` chunks: with `echo`, each choice's prompt first, then
+/// text and finishing chunks as they come.
+pub struct TextChunks {
+    /// Id, time and model of every chunk.
+    meta: CompletionMeta,
+    include_usage: bool,
+    /// Per prompt: its text when echoed, else empty.
+    echoes: Vec<String>,
+    /// Choices per prompt.
+    n: usize,
+    /// Per choice: characters of its text so far (for `text_offset`).
+    offsets: Vec<usize>,
+}
+
+impl TextChunks {
+    /// The chunks of an answer to `echoes.len()` prompts with `n` choices
+    /// each; `echoes[p]` is prompt `p`'s text, or empty without `echo`.
+    pub fn new(meta: CompletionMeta, echoes: Vec<String>, n: usize, include_usage: bool) -> Self {
+        let offsets = (0..echoes.len() * n)
+            .map(|index| echoes[index / n].chars().count())
+            .collect();
+        Self {
+            meta,
+            include_usage,
+            echoes,
+            n,
+            offsets,
+        }
+    }
+
+    fn event(&self, choice: TextChoice) -> Event {
+        json_event(&TextCompletion::chunk(
+            &self.meta,
+            vec![choice],
+            self.include_usage,
+        ))
+    }
+
+    fn logprobs(&mut self, index: usize, logprobs: &[SampledLogprobs]) -> Option<LegacyLogprobs> {
+        (!logprobs.is_empty()).then(|| LegacyLogprobs::new(logprobs, &mut self.offsets[index]))
+    }
+}
+
+impl ChunkFormat for TextChunks {
+    fn opening(&mut self) -> Vec<Event> {
+        (0..self.offsets.len())
+            .filter(|index| !self.echoes[index / self.n].is_empty())
+            .map(|index| {
+                self.event(TextChoice {
+                    index,
+                    text: self.echoes[index / self.n].clone(),
+                    logprobs: None,
+                    finish_reason: None,
+                })
+            })
+            .collect()
+    }
+
+    fn piece(&mut self, piece: Piece) -> Option<Event> {
+        let choice = match piece {
+            Piece::Text {
+                index,
+                text,
+                logprobs,
+            } => TextChoice {
+                index,
+                text,
+                logprobs: self.logprobs(index, &logprobs),
+                finish_reason: None,
+            },
+            Piece::Finish {
+                index,
+                reason,
+                logprobs,
+            } => TextChoice {
+                index,
+                text: String::new(),
+                logprobs: self.logprobs(index, &logprobs),
+                finish_reason: Some(reason),
+            },
+            Piece::ToolCall { index, call, .. } => {
+                // Completions carry no tools; an engine that parsed a call
+                // anyway has nowhere to put it.
+                tracing::warn!(index, name = %call.name, "tool call on a text completion; dropped");
+                return None;
+            }
+        };
+        Some(self.event(choice))
+    }
+
+    fn usage(&self, usage: Usage) -> Option<Event> {
+        self.include_usage
+            .then(|| json_event(&TextCompletion::usage_chunk(&self.meta, usage)))
     }
 }
 

@@ -117,3 +117,25 @@ async fn usage_reports_cached_tokens_and_metrics_count_them() {
         .lines()
         .any(|l| l == r#"mlxcel_steps_total{kind="decode"} 45"#));
 }
+
+#[tokio::test]
+async fn metrics_count_a_shared_prompt_once_over_n_choices() {
+    let app = app(FakeService::hello());
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "n": 2});
+    let reply = post_json(app.clone(), body).await;
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 6);
+    let text = String::from_utf8(get(app, "/metrics").await.body.to_vec()).unwrap();
+    for line in [
+        "mlxcel_prompt_tokens_total 7",
+        "mlxcel_prompt_cached_tokens_total 2",
+        "mlxcel_completion_tokens_total 6",
+        "mlxcel_time_to_first_token_seconds_count 1",
+        // Two gaps within each choice's three deltas.
+        "mlxcel_inter_token_latency_seconds_count 4",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing `{line}` in:\n{text}"
+        );
+    }
+}

@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use common::*;
 use mlxcel_engine_api::{
     ChatMessage, FinishReason, GenerationEvent, GenerationRequest, Prompt, SamplingParams,
-    SubmitError,
+    SubmitError, ToolChoice,
 };
 use mlxcel_http::openai::unix_now;
 use serde_json::json;
@@ -70,20 +70,27 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
     assert_eq!(
         fake.last_request(),
         GenerationRequest {
-            prompt: Prompt::Chat(vec![ChatMessage {
-                role: "user".into(),
-                content: "Hi".into(),
-            }]),
+            prompt: Prompt::Chat(vec![ChatMessage::text("user", "Hi")]),
             sampling: SamplingParams {
                 temperature: 1.0,
                 top_p: 1.0,
                 top_k: 0,
                 min_p: 0.0,
                 seed: None,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+                repetition_penalty: 1.0,
             },
             max_tokens: 512,
             ignore_eos: false,
             cache_prompt: true,
+            stop: vec![],
+            logit_bias: vec![],
+            logprobs: None,
+            n: 1,
+            response_format: None,
+            tools: vec![],
+            tool_choice: ToolChoice::Auto,
         }
     );
 }
@@ -120,6 +127,7 @@ async fn sampling_parameters_pass_through_exactly() {
             top_k: 40,
             min_p: 0.05,
             seed: Some(42),
+            ..SamplingParams::default()
         }
     );
     assert_eq!(request.max_tokens, 100);
@@ -128,7 +136,7 @@ async fn sampling_parameters_pass_through_exactly() {
     };
     let roles: Vec<&str> = messages.iter().map(|m| m.role.as_str()).collect();
     assert_eq!(roles, ["system", "user", "assistant", "user"]);
-    assert_eq!(messages[3].content, "Again");
+    assert_eq!(messages[3].content.as_deref(), Some("Again"));
 }
 
 #[tokio::test]
@@ -178,7 +186,7 @@ async fn text_content_parts_are_concatenated() {
     let Prompt::Chat(messages) = fake.last_request().prompt else {
         panic!("expected a chat prompt");
     };
-    assert_eq!(messages[0].content, "Hello, world");
+    assert_eq!(messages[0].content.as_deref(), Some("Hello, world"));
 }
 
 #[tokio::test]
@@ -195,6 +203,11 @@ async fn unsupported_fields_with_default_values_are_accepted() {
         "response_format": {"type": "text"},
         "tool_choice": "none",
         "max_tokens": null,
+        "store": false,
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "functions": [],
+        "metadata": {},
     });
     let reply = post_json(app(fake.clone()), body).await;
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
@@ -309,14 +322,8 @@ async fn developer_role_is_the_system_role() {
     assert_eq!(
         fake.last_request().prompt,
         Prompt::Chat(vec![
-            ChatMessage {
-                role: "system".into(),
-                content: "Be brief.".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: "Hi".into(),
-            },
+            ChatMessage::text("system", "Be brief."),
+            ChatMessage::text("user", "Hi"),
         ])
     );
 }

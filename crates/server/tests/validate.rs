@@ -1,7 +1,9 @@
 //! `ValidatedChatRequest::parse` on its own: one error variant per rule.
 
 use mlxcel_engine_api::{ChatMessage, Prompt, SamplingParams};
-use mlxcel_http::validate::{StreamOptions, ValidatedChatRequest, ValidationError};
+use mlxcel_http::validate::{
+    StreamOptions, ValidatedChatRequest, ValidatedCompletionRequest, ValidationError,
+};
 use serde_json::{json, Value};
 
 const MODEL: &str = "m";
@@ -28,10 +30,7 @@ fn a_full_request_becomes_a_generation_request() {
     .unwrap();
     assert_eq!(
         request.generation.prompt,
-        Prompt::Chat(vec![ChatMessage {
-            role: "system".into(),
-            content: "ab".into()
-        }])
+        Prompt::Chat(vec![ChatMessage::text("system", "ab")])
     );
     assert_eq!(request.generation.max_tokens, 64);
     assert_eq!(
@@ -41,7 +40,8 @@ fn a_full_request_becomes_a_generation_request() {
             top_p: 0.5,
             top_k: 5,
             min_p: 0.25,
-            seed: Some(7)
+            seed: Some(7),
+            ..SamplingParams::default()
         }
     );
     assert_eq!(
@@ -95,7 +95,7 @@ fn each_rule_has_its_variant() {
             with("min_p", json!(2)),
             ValidationError::MinPOutOfRange(2.0),
         ),
-        (with("n", json!(3)), ValidationError::UnsupportedN(3)),
+        (with("n", json!(17)), ValidationError::NOutOfRange(17)),
         (
             with("model", json!("other")),
             ValidationError::ModelNotFound("other".into()),
@@ -105,9 +105,9 @@ fn each_rule_has_its_variant() {
             ValidationError::StreamOptionsWithoutStream,
         ),
         (
-            with("stop", json!(["x"])),
+            with("store", json!(true)),
             ValidationError::UnsupportedParameter {
-                param: "stop".into(),
+                param: "store".into(),
             },
         ),
         (
@@ -139,4 +139,187 @@ fn null_means_absent_everywhere() {
     let request = parse(body).unwrap();
     assert_eq!(request.generation.sampling, SamplingParams::default());
     assert_eq!(request.stream, None);
+}
+
+fn completion(fields: Value) -> Result<ValidatedCompletionRequest, ValidationError> {
+    let mut body = json!({"prompt": "Hi"});
+    for (key, value) in fields.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    ValidatedCompletionRequest::parse(body, MODEL)
+}
+
+fn tool(name: &str) -> Value {
+    json!({"type": "function", "function": {"name": name}})
+}
+
+/// Every variant added for the full wire spec, with the `param` it names.
+#[test]
+fn each_new_rule_has_its_variant_and_param() {
+    use ValidationError as E;
+    let msg = |m: Value| json!({ "messages": [m] });
+    let cases: Vec<(Result<(), ValidationError>, ValidationError, &str)> = vec![
+        (
+            parse(msg(json!({"role": "user", "content": "x", "tool_calls": []}))).map(drop),
+            E::MisplacedMessageField {
+                param: "messages[0].tool_calls".into(),
+                role: "user".into(),
+            },
+            "messages[0].tool_calls",
+        ),
+        (
+            parse(with("stop", json!([]))).map(drop),
+            E::StopCount(0),
+            "stop",
+        ),
+        (
+            parse(with("stop", json!(["a", ""]))).map(drop),
+            E::EmptyStop {
+                param: "stop[1]".into(),
+            },
+            "stop[1]",
+        ),
+        (
+            parse(with("frequency_penalty", json!(-3))).map(drop),
+            E::PenaltyOutOfRange {
+                param: "frequency_penalty",
+                value: -3.0,
+            },
+            "frequency_penalty",
+        ),
+        (
+            parse(with("repetition_penalty", json!(0))).map(drop),
+            E::RepetitionPenaltyOutOfRange(0.0),
+            "repetition_penalty",
+        ),
+        (
+            parse(with("logit_bias", json!({"x1": 1}))).map(drop),
+            E::LogitBiasKey("x1".into()),
+            "logit_bias",
+        ),
+        (
+            parse(with("logit_bias", json!({"9": -101}))).map(drop),
+            E::LogitBiasOutOfRange {
+                token: 9,
+                value: -101.0,
+            },
+            "logit_bias",
+        ),
+        (
+            parse(with("top_logprobs", json!(1))).map(drop),
+            E::TopLogprobsWithoutLogprobs,
+            "top_logprobs",
+        ),
+        (
+            parse(json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}))
+                .map(drop),
+            E::TopLogprobsOutOfRange(21),
+            "top_logprobs",
+        ),
+        (
+            parse(with("n", json!(0))).map(drop),
+            E::NOutOfRange(0),
+            "n",
+        ),
+        (
+            parse(with("response_format", json!({"type": "xml"}))).map(drop),
+            E::UnsupportedResponseFormat("xml".into()),
+            "response_format.type",
+        ),
+        (
+            parse(with("tools", json!([{"type": "web", "function": {"name": "f"}}]))).map(drop),
+            E::UnsupportedToolType {
+                param: "tools[0].type".into(),
+                kind: "web".into(),
+            },
+            "tools[0].type",
+        ),
+        (
+            parse(with("tools", json!([tool("a.b")]))).map(drop),
+            E::InvalidToolName {
+                param: "tools[0].function.name".into(),
+                name: "a.b".into(),
+            },
+            "tools[0].function.name",
+        ),
+        (
+            parse(with("tool_choice", json!("sometimes"))).map(drop),
+            E::UnsupportedToolChoice("sometimes".into()),
+            "tool_choice",
+        ),
+        (
+            parse(with("tool_choice", json!("required"))).map(drop),
+            E::ToolChoiceWithoutTools,
+            "tool_choice",
+        ),
+        (
+            parse(json!({"messages": [{"role": "user", "content": "x"}], "tools": [tool("f")],
+                         "tool_choice": {"type": "function", "function": {"name": "g"}}}))
+            .map(drop),
+            E::UnknownToolChoice("g".into()),
+            "tool_choice.function.name",
+        ),
+        (
+            completion(json!({"prompt": []})).map(drop),
+            E::EmptyPrompt {
+                param: "prompt".into(),
+            },
+            "prompt",
+        ),
+        (
+            completion(json!({"prompt": [[3, -2]]})).map(drop),
+            E::TokenIdOutOfRange {
+                param: "prompt[0][1]".into(),
+                value: -2,
+            },
+            "prompt[0][1]",
+        ),
+        (
+            completion(json!({"logprobs": 9})).map(drop),
+            E::LogprobsOutOfRange(9),
+            "logprobs",
+        ),
+        (
+            completion(json!({"logprobs": 1, "echo": true})).map(drop),
+            E::EchoWithLogprobs,
+            "echo",
+        ),
+        (
+            completion(json!({"n": 3, "best_of": 4})).map(drop),
+            E::BestOfNotN { best_of: 4, n: 3 },
+            "best_of",
+        ),
+    ];
+    for (result, expected, param) in cases {
+        assert_eq!(result, Err(expected.clone()));
+        assert_eq!(expected.param().as_deref(), Some(param), "{expected:?}");
+    }
+}
+
+#[test]
+fn chat_extras_are_kept_beside_the_generation_request() {
+    let request = parse(json!({
+        "messages": [{"role": "user", "content": "x"}],
+        "parallel_tool_calls": false,
+        "user": "u-1",
+    }))
+    .unwrap();
+    assert!(!request.parallel_tool_calls);
+    assert_eq!(request.user.as_deref(), Some("u-1"));
+    let request = parse(with("n", json!(1))).unwrap();
+    assert!(request.parallel_tool_calls, "default true");
+    assert_eq!(request.user, None);
+}
+
+#[test]
+fn completion_defaults_and_extras() {
+    let request =
+        completion(json!({"prompt": ["a", "b"], "echo": true, "user": "u", "stream": true}))
+            .unwrap();
+    assert_eq!(request.generations.len(), 2);
+    assert_eq!(request.generations[1].prompt, Prompt::Text("b".into()));
+    assert_eq!(request.generations[0].max_tokens, 16);
+    assert!(request.echo);
+    assert_eq!(request.user.as_deref(), Some("u"));
+    assert_eq!(request.stream, Some(StreamOptions::default()));
 }

@@ -9,7 +9,7 @@ use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
     CacheReset, EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest,
-    InferenceService, SubmitError, Timings, Usage,
+    InferenceService, SampledLogprobs, SubmitError, Timings, TokenLogprob, ToolCall, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -18,13 +18,19 @@ use tower::ServiceExt;
 
 pub const MODEL: &str = "org/test-model";
 
+/// Token ids the fake's `detokenize` knows (`t0` ... `t999`).
+pub const VOCAB: u32 = 1000;
+
 /// An engine without a model: answers every request with a scripted list of
 /// events and records what it was asked.
 pub struct FakeService {
-    script: Vec<GenerationEvent>,
+    /// Submission `k` gets `scripts[k]`, the last one once they run out.
+    scripts: Vec<Vec<GenerationEvent>>,
     /// Keep the sender after the script, so the stream stays open.
     hold_open: bool,
     refusal: Option<SubmitError>,
+    /// Submissions accepted before `refusal` applies.
+    refuse_after: usize,
     /// Every request submitted, in order.
     pub requests: Mutex<Vec<GenerationRequest>>,
     /// The senders kept open (only with `hold_open`).
@@ -34,6 +40,14 @@ pub struct FakeService {
 impl FakeService {
     pub fn new(script: Vec<GenerationEvent>) -> Arc<Self> {
         Arc::new(Self::base(script))
+    }
+
+    /// Submission `k` gets `scripts[k]` (the last one after that).
+    pub fn scripted(scripts: Vec<Vec<GenerationEvent>>) -> Arc<Self> {
+        Arc::new(Self {
+            scripts,
+            ..Self::base(Vec::new())
+        })
     }
 
     /// "Hel", an empty delta (held-back bytes), "lo", then Finished(stop).
@@ -51,17 +65,26 @@ impl FakeService {
 
     /// Refuses every request with `err`.
     pub fn refusing(err: SubmitError) -> Arc<Self> {
+        Self::refusing_after(0, err)
+    }
+
+    /// Accepts `accepted` requests (sending `hello_script` and holding them
+    /// open), then refuses every other with `err`.
+    pub fn refusing_after(accepted: usize, err: SubmitError) -> Arc<Self> {
         Arc::new(Self {
             refusal: Some(err),
-            ..Self::base(Vec::new())
+            refuse_after: accepted,
+            hold_open: true,
+            ..Self::base(hello_script(FinishReason::Stop))
         })
     }
 
     fn base(script: Vec<GenerationEvent>) -> Self {
         Self {
-            script,
+            scripts: vec![script],
             hold_open: false,
             refusal: None,
+            refuse_after: 0,
             requests: Mutex::new(Vec::new()),
             senders: Mutex::new(Vec::new()),
         }
@@ -86,18 +109,42 @@ impl InferenceService for FakeService {
     }
 
     fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError> {
-        self.requests.lock().unwrap().push(request);
+        let n = request.n;
+        let submitted = {
+            let mut requests = self.requests.lock().unwrap();
+            requests.push(request);
+            requests.len() - 1
+        };
         if let Some(err) = &self.refusal {
-            return Err(err.clone());
+            if submitted >= self.refuse_after {
+                return Err(err.clone());
+            }
         }
+        let script = &self.scripts[submitted.min(self.scripts.len() - 1)];
         let (tx, rx) = unbounded_channel();
-        for event in &self.script {
-            tx.send(event.clone()).unwrap();
+        for event in choices_script(script, n) {
+            tx.send(event).unwrap();
         }
         if self.hold_open {
             self.senders.lock().unwrap().push(tx);
         }
         Ok(rx)
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {
+        tokens
+            .iter()
+            .map(|&t| {
+                if t < VOCAB {
+                    Ok(format!("t{t}"))
+                } else {
+                    Err(SubmitError::InvalidRequest {
+                        message: format!("token {t} is outside the vocabulary"),
+                        param: Some("prompt".into()),
+                    })
+                }
+            })
+            .collect()
     }
 
     fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
@@ -140,6 +187,34 @@ impl InferenceService for FakeService {
     }
 }
 
+/// `script` as sent for a request of `n` choices: a script that names only
+/// choice 0 is played once per choice (choice 0's events, then choice 1's,
+/// ...); one that names other choices is sent as it is.
+fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> {
+    let index_of = |event: &GenerationEvent| match event {
+        GenerationEvent::Delta { index, .. }
+        | GenerationEvent::ToolCall { index, .. }
+        | GenerationEvent::Finished { index, .. } => *index,
+        GenerationEvent::Failed { .. } => 0,
+    };
+    if n == 1 || script.iter().any(|e| index_of(e) != 0) {
+        return script.to_vec();
+    }
+    (0..n)
+        .flat_map(|choice| {
+            script.iter().cloned().map(move |mut event| {
+                match &mut event {
+                    GenerationEvent::Delta { index, .. }
+                    | GenerationEvent::ToolCall { index, .. }
+                    | GenerationEvent::Finished { index, .. } => *index = choice,
+                    GenerationEvent::Failed { .. } => {}
+                }
+                event
+            })
+        })
+        .collect()
+}
+
 pub const USAGE: Usage = Usage {
     prompt_tokens: 7,
     completion_tokens: 3,
@@ -147,16 +222,77 @@ pub const USAGE: Usage = Usage {
 };
 
 pub fn delta(text: &str) -> GenerationEvent {
+    delta_at(0, text)
+}
+
+/// Text of choice `index`.
+pub fn delta_at(index: usize, text: &str) -> GenerationEvent {
     GenerationEvent::Delta {
+        index,
         token: 1,
         text: text.to_owned(),
+        logprobs: None,
+    }
+}
+
+/// Text of choice `index` completed by token `token`, with its logprobs.
+pub fn delta_lp(
+    index: usize,
+    token: u32,
+    text: &str,
+    logprobs: SampledLogprobs,
+) -> GenerationEvent {
+    GenerationEvent::Delta {
+        index,
+        token,
+        text: text.to_owned(),
+        logprobs: Some(logprobs),
+    }
+}
+
+/// A token's logprob entry; its bytes are its text's.
+pub fn token_lp(id: u32, text: &str, logprob: f32) -> TokenLogprob {
+    TokenLogprob {
+        id,
+        text: text.to_owned(),
+        bytes: text.as_bytes().to_vec(),
+        logprob,
+    }
+}
+
+/// Sampled token `(id, text, logprob)` with alternatives `top`.
+pub fn sampled(token: (u32, &str, f32), top: &[(u32, &str, f32)]) -> SampledLogprobs {
+    SampledLogprobs {
+        token: token_lp(token.0, token.1, token.2),
+        top: top
+            .iter()
+            .map(|&(id, text, lp)| token_lp(id, text, lp))
+            .collect(),
+    }
+}
+
+/// Tool call `id` of choice `index`.
+pub fn tool_call_at(index: usize, id: &str, name: &str, arguments: &str) -> GenerationEvent {
+    GenerationEvent::ToolCall {
+        index,
+        call: ToolCall {
+            id: id.to_owned(),
+            name: name.to_owned(),
+            arguments: arguments.to_owned(),
+        },
     }
 }
 
 pub fn finished(reason: FinishReason) -> GenerationEvent {
+    finished_at(0, reason, USAGE)
+}
+
+/// Choice `index` finished with `usage`.
+pub fn finished_at(index: usize, reason: FinishReason, usage: Usage) -> GenerationEvent {
     GenerationEvent::Finished {
+        index,
         reason,
-        usage: USAGE,
+        usage,
         timings: Timings::default(),
     }
 }
@@ -224,6 +360,17 @@ pub async fn post_json(app: Router, body: Value) -> Reply {
     post_raw(app, Some("application/json"), body.to_string()).await
 }
 
+/// Posts `body` to `/v1/completions`.
+pub async fn post_completion(app: Router, body: Value) -> Reply {
+    post_raw_to(
+        app,
+        "/v1/completions",
+        Some("application/json"),
+        body.to_string(),
+    )
+    .await
+}
+
 pub async fn post_raw(app: Router, content_type: Option<&str>, body: impl Into<Body>) -> Reply {
     post_raw_to(app, "/v1/chat/completions", content_type, body).await
 }
@@ -258,6 +405,22 @@ pub fn sse_data(body: &[u8]) -> Vec<String> {
                 .collect();
             (!data.is_empty()).then(|| data.join("\n"))
         })
+        .collect()
+}
+
+/// The JSON payloads of an SSE body, which must end with `[DONE]`.
+pub fn sse_json(reply: &Reply) -> Vec<Value> {
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.headers["content-type"], "text/event-stream");
+    let mut data = sse_data(&reply.body);
+    assert_eq!(data.pop().as_deref(), Some("[DONE]"), "last event");
+    data.iter()
+        .map(|d| serde_json::from_str(d).unwrap())
         .collect()
 }
 

@@ -1,0 +1,160 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`, streamed or not.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mlxcel_engine_api::{EventStream, GenerationRequest, InferenceService, Prompt, SubmitError};
+
+use crate::choices::{collect, Choices};
+use crate::error::ApiError;
+use crate::extract::JsonBody;
+use crate::openai::chat::ChatCompletion;
+use crate::openai::completion::{LegacyLogprobs, TextChoice, TextCompletion};
+use crate::openai::CompletionMeta;
+use crate::sse::{stream_response, ChatChunks, TextChunks};
+use crate::validate::{ValidatedChatRequest, ValidatedCompletionRequest};
+use crate::AppState;
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let service = state.service();
+    let request =
+        ValidatedChatRequest::parse(body, service.model_id(), state.config().default_max_tokens)?;
+    let meta = CompletionMeta::chat(service.model_id());
+    let generation = request.generation;
+    record_user(request.user.as_deref());
+    tracing::info!(
+        id = %meta.id,
+        user = request.user.as_deref().unwrap_or("-"),
+        stream = request.stream.is_some(),
+        n = generation.n,
+        max_tokens = generation.max_tokens,
+        tools = generation.tools.len(),
+        "chat completion"
+    );
+    let n = generation.n;
+    let logprobs = generation.logprobs.is_some();
+    // Rendering the template and tokenizing a (up to 4 MiB) prompt is CPU
+    // work: keep it off the async workers.
+    let handle = state.service_handle();
+    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
+        .await
+        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))??;
+    let events = state.metrics().instrument(events, arrived);
+    let mut choices = Choices::new(vec![events], n, request.parallel_tool_calls);
+    match request.stream {
+        Some(options) => {
+            let format = ChatChunks {
+                meta,
+                choices: n,
+                include_usage: options.include_usage,
+            };
+            Ok(stream_response(choices, format, state.keep_alive()))
+        }
+        None => {
+            let outputs = collect(&mut choices).await?;
+            let completion = ChatCompletion::new(&meta, outputs, logprobs, choices.usage());
+            Ok(Json(completion).into_response())
+        }
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let service = state.service();
+    let request = ValidatedCompletionRequest::parse(body, service.model_id())?;
+    let meta = CompletionMeta::text(service.model_id());
+    let first = request.generations.first();
+    let n = first.map_or(1, |g| g.n);
+    let logprobs = first.is_some_and(|g| g.logprobs.is_some());
+    record_user(request.user.as_deref());
+    tracing::info!(
+        id = %meta.id,
+        user = request.user.as_deref().unwrap_or("-"),
+        stream = request.stream.is_some(),
+        prompts = request.generations.len(),
+        n,
+        max_tokens = first.map_or(0, |g| g.max_tokens),
+        "text completion"
+    );
+    let handle = state.service_handle();
+    let (generations, echo) = (request.generations, request.echo);
+    let (echoes, streams) =
+        tokio::task::spawn_blocking(move || submit_prompts(handle, generations, echo))
+            .await
+            .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))?
+            .map_err(|e| ApiError::from_submit(e, "prompt"))?;
+    let streams = streams
+        .into_iter()
+        .map(|events| state.metrics().instrument(events, arrived))
+        .collect();
+    let mut choices = Choices::new(streams, n, true);
+    match request.stream {
+        Some(options) => {
+            let format = TextChunks::new(meta, echoes, n, options.include_usage);
+            Ok(stream_response(choices, format, state.keep_alive()))
+        }
+        None => {
+            let outputs = collect(&mut choices).await?;
+            let text_choices = outputs
+                .into_iter()
+                .enumerate()
+                .map(|(index, output)| {
+                    let echo = &echoes[index / n];
+                    let mut offset = echo.chars().count();
+                    TextChoice {
+                        index,
+                        text: format!("{echo}{}", output.text),
+                        logprobs: logprobs
+                            .then(|| LegacyLogprobs::new(&output.logprobs, &mut offset)),
+                        finish_reason: output.finish_reason,
+                    }
+                })
+                .collect();
+            let completion = TextCompletion::new(&meta, text_choices, choices.usage());
+            Ok(Json(completion).into_response())
+        }
+    }
+}
+
+/// Submits every prompt, in order, and returns the text each echoes (empty
+/// without `echo`) with its event stream. All or none: if one submit fails,
+/// the streams already made are dropped, which cancels their requests.
+fn submit_prompts(
+    service: Arc<dyn InferenceService>,
+    generations: Vec<GenerationRequest>,
+    echo: bool,
+) -> Result<(Vec<String>, Vec<EventStream>), SubmitError> {
+    let echoes = generations
+        .iter()
+        .map(|generation| match &generation.prompt {
+            _ if !echo => Ok(String::new()),
+            Prompt::Text(text) => Ok(text.clone()),
+            Prompt::Tokens(tokens) => service.detokenize(tokens),
+            Prompt::Chat(_) => Ok(String::new()),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let streams = generations
+        .into_iter()
+        .map(|generation| service.submit(generation))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((echoes, streams))
+}
+
+/// Records the client's end-user id on the request's tracing span.
+fn record_user(user: Option<&str>) {
+    if let Some(user) = user {
+        tracing::Span::current().record("user", user);
+    }
+}

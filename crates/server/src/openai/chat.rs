@@ -1,0 +1,269 @@
+//! `chat.completion` and `chat.completion.chunk`.
+
+use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob, ToolCall, Usage};
+use serde::Serialize;
+
+use super::{CompletionMeta, UsageBody};
+use crate::choices::ChoiceOutput;
+
+/// A non-streamed answer: the `chat.completion` object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatCompletion<'a> {
+    /// The completion's id.
+    pub id: &'a str,
+    /// Always `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The model that answered.
+    pub model: &'a str,
+    /// The choices, in index order.
+    pub choices: Vec<ChatChoice>,
+    /// Token accounting (completion tokens summed over the choices).
+    pub usage: UsageBody,
+}
+
+impl<'a> ChatCompletion<'a> {
+    /// The answer made of `outputs` (choice `i` is `outputs[i]`); `logprobs`
+    /// says whether the request asked for them.
+    pub fn new(
+        meta: &'a CompletionMeta,
+        outputs: Vec<ChoiceOutput>,
+        logprobs: bool,
+        usage: Usage,
+    ) -> Self {
+        let choices = outputs
+            .into_iter()
+            .enumerate()
+            .map(|(index, output)| ChatChoice::new(index, output, logprobs))
+            .collect();
+        Self {
+            id: &meta.id,
+            object: "chat.completion",
+            created: meta.created,
+            model: &meta.model,
+            choices,
+            usage: usage.into(),
+        }
+    }
+}
+
+/// One choice of a `chat.completion`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChoice {
+    /// Position among the choices.
+    pub index: usize,
+    /// The generated message.
+    pub message: AssistantMessage,
+    /// `null` unless the request asked for logprobs.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop`, `length` or `tool_calls`.
+    pub finish_reason: Option<FinishReason>,
+}
+
+impl ChatChoice {
+    fn new(index: usize, output: ChoiceOutput, logprobs: bool) -> Self {
+        // A choice that only called tools has no content at all.
+        let content = if output.text.is_empty() && !output.tool_calls.is_empty() {
+            None
+        } else {
+            Some(output.text)
+        };
+        Self {
+            index,
+            message: AssistantMessage {
+                role: "assistant",
+                content,
+                tool_calls: output.tool_calls.into_iter().map(Into::into).collect(),
+            },
+            logprobs: logprobs.then(|| ChatLogprobs::new(&output.logprobs)),
+            finish_reason: output.finish_reason,
+        }
+    }
+}
+
+/// The generated message of a choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AssistantMessage {
+    /// Always `assistant`.
+    pub role: &'static str,
+    /// The generated text; `null` when the choice only called tools.
+    pub content: Option<String>,
+    /// The tool calls, absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallBody>,
+}
+
+/// One tool call of a message.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallBody {
+    /// The engine's `call_` id.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// What is called.
+    pub function: FunctionCall,
+}
+
+/// The function and arguments of a tool call.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+}
+
+impl From<ToolCall> for ToolCallBody {
+    fn from(call: ToolCall) -> Self {
+        Self {
+            id: call.id,
+            kind: "function",
+            function: FunctionCall {
+                name: call.name,
+                arguments: call.arguments,
+            },
+        }
+    }
+}
+
+/// A choice's (or chunk's) `logprobs`: one entry per token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    /// The tokens, in order.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+impl ChatLogprobs {
+    /// The entries of `tokens`.
+    pub fn new(tokens: &[SampledLogprobs]) -> Self {
+        let content = tokens
+            .iter()
+            .map(|sampled| ChatTokenLogprob {
+                token: TopLogprob::from(&sampled.token),
+                top_logprobs: sampled.top.iter().map(TopLogprob::from).collect(),
+            })
+            .collect();
+        Self { content }
+    }
+
+    /// The entries of `tokens`, or `None` when there are none.
+    pub fn non_empty(tokens: &[SampledLogprobs]) -> Option<Self> {
+        (!tokens.is_empty()).then(|| Self::new(tokens))
+    }
+}
+
+/// One sampled token with its alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    /// The token itself (`token`, `logprob`, `bytes`).
+    #[serde(flatten)]
+    pub token: TopLogprob,
+    /// The most likely tokens at this position, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// A token's text, log-probability and bytes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// Its UTF-8 bytes (which may be part of a character).
+    pub bytes: Vec<u8>,
+}
+
+impl From<&TokenLogprob> for TopLogprob {
+    fn from(token: &TokenLogprob) -> Self {
+        Self {
+            token: token.text.clone(),
+            logprob: token.logprob,
+            bytes: token.bytes.clone(),
+        }
+    }
+}
+
+/// One event of a streamed answer: the `chat.completion.chunk` object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatCompletionChunk<'a> {
+    /// The completion's id, the same on every chunk.
+    pub id: &'a str,
+    /// Always `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds, the same on every chunk.
+    pub created: u64,
+    /// The model that answers.
+    pub model: &'a str,
+    /// One choice, or none on the usage chunk.
+    pub choices: Vec<ChunkChoice>,
+    /// Absent unless `stream_options.include_usage`; then `null` on every
+    /// chunk but the last, which carries the usage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageBody>>,
+}
+
+/// One choice of a chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChunkChoice {
+    /// Position among the choices.
+    pub index: usize,
+    /// What is new since the previous chunk of this choice.
+    pub delta: ChunkDelta,
+    /// Logprobs of the tokens that completed this chunk, or `null`.
+    pub logprobs: Option<ChatLogprobs>,
+    /// Set on the last chunk of the choice only.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// The new part of the message; empty (`{}`) on the finishing chunk.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChunkDelta {
+    /// `assistant` on the first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    /// A new tool call, whole.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+/// A tool call in a chunk: the call with its position in the choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallDelta {
+    /// The call's position among its choice's calls (from 0).
+    pub index: usize,
+    /// The call.
+    #[serde(flatten)]
+    pub call: ToolCallBody,
+}
+
+impl<'a> ChatCompletionChunk<'a> {
+    /// A chunk of `meta` with one choice; `include_usage` adds
+    /// `usage: null`.
+    pub fn new(meta: &'a CompletionMeta, choice: ChunkChoice, include_usage: bool) -> Self {
+        Self {
+            id: &meta.id,
+            object: "chat.completion.chunk",
+            created: meta.created,
+            model: &meta.model,
+            choices: vec![choice],
+            usage: include_usage.then_some(None),
+        }
+    }
+
+    /// The usage chunk sent after the finishing chunks: no choices.
+    pub fn usage(meta: &'a CompletionMeta, usage: Usage) -> Self {
+        Self {
+            id: &meta.id,
+            object: "chat.completion.chunk",
+            created: meta.created,
+            model: &meta.model,
+            choices: Vec::new(),
+            usage: Some(Some(usage.into())),
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! Parsing request bodies into validated types: [`ValidatedChatRequest`]
+//! for `/v1/chat/completions`, [`ValidatedCompletionRequest`] for
+//! `/v1/completions`.
+//!
+//! A body is read as a JSON object and checked field by field, so every
+//! broken rule is its own [`ValidationError`] variant naming the offending
+//! `param`. Fields of the OpenAI API that mlxcel does not implement yet are
+//! refused when they carry a non-default value, never silently ignored.
+//! Validation runs before anything is submitted to the engine.
+
+mod chat;
+mod completion;
+mod params;
+mod tools;
+
+pub use chat::ValidatedChatRequest;
+pub use completion::ValidatedCompletionRequest;
+
+use serde_json::{Map, Value};
+
+/// A broken rule of a request schema. `param` names the field at fault, as
+/// OpenAI does (`messages[0].role`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValidationError {
+    /// The body is JSON but not an object.
+    #[error("The request body must be a JSON object")]
+    BodyNotObject,
+    /// A field has the wrong JSON type.
+    #[error("Invalid type for '{param}': expected {expected}")]
+    WrongType {
+        /// The field.
+        param: String,
+        /// What it should have been.
+        expected: &'static str,
+    },
+    /// A required field is absent or null.
+    #[error("Missing required parameter: '{0}'")]
+    Missing(String),
+    /// `messages` is an empty array.
+    #[error("'messages' must contain at least one message")]
+    EmptyMessages,
+    /// A message role other than system, developer, user, assistant or tool.
+    #[error("Invalid value for '{param}': '{role}' (supported: system, developer, user, assistant, tool)")]
+    UnsupportedRole {
+        /// The field (`messages[i].role`).
+        param: String,
+        /// The role sent.
+        role: String,
+    },
+    /// A message field that its role cannot carry: `tool_calls` outside an
+    /// assistant message, `tool_call_id` outside a tool message.
+    #[error("'{param}' is not allowed on a message with role '{role}'")]
+    MisplacedMessageField {
+        /// The field (`messages[i].tool_calls`).
+        param: String,
+        /// The message's role.
+        role: String,
+    },
+    /// A content part whose `type` is not `text`.
+    #[error("Invalid value for '{param}': '{kind}' (only 'text' parts are supported)")]
+    UnsupportedContentPart {
+        /// The field (`messages[i].content[j].type`).
+        param: String,
+        /// The type sent.
+        kind: String,
+    },
+    /// `max_tokens` or `max_completion_tokens` below 1.
+    #[error("Invalid value for '{param}': {value} (must be at least 1)")]
+    MaxTokensTooSmall {
+        /// `max_tokens` or `max_completion_tokens`.
+        param: &'static str,
+        /// The value sent.
+        value: i128,
+    },
+    /// `max_tokens` and `max_completion_tokens` both given, with different
+    /// values.
+    #[error("'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({max_completion_tokens}) disagree; set only one")]
+    ConflictingMaxTokens {
+        /// The `max_tokens` sent.
+        max_tokens: usize,
+        /// The `max_completion_tokens` sent.
+        max_completion_tokens: usize,
+    },
+    /// `temperature` outside [0, 2].
+    #[error("Invalid value for 'temperature': {0} (must be between 0 and 2)")]
+    TemperatureOutOfRange(f64),
+    /// `top_p` outside (0, 1].
+    #[error("Invalid value for 'top_p': {0} (must be greater than 0 and at most 1)")]
+    TopPOutOfRange(f64),
+    /// `top_k` below 0.
+    #[error("Invalid value for 'top_k': {0} (must be at least 0; 0 disables it)")]
+    TopKNegative(i128),
+    /// `min_p` outside [0, 1].
+    #[error("Invalid value for 'min_p': {0} (must be between 0 and 1)")]
+    MinPOutOfRange(f64),
+    /// `presence_penalty` or `frequency_penalty` outside [-2, 2].
+    #[error("Invalid value for '{param}': {value} (must be between -2 and 2)")]
+    PenaltyOutOfRange {
+        /// `presence_penalty` or `frequency_penalty`.
+        param: &'static str,
+        /// The value sent.
+        value: f64,
+    },
+    /// `repetition_penalty` outside (0, 2].
+    #[error("Invalid value for 'repetition_penalty': {0} (must be greater than 0 and at most 2; 1 disables it)")]
+    RepetitionPenaltyOutOfRange(f64),
+    /// `stop` is an array with no strings or more than four.
+    #[error("Invalid value for 'stop': {0} strings (1 to 4 are allowed)")]
+    StopCount(usize),
+    /// An empty stop string.
+    #[error("Invalid value for '{param}': stop strings must not be empty")]
+    EmptyStop {
+        /// `stop` or `stop[i]`.
+        param: String,
+    },
+    /// A `logit_bias` key that is not a token id.
+    #[error("Invalid key in 'logit_bias': '{0}' (keys are token ids)")]
+    LogitBiasKey(String),
+    /// A `logit_bias` value outside [-100, 100].
+    #[error(
+        "Invalid value in 'logit_bias' for token {token}: {value} (must be between -100 and 100)"
+    )]
+    LogitBiasOutOfRange {
+        /// The token id.
+        token: u32,
+        /// The bias sent.
+        value: f64,
+    },
+    /// Chat `top_logprobs` outside 0..=20.
+    #[error("Invalid value for 'top_logprobs': {0} (must be between 0 and 20)")]
+    TopLogprobsOutOfRange(i128),
+    /// Chat `top_logprobs` without `logprobs: true`.
+    #[error("'top_logprobs' is only allowed when 'logprobs' is true")]
+    TopLogprobsWithoutLogprobs,
+    /// Completions `logprobs` outside 0..=5.
+    #[error("Invalid value for 'logprobs': {0} (must be between 0 and 5)")]
+    LogprobsOutOfRange(i128),
+    /// Completions `echo` together with `logprobs`.
+    #[error("'echo' cannot be combined with 'logprobs'")]
+    EchoWithLogprobs,
+    /// `n` outside 1..=16.
+    #[error("Invalid value for 'n': {0} (must be between 1 and 16)")]
+    NOutOfRange(i128),
+    /// Completions `best_of` other than `n`.
+    #[error("Invalid value for 'best_of': {best_of} (only best_of = n, here {n}, is supported)")]
+    BestOfNotN {
+        /// The value sent.
+        best_of: i128,
+        /// The request's `n`.
+        n: usize,
+    },
+    /// `stream_options` without `stream: true`.
+    #[error("'stream_options' is only allowed when 'stream' is true")]
+    StreamOptionsWithoutStream,
+    /// A `response_format.type` other than text, json_object, json_schema.
+    #[error("Invalid value for 'response_format.type': '{0}' (supported: text, json_object, json_schema)")]
+    UnsupportedResponseFormat(String),
+    /// A tool (or tool call, or named tool choice) whose `type` is not
+    /// `function`.
+    #[error("Invalid value for '{param}': '{kind}' (only 'function' is supported)")]
+    UnsupportedToolType {
+        /// The field (`tools[i].type`).
+        param: String,
+        /// The type sent.
+        kind: String,
+    },
+    /// A function name outside `^[a-zA-Z0-9_-]{1,64}$`.
+    #[error("Invalid value for '{param}': '{name}' (function names are 1 to 64 letters, digits, '_' or '-')")]
+    InvalidToolName {
+        /// The field (`tools[i].function.name`).
+        param: String,
+        /// The name sent.
+        name: String,
+    },
+    /// A `tool_choice` string other than none, auto, required.
+    #[error("Invalid value for 'tool_choice': '{0}' (supported: none, auto, required, or a named function)")]
+    UnsupportedToolChoice(String),
+    /// `tool_choice` `required` or a named function without `tools`.
+    #[error("'tool_choice' requires 'tools'")]
+    ToolChoiceWithoutTools,
+    /// A named `tool_choice` that is not among `tools`.
+    #[error("Invalid value for 'tool_choice.function.name': '{0}' is not among 'tools'")]
+    UnknownToolChoice(String),
+    /// An empty `prompt` list, or an empty token list in it.
+    #[error("Invalid value for '{param}': prompts must not be empty")]
+    EmptyPrompt {
+        /// `prompt` or `prompt[i]`.
+        param: String,
+    },
+    /// A prompt token id that is not a u32.
+    #[error("Invalid value for '{param}': {value} is not a token id")]
+    TokenIdOutOfRange {
+        /// The field (`prompt[i]`, `prompt[i][j]`).
+        param: String,
+        /// The value sent.
+        value: i128,
+    },
+    /// `model` names a model this server does not serve.
+    #[error("The model `{0}` does not exist")]
+    ModelNotFound(String),
+    /// An OpenAI field that mlxcel does not implement yet, with a non-default
+    /// value.
+    #[error("'{param}' is not supported by this server yet")]
+    UnsupportedParameter {
+        /// The field.
+        param: String,
+    },
+    /// A field that is not part of the request.
+    #[error("Unrecognized request argument supplied: '{param}'")]
+    UnrecognizedParameter {
+        /// The field.
+        param: String,
+    },
+}
+
+impl ValidationError {
+    /// The request field at fault, if any.
+    pub fn param(&self) -> Option<String> {
+        let param = match self {
+            Self::BodyNotObject => return None,
+            Self::WrongType { param, .. }
+            | Self::Missing(param)
+            | Self::UnsupportedRole { param, .. }
+            | Self::MisplacedMessageField { param, .. }
+            | Self::UnsupportedContentPart { param, .. }
+            | Self::EmptyStop { param }
+            | Self::UnsupportedToolType { param, .. }
+            | Self::InvalidToolName { param, .. }
+            | Self::EmptyPrompt { param }
+            | Self::TokenIdOutOfRange { param, .. }
+            | Self::UnsupportedParameter { param }
+            | Self::UnrecognizedParameter { param } => param.as_str(),
+            Self::EmptyMessages => "messages",
+            Self::MaxTokensTooSmall { param, .. } | Self::PenaltyOutOfRange { param, .. } => param,
+            Self::ConflictingMaxTokens { .. } => "max_tokens",
+            Self::TemperatureOutOfRange(_) => "temperature",
+            Self::TopPOutOfRange(_) => "top_p",
+            Self::TopKNegative(_) => "top_k",
+            Self::MinPOutOfRange(_) => "min_p",
+            Self::RepetitionPenaltyOutOfRange(_) => "repetition_penalty",
+            Self::StopCount(_) => "stop",
+            Self::LogitBiasKey(_) | Self::LogitBiasOutOfRange { .. } => "logit_bias",
+            Self::TopLogprobsOutOfRange(_) | Self::TopLogprobsWithoutLogprobs => "top_logprobs",
+            Self::LogprobsOutOfRange(_) => "logprobs",
+            Self::EchoWithLogprobs => "echo",
+            Self::NOutOfRange(_) => "n",
+            Self::BestOfNotN { .. } => "best_of",
+            Self::StreamOptionsWithoutStream => "stream_options",
+            Self::UnsupportedResponseFormat(_) => "response_format.type",
+            Self::UnsupportedToolChoice(_) | Self::ToolChoiceWithoutTools => "tool_choice",
+            Self::UnknownToolChoice(_) => "tool_choice.function.name",
+            Self::ModelNotFound(_) => "model",
+        };
+        Some(param.to_owned())
+    }
+}
+
+/// How a streamed answer is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `usage: null` on the others).
+    pub include_usage: bool,
+}
+
+/// The body as an object, with `model` checked against the served one.
+fn object_for_model(body: Value, model_id: &str) -> Result<Map<String, Value>, ValidationError> {
+    let Value::Object(mut body) = body else {
+        return Err(ValidationError::BodyNotObject);
+    };
+    if let Some(model) = take(&mut body, "model") {
+        let model = string("model", model)?;
+        if model != model_id {
+            return Err(ValidationError::ModelNotFound(model));
+        }
+    }
+    Ok(body)
+}
+
+/// Refuses every field left in `object` that has a non-null value: fields in
+/// `unsupported` unless their value is a default one, all others always.
+fn reject_leftovers(
+    object: Map<String, Value>,
+    unsupported: &[&str],
+    prefix: &str,
+) -> Result<(), ValidationError> {
+    for (key, value) in object {
+        if value.is_null() {
+            continue;
+        }
+        let param = format!("{prefix}{key}");
+        if !unsupported.contains(&key.as_str()) {
+            return Err(ValidationError::UnrecognizedParameter { param });
+        }
+        if !is_default_value(&key, &value) {
+            return Err(ValidationError::UnsupportedParameter { param });
+        }
+    }
+    Ok(())
+}
+
+/// Whether `value` asks for the behaviour mlxcel already has, so that
+/// accepting it ignores nothing: `false`, `0`, `""`, `[]`, `{}`, and the
+/// documented defaults of a few fields.
+fn is_default_value(key: &str, value: &Value) -> bool {
+    let generic = match value {
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Null => true,
+    };
+    generic
+        || match key {
+            "service_tier" => matches!(value.as_str(), Some("auto" | "default")),
+            "modalities" => {
+                value.as_array().map(|m| m.as_slice()) == Some(&[Value::from("text")][..])
+            }
+            _ => false,
+        }
+}
+
+/// Removes `key`; a `null` counts as absent.
+fn take(object: &mut Map<String, Value>, key: &str) -> Option<Value> {
+    object.remove(key).filter(|v| !v.is_null())
+}
+
+/// Removes `key`, which must be present and not null.
+fn require(
+    object: &mut Map<String, Value>,
+    key: &str,
+    param: &str,
+) -> Result<Value, ValidationError> {
+    take(object, key).ok_or_else(|| ValidationError::Missing(param.to_owned()))
+}
+
+fn wrong_type(param: &str, expected: &'static str) -> ValidationError {
+    ValidationError::WrongType {
+        param: param.to_owned(),
+        expected,
+    }
+}
+
+fn object(param: &str, value: Value) -> Result<Map<String, Value>, ValidationError> {
+    match value {
+        Value::Object(o) => Ok(o),
+        _ => Err(wrong_type(param, "an object")),
+    }
+}
+
+fn string(param: &str, value: Value) -> Result<String, ValidationError> {
+    match value {
+        Value::String(s) => Ok(s),
+        _ => Err(wrong_type(param, "a string")),
+    }
+}
+
+fn boolean(param: &str, value: Value) -> Result<bool, ValidationError> {
+    value
+        .as_bool()
+        .ok_or_else(|| wrong_type(param, "a boolean"))
+}
+
+fn number(param: &str, value: Value) -> Result<f64, ValidationError> {
+    value.as_f64().ok_or_else(|| wrong_type(param, "a number"))
+}
+
+/// Any JSON integer (the full i64 and u64 ranges); floats are refused.
+fn integer(param: &str, value: Value) -> Result<i128, ValidationError> {
+    value
+        .as_i64()
+        .map(i128::from)
+        .or_else(|| value.as_u64().map(i128::from))
+        .ok_or_else(|| wrong_type(param, "an integer"))
+}
