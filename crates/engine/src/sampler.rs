@@ -274,6 +274,7 @@ mod tests {
             top_k,
             min_p,
             seed: Some(42),
+            ..SamplingParams::default()
         }
     }
 
