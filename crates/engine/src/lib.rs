@@ -8,6 +8,7 @@
 /// The front-end seam (re-exported from `mlxcel-engine-api`).
 pub use mlxcel_engine_api as api;
 pub mod chat_template;
+pub mod constraint;
 pub mod detokenizer;
 pub mod engine;
 #[cfg(feature = "fault-injection")]
