@@ -121,6 +121,12 @@ impl TextTokenizer {
         })
     }
 
+    /// The wrapped `tokenizers` tokenizer, for adapters that need the whole
+    /// vocabulary (the grammar trie of [`crate::constraint`]).
+    pub fn hf_tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Whether `id` is a special added token (BOS, EOS, `<|im_end|>`, ...),
     /// which `decode(.., skip_special_tokens = true)` drops.
     pub fn is_special_token(&self, id: u32) -> bool {

@@ -1,0 +1,368 @@
+//! Constrained decoding: an output grammar enforced token by token.
+//!
+//! Built on [`llguidance`] (Earley parser over a lexer, masks computed against
+//! a token trie) and its Hugging Face adapter [`toktrie_hf_tokenizers`], which
+//! turns a `tokenizer.json` vocabulary into token bytes (byte-level BPE byte
+//! map, `<0xNN>` byte fallback, added tokens of the form `<...>` as special
+//! tokens).
+//!
+//! - [`GrammarTokenizer`]: once per model, at load (builds the trie; about a
+//!   second for a 50k vocabulary).
+//! - [`Grammar`]: what a request asks for (JSON object, JSON Schema, tool
+//!   calls).
+//! - [`ConstrainedDecoder`]: one per request; per step [`mask_logits`] before
+//!   sampling, then [`accept`] the sampled token, until [`is_finished`].
+//!
+//! JSON is generated without free whitespace: items are separated by `", "`
+//! and keys by `": "` (Python's `json.dumps` defaults), so a model cannot
+//! spin on endless spaces or newlines.
+//!
+//! [`mask_logits`]: ConstrainedDecoder::mask_logits
+//! [`accept`]: ConstrainedDecoder::accept
+//! [`is_finished`]: ConstrainedDecoder::is_finished
+
+use std::sync::Arc;
+
+use llguidance::api::{GrammarInit, ParserLimits, StopReason, TopLevelGrammar};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value as Json};
+use toktrie_hf_tokenizers::ByteTokenizer;
+
+use crate::tokenizer::TextTokenizer;
+
+/// Errors of constrained decoding.
+#[derive(Debug, thiserror::Error)]
+pub enum ConstraintError {
+    /// The grammar or schema does not compile (the request's fault: HTTP 400).
+    /// The message is llguidance's.
+    #[error("invalid grammar: {0}")]
+    InvalidGrammar(String),
+    /// [`ConstrainedDecoder::accept`] got a token the grammar forbids here.
+    #[error("token {token} rejected by the grammar: {message}")]
+    Rejected { token: u32, message: String },
+    /// The matcher failed (internal error or limits hit); the decoder is
+    /// unusable afterwards.
+    #[error("grammar matcher failed: {0}")]
+    Matcher(String),
+    /// The tokenizer cannot be turned into a token trie (unknown decoder
+    /// type, EOS ids out of range, model vocabulary smaller than the
+    /// tokenizer's).
+    #[error("grammar tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+/// JSON layout options handed to llguidance (`x-guidance` in a schema): fixed
+/// separators, no other whitespace.
+fn json_layout() -> Json {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
+/// The model's tokenizer as llguidance needs it: token bytes, the token trie
+/// and the parser factory. Built once per model at load; cheap to clone
+/// (`Arc` inside), `Send + Sync`.
+#[derive(Clone)]
+pub struct GrammarTokenizer {
+    inner: Arc<TokInner>,
+}
+
+struct TokInner {
+    factory: ParserFactory,
+    /// Bytes of each tokenizer id (special tokens: their text); ids at or
+    /// past `len()` are padding rows of the model's output.
+    token_bytes: Vec<Vec<u8>>,
+    /// Rows of the model's output (the length `mask_logits` expects).
+    vocab_size: usize,
+    /// Whether `<tool_call>` and `</tool_call>` are single special tokens
+    /// (Qwen): tool-call grammars then name the tokens, not their text.
+    tool_tags_special: bool,
+}
+
+impl GrammarTokenizer {
+    /// Builds the trie from the model's tokenizer.
+    ///
+    /// `vocab_size` is the number of rows of the model's output (logits
+    /// length); it may exceed the tokenizer's vocabulary, and those extra ids
+    /// are never allowed. `eos` are the model's EOS token ids: the first is
+    /// the trie's EOS, all of them are allowed where the grammar may end.
+    /// Empty `eos` keeps the EOS the adapter detects (`</s>`,
+    /// `<|endoftext|>`, ...).
+    ///
+    /// Errors: [`ConstraintError::Tokenizer`] when the decoder is neither
+    /// byte-level nor byte-fallback, an EOS id is outside the tokenizer's
+    /// vocabulary, or `vocab_size` is smaller than the tokenizer's vocabulary.
+    pub fn new(
+        tokenizer: &TextTokenizer,
+        vocab_size: usize,
+        eos: &[u32],
+    ) -> Result<Self, ConstraintError> {
+        let tok_err = |e: anyhow::Error| ConstraintError::Tokenizer(format!("{e:#}"));
+        let mut byte_tok =
+            ByteTokenizer::from_tokenizer(tokenizer.hf_tokenizer().clone()).map_err(tok_err)?;
+        let n_tok = byte_tok.tokrx_info().vocab_size as usize;
+        if vocab_size < n_tok {
+            return Err(ConstraintError::Tokenizer(format!(
+                "model vocabulary ({vocab_size} rows) is smaller than the tokenizer's ({n_tok})"
+            )));
+        }
+        if let Some(&bad) = eos.iter().find(|&&id| id as usize >= n_tok) {
+            return Err(ConstraintError::Tokenizer(format!(
+                "EOS id {bad} is outside the tokenizer's vocabulary ({n_tok})"
+            )));
+        }
+        if !eos.is_empty() {
+            byte_tok.set_eos_tokens(eos);
+        }
+        let mut token_bytes = byte_tok.token_bytes();
+        for (id, added) in byte_tok.hf_tokenizer.get_added_tokens_decoder() {
+            if let Some(bytes) = token_bytes.get_mut(id as usize) {
+                *bytes = added.content.into_bytes();
+            }
+        }
+        let env = byte_tok.into_tok_env(Some(vocab_size)).map_err(tok_err)?;
+        let trie = env.tok_trie();
+        let tool_tags_special = trie.get_special_token("<tool_call>").is_some()
+            && trie.get_special_token("</tool_call>").is_some();
+        let mut factory = ParserFactory::new_simple(&env).map_err(tok_err)?;
+        factory.quiet();
+        Ok(Self {
+            inner: Arc::new(TokInner {
+                factory,
+                token_bytes,
+                vocab_size,
+                tool_tags_special,
+            }),
+        })
+    }
+
+    /// Exact bytes of token `id` (special tokens: their text, e.g.
+    /// `<|im_end|>`); empty for ids outside the tokenizer's vocabulary. For
+    /// logprobs `bytes`.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.inner
+            .token_bytes
+            .get(id as usize)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Rows of the model's output this trie was built for (the logits length
+    /// [`ConstrainedDecoder::mask_logits`] expects).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.vocab_size
+    }
+}
+
+/// The output grammar of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Grammar {
+    /// Any JSON object (OpenAI `response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this JSON Schema (OpenAI `json_schema`). Any
+    /// `x-guidance` key in it is replaced by the module's layout options.
+    JsonSchema(Json),
+    /// Tool calls in the Hermes/Qwen format, each
+    /// `<tool_call>\n{"name": "<fn>", "arguments": <JSON>}\n</tool_call>`
+    /// with the arguments valid against that function's parameters schema
+    /// (`Null` means any object). Calls are separated by `\n`.
+    ToolCalls {
+        /// `(name, parameters JSON Schema)` of each function.
+        tools: Vec<(String, Json)>,
+        /// `Some(name)`: exactly one call, to that function (OpenAI
+        /// `tool_choice: {"function": {"name": ..}}`); `None`: one or more
+        /// calls to any of `tools` (`tool_choice: "required"`).
+        only: Option<String>,
+    },
+}
+
+impl Grammar {
+    /// Compiles the grammar without a tokenizer, to reject a bad schema early
+    /// (at the HTTP edge). Errors: [`ConstraintError::InvalidGrammar`].
+    pub fn validate(&self) -> Result<(), ConstraintError> {
+        let init = GrammarInit::Serialized(self.to_llg(false)?);
+        match init.validate(None, ParserLimits::default()).into_error() {
+            Some(e) => Err(ConstraintError::InvalidGrammar(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// The llguidance grammar; `special_tags`: name `<tool_call>` and
+    /// `</tool_call>` as special tokens rather than as text.
+    fn to_llg(&self, special_tags: bool) -> Result<TopLevelGrammar, ConstraintError> {
+        match self {
+            Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(with_layout(
+                json!({"type": "object"}),
+            )?)),
+            Grammar::JsonSchema(schema) => Ok(TopLevelGrammar::from_json_schema(with_layout(
+                schema.clone(),
+            )?)),
+            Grammar::ToolCalls { tools, only } => Ok(TopLevelGrammar::from_lark(tool_calls_lark(
+                tools,
+                only.as_deref(),
+                special_tags,
+            )?)),
+        }
+    }
+}
+
+/// `schema` with the module's `x-guidance` layout options (`true` becomes
+/// `{}`, the schema allowing anything).
+fn with_layout(schema: Json) -> Result<Json, ConstraintError> {
+    let mut schema = match schema {
+        Json::Bool(true) => json!({}),
+        Json::Object(_) => schema,
+        Json::Null => json!({"type": "object"}),
+        other => {
+            return Err(ConstraintError::InvalidGrammar(format!(
+                "a JSON Schema must be an object or `true`, got {other}"
+            )))
+        }
+    };
+    if let Some(map) = schema.as_object_mut() {
+        map.insert("x-guidance".into(), json_layout());
+    }
+    Ok(schema)
+}
+
+/// A Lark grammar (llguidance dialect) for Hermes/Qwen tool calls.
+fn tool_calls_lark(
+    tools: &[(String, Json)],
+    only: Option<&str>,
+    special_tags: bool,
+) -> Result<String, ConstraintError> {
+    let chosen: Vec<&(String, Json)> = match only {
+        Some(name) => tools.iter().filter(|(n, _)| n == name).take(1).collect(),
+        None => tools.iter().collect(),
+    };
+    if chosen.is_empty() {
+        return Err(ConstraintError::InvalidGrammar(match only {
+            Some(name) => format!("tool_choice names {name:?}, which is not among the tools"),
+            None => "tool calls required but no tools given".into(),
+        }));
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let (open, close) = if special_tags {
+        ("<tool_call>".to_string(), "</tool_call>".to_string())
+    } else {
+        (lit("<tool_call>"), lit("</tool_call>"))
+    };
+    let mut lark = String::from(if only.is_some() {
+        "start: call\n"
+    } else {
+        "start: call (\"\\n\" call)*\n"
+    });
+    let alts: Vec<String> = (0..chosen.len()).map(|i| format!("call_{i}")).collect();
+    lark.push_str(&format!("call: {}\n", alts.join(" | ")));
+    for (i, (name, params)) in chosen.iter().enumerate() {
+        let head = format!("\n{{\"name\": {}, \"arguments\": ", lit(name));
+        let schema = with_layout(params.clone())?;
+        let schema = serde_json::to_string(&schema)
+            .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
+        lark.push_str(&format!(
+            "call_{i}: {open} {} %json {schema} {} {close}\n",
+            lit(&head),
+            lit("}\n"),
+        ));
+    }
+    Ok(lark)
+}
+
+/// The grammar state of one request. `Send`: built by the front end, moved
+/// to the engine thread.
+pub struct ConstrainedDecoder {
+    matcher: Matcher,
+    tok: GrammarTokenizer,
+}
+
+impl ConstrainedDecoder {
+    /// Compiles `grammar` against the model's trie.
+    ///
+    /// Errors: [`ConstraintError::InvalidGrammar`] with llguidance's message
+    /// when the grammar or schema does not compile (front ends answer 400).
+    pub fn new(tok: &GrammarTokenizer, grammar: &Grammar) -> Result<Self, ConstraintError> {
+        let top = grammar.to_llg(tok.inner.tool_tags_special)?;
+        let parser = tok
+            .inner
+            .factory
+            .create_parser(top)
+            .map_err(|e| ConstraintError::InvalidGrammar(format!("{e:#}")))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(ConstraintError::InvalidGrammar(e));
+        }
+        Ok(Self {
+            matcher,
+            tok: tok.clone(),
+        })
+    }
+
+    /// Sets every logit the grammar forbids at this position to `-inf`.
+    /// `logits.len()` must be the model's vocabulary rows
+    /// ([`GrammarTokenizer::vocab_size`]). EOS tokens stay allowed only where
+    /// the grammar can end; once it is finished only EOS is allowed.
+    ///
+    /// Errors: [`ConstraintError::Matcher`] when the matcher failed or the
+    /// length is wrong.
+    pub fn mask_logits(&mut self, logits: &mut [f32]) -> Result<(), ConstraintError> {
+        if logits.len() != self.tok.inner.vocab_size {
+            return Err(ConstraintError::Matcher(format!(
+                "{} logits, the grammar trie has {} tokens",
+                logits.len(),
+                self.tok.inner.vocab_size
+            )));
+        }
+        let mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| ConstraintError::Matcher(format!("{e:#}")))?;
+        mask.iter_unset_entries(|i| logits[i] = f32::NEG_INFINITY);
+        Ok(())
+    }
+
+    /// Advances past the sampled `token`. An EOS token where the grammar may
+    /// end finishes it (as does EOS after it finished on its own).
+    ///
+    /// Errors: [`ConstraintError::Rejected`] when the grammar forbids `token`
+    /// here (the state is unchanged); [`ConstraintError::Matcher`] when the
+    /// matcher failed.
+    pub fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
+        let matcher_err = |e: anyhow::Error| ConstraintError::Matcher(format!("{e:#}"));
+        let is_eos = self
+            .matcher
+            .tok_env()
+            .map_err(matcher_err)?
+            .tok_trie()
+            .eos_tokens()
+            .contains(&token);
+        let allowed = if self.is_finished() {
+            is_eos
+        } else if is_eos {
+            self.matcher.is_accepting().map_err(matcher_err)?
+        } else {
+            (token as usize) < self.tok.inner.vocab_size
+                && self
+                    .matcher
+                    .validate_tokens(&[token])
+                    .map_err(matcher_err)?
+                    == 1
+        };
+        if !allowed {
+            let text = String::from_utf8_lossy(&self.tok.token_bytes(token)).into_owned();
+            return Err(ConstraintError::Rejected {
+                token,
+                message: format!("{text:?} is not allowed here"),
+            });
+        }
+        if self.is_finished() {
+            return Ok(());
+        }
+        self.matcher.consume_token(token).map_err(matcher_err)
+    }
+
+    /// True when the grammar is complete and nothing more may follow (by
+    /// itself, or after an accepted EOS): the engine finishes the request
+    /// with `finish_reason: "stop"`. False after a matcher error.
+    pub fn is_finished(&self) -> bool {
+        let reason = self.matcher.stop_reason();
+        reason != StopReason::NotStopped && reason.is_ok()
+    }
+}

@@ -1,0 +1,479 @@
+//! Constrained decoding on the real SmolLM2-135M-Instruct tokenizer
+//! (`MLXCEL_TEST_MODEL`, or `models/SmolLM2-135M-Instruct` at the repository
+//! root, made by `scripts/setup.sh`; a missing model fails, never skips).
+//!
+//! No model runs: a seeded pseudo-random "model" scores every token, the
+//! decoder masks the scores, the best allowed token is fed back, until the
+//! grammar finishes or EOS is picked. The text is then checked by hand with
+//! `serde_json`.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use mlxcel_engine::constraint::{ConstrainedDecoder, ConstraintError, Grammar, GrammarTokenizer};
+use mlxcel_engine::tokenizer::{eos_token_ids, TextTokenizer};
+use serde_json::{json, Value};
+
+/// SmolLM2's `<|im_end|>`, its EOS.
+const EOS: u32 = 2;
+/// Extra output rows beyond the tokenizer's 49152 ids, to check padding.
+const PAD_ROWS: usize = 64;
+
+fn model_dir() -> PathBuf {
+    let dir = std::env::var_os("MLXCEL_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct")
+        });
+    assert!(
+        dir.join("tokenizer.json").is_file(),
+        "{} has no tokenizer.json: run scripts/setup.sh (or set MLXCEL_TEST_MODEL)",
+        dir.display()
+    );
+    dir
+}
+
+fn load(dir: &std::path::Path, extra_rows: usize) -> (TextTokenizer, GrammarTokenizer) {
+    let text = TextTokenizer::from_model_dir(dir).unwrap();
+    let eos = eos_token_ids(dir, &text);
+    let rows = text.vocab_size() + extra_rows;
+    let gt = GrammarTokenizer::new(&text, rows, &eos).unwrap();
+    (text, gt)
+}
+
+/// splitmix64: a tiny seeded generator, enough for test scores.
+struct Rng(u64);
+impl Rng {
+    fn next_f32(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// The output of a walk and the median time per mask.
+struct Walk {
+    ids: Vec<u32>,
+    text: String,
+    /// Median time of one `mask_logits` call.
+    mask_time: Duration,
+}
+
+/// Drives a decoder with seeded random scores: pure noise for the first 16
+/// steps, then a bias to tokens that close strings, objects and arrays (and
+/// `eos_bonus` to EOS) so every walk ends. Fails after 600 steps.
+fn walk(gt: &GrammarTokenizer, grammar: &Grammar, seed: u64, eos_bonus: f32) -> Walk {
+    let mut dec = ConstrainedDecoder::new(gt, grammar).unwrap();
+    let mut rng = Rng(seed);
+    let mut ids = Vec::new();
+    let mut bytes = Vec::new();
+    let mut mask_times = Vec::new();
+    let mut steps = 0u32;
+    // Closing characters in each token, the late-walk bias.
+    let closers: Vec<f32> = (0..gt.vocab_size() as u32)
+        .map(|id| {
+            let b = gt.token_bytes(id);
+            b.iter().filter(|c| b"\"}]".contains(c)).count() as f32
+        })
+        .collect();
+    while !dec.is_finished() {
+        assert!(
+            steps < 600,
+            "no end after 600 steps: {:?}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let mut logits: Vec<f32> = (0..gt.vocab_size()).map(|_| rng.next_f32()).collect();
+        if steps >= 16 {
+            for (l, c) in logits.iter_mut().zip(&closers) {
+                *l += 2.0 * c;
+            }
+            logits[EOS as usize] += eos_bonus;
+        }
+        let t0 = Instant::now();
+        dec.mask_logits(&mut logits).unwrap();
+        mask_times.push(t0.elapsed());
+        let best = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap();
+        assert!(logits[best].is_finite(), "no token allowed at step {steps}");
+        dec.accept(best as u32).unwrap();
+        steps += 1;
+        if best as u32 == EOS {
+            assert!(dec.is_finished());
+            break;
+        }
+        ids.push(best as u32);
+        bytes.extend(gt.token_bytes(best as u32));
+    }
+    let text = String::from_utf8(bytes).expect("grammar output is UTF-8");
+    Walk {
+        ids,
+        text,
+        mask_time: {
+            mask_times.sort();
+            mask_times[mask_times.len() / 2]
+        },
+    }
+}
+
+/// `value` is an object with exactly the properties of `weather_schema`.
+fn check_weather_args(args: &Value) {
+    let obj = args.as_object().expect("arguments are an object");
+    assert!(obj["city"].is_string(), "{args}");
+    assert!(["celsius", "fahrenheit"].contains(&obj["unit"].as_str().unwrap()));
+    assert!(obj.keys().all(|k| k == "city" || k == "unit"), "{args}");
+}
+
+fn weather_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]}
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": false
+    })
+}
+
+fn time_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 12}},
+        "required": ["zone"],
+        "additionalProperties": false
+    })
+}
+
+/// Splits `<tool_call>\n{json}\n</tool_call>` blocks joined by `\n`.
+fn tool_calls(text: &str) -> Vec<Value> {
+    text.split("\n<tool_call>")
+        .map(|block| {
+            let inner = block
+                .strip_prefix("<tool_call>")
+                .unwrap_or(block)
+                .strip_prefix('\n')
+                .and_then(|s| s.strip_suffix("\n</tool_call>"))
+                .unwrap_or_else(|| panic!("bad tool call block {block:?}"));
+            serde_json::from_str(inner).unwrap_or_else(|e| panic!("{inner:?}: {e}"))
+        })
+        .collect()
+}
+
+#[test]
+fn json_object_walks_parse_as_objects() {
+    let t0 = Instant::now();
+    let (text_tok, gt) = load(&model_dir(), PAD_ROWS);
+    eprintln!("GrammarTokenizer::new: {:?}", t0.elapsed());
+    for seed in 0..4 {
+        let w = walk(&gt, &Grammar::JsonObject, seed, 100.0);
+        let v: Value =
+            serde_json::from_str(&w.text).unwrap_or_else(|e| panic!("{:?}: {e}", w.text));
+        assert!(v.is_object(), "{}", w.text);
+        assert!(!w.text.contains('\n'), "no free whitespace: {:?}", w.text);
+        // The trie's bytes agree with the tokenizer's own decoding.
+        assert_eq!(text_tok.decode(&w.ids, false).unwrap(), w.text);
+        eprintln!(
+            "json_object seed {seed}: {} tokens, {:?}/mask: {}",
+            w.ids.len(),
+            w.mask_time,
+            w.text
+        );
+    }
+}
+
+#[test]
+fn json_schema_walks_satisfy_the_schema() {
+    let (_, gt) = load(&model_dir(), 0);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 30},
+            "age": {"type": "integer"},
+            "color": {"enum": ["red", "green", "blue"]}
+        },
+        "required": ["name", "age", "color"],
+        "additionalProperties": false
+    });
+    let grammar = Grammar::JsonSchema(schema);
+    grammar.validate().unwrap();
+    for seed in 10..14 {
+        let w = walk(&gt, &grammar, seed, 100.0);
+        let v: Value =
+            serde_json::from_str(&w.text).unwrap_or_else(|e| panic!("{:?}: {e}", w.text));
+        let obj = v.as_object().unwrap();
+        assert_eq!(obj.len(), 3, "{}", w.text);
+        assert!(obj["name"].as_str().unwrap().chars().count() <= 30);
+        assert!(obj["age"].is_i64() || obj["age"].is_u64(), "{}", w.text);
+        assert!(["red", "green", "blue"].contains(&obj["color"].as_str().unwrap()));
+        // Fixed separators: `", "` and `": "`.
+        assert!(w.text.contains("\"age\": "), "{}", w.text);
+        eprintln!("schema seed {seed}: {:?}/mask: {}", w.mask_time, w.text);
+    }
+}
+
+#[test]
+fn named_tool_call_is_one_call_to_that_function() {
+    let (_, gt) = load(&model_dir(), 0);
+    let grammar = Grammar::ToolCalls {
+        tools: vec![
+            ("get_weather".into(), weather_schema()),
+            ("get_time".into(), time_schema()),
+        ],
+        only: Some("get_weather".into()),
+    };
+    grammar.validate().unwrap();
+    for seed in 20..23 {
+        let w = walk(&gt, &grammar, seed, 100.0);
+        assert!(
+            w.text
+                .starts_with("<tool_call>\n{\"name\": \"get_weather\", "),
+            "{}",
+            w.text
+        );
+        let calls = tool_calls(&w.text);
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["name"], "get_weather");
+        check_weather_args(&calls[0]["arguments"]);
+        eprintln!("named tool seed {seed}: {}", w.text);
+    }
+}
+
+#[test]
+fn required_tool_calls_use_the_given_tools() {
+    let (_, gt) = load(&model_dir(), 0);
+    let grammar = Grammar::ToolCalls {
+        tools: vec![
+            ("get_weather".into(), weather_schema()),
+            ("get_time".into(), time_schema()),
+        ],
+        only: None,
+    };
+    let mut names = Vec::new();
+    let mut counts = Vec::new();
+    for seed in 30..36 {
+        // No EOS bonus: after each call, another call and EOS are equally likely.
+        let w = walk(&gt, &grammar, seed, 0.0);
+        counts.push(tool_calls(&w.text).len());
+        assert!(w.text.starts_with("<tool_call>\n"), "{}", w.text);
+        for call in tool_calls(&w.text) {
+            let args = &call["arguments"];
+            match call["name"].as_str().unwrap() {
+                "get_weather" => check_weather_args(args),
+                "get_time" => {
+                    assert!(args["zone"].is_string() && args.as_object().unwrap().len() == 1)
+                }
+                other => panic!("unknown tool {other}"),
+            }
+            names.push(call["name"].as_str().unwrap().to_string());
+        }
+        eprintln!("required tools seed {seed}: {}", w.text);
+    }
+    assert!(names.iter().any(|n| n == "get_weather") && names.iter().any(|n| n == "get_time"));
+    assert!(
+        counts.iter().any(|&n| n > 1),
+        "never more than one call: {counts:?}"
+    );
+}
+
+#[test]
+fn invalid_grammars_are_rejected() {
+    let (_, gt) = load(&model_dir(), 0);
+    let bad = [
+        Grammar::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "nonsense"}}})),
+        Grammar::JsonSchema(json!({"$ref": "#/$defs/missing"})),
+        Grammar::JsonSchema(json!(42)),
+        Grammar::ToolCalls {
+            tools: vec![("get_time".into(), time_schema())],
+            only: Some("get_weather".into()),
+        },
+        Grammar::ToolCalls {
+            tools: vec![],
+            only: None,
+        },
+        Grammar::ToolCalls {
+            tools: vec![("f".into(), json!({"type": "wat"}))],
+            only: None,
+        },
+    ];
+    for g in &bad {
+        let err = ConstrainedDecoder::new(&gt, g).err().unwrap();
+        assert!(
+            matches!(err, ConstraintError::InvalidGrammar(_)),
+            "{g:?}: {err}"
+        );
+        let err = g.validate().unwrap_err();
+        assert!(
+            matches!(err, ConstraintError::InvalidGrammar(_)),
+            "{g:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn mask_at_the_start_of_a_json_object() {
+    let (text, gt) = load(&model_dir(), PAD_ROWS);
+    let n_tok = text.vocab_size();
+    let brace = text.token_to_id("{").unwrap();
+    let a = text.token_to_id("a").unwrap();
+    let space_brace = text.token_to_id("Ġ{").unwrap();
+    let mut dec = ConstrainedDecoder::new(&gt, &Grammar::JsonObject).unwrap();
+    let mut logits = vec![0.0f32; n_tok + PAD_ROWS];
+    dec.mask_logits(&mut logits).unwrap();
+    let allowed: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| logits[i as usize] == 0.0)
+        .collect();
+    assert!(allowed.contains(&brace));
+    for id in [a, space_brace, EOS, 0] {
+        assert!(!allowed.contains(&id), "token {id} allowed");
+    }
+    assert!(
+        allowed.iter().all(|&id| (id as usize) < n_tok),
+        "a padding row is allowed"
+    );
+    for &id in &allowed {
+        assert_eq!(gt.token_bytes(id).first(), Some(&b'{'), "token {id}");
+    }
+    // Every one-token `{` prefix the tokenizer has is in the set, e.g. `{"`.
+    let quote = text.token_to_id("{\"").unwrap();
+    assert!(allowed.contains(&quote));
+    // A wrong length is an error, not a panic.
+    assert!(matches!(
+        dec.mask_logits(&mut [0.0; 10]),
+        Err(ConstraintError::Matcher(_))
+    ));
+}
+
+#[test]
+fn accept_rejects_forbidden_tokens_and_keeps_state() {
+    let (text, gt) = load(&model_dir(), PAD_ROWS);
+    let id = |s: &str| text.token_to_id(s).unwrap();
+    let mut dec = ConstrainedDecoder::new(&gt, &Grammar::JsonObject).unwrap();
+    for bad in [id("a"), EOS, (text.vocab_size() + 3) as u32, u32::MAX] {
+        let err = dec.accept(bad).unwrap_err();
+        assert!(
+            matches!(err, ConstraintError::Rejected { token, .. } if token == bad),
+            "{err}"
+        );
+    }
+    // Still usable: `{` `}` completes the object and the grammar ends itself.
+    dec.accept(id("{")).unwrap();
+    assert!(!dec.is_finished());
+    dec.accept(id("}")).unwrap();
+    assert!(dec.is_finished());
+    // Finished: only EOS is allowed, and accepting it is harmless.
+    let mut logits = vec![0.0f32; gt.vocab_size()];
+    dec.mask_logits(&mut logits).unwrap();
+    let allowed: Vec<usize> = (0..logits.len()).filter(|&i| logits[i] == 0.0).collect();
+    assert_eq!(allowed, [EOS as usize]);
+    assert!(dec.accept(id("a")).is_err());
+    dec.accept(EOS).unwrap();
+    assert!(dec.is_finished());
+}
+
+#[test]
+fn eos_is_allowed_only_where_the_grammar_can_end() {
+    let (text, gt) = load(&model_dir(), 0);
+    let grammar = Grammar::ToolCalls {
+        tools: vec![("get_time".into(), time_schema())],
+        only: None,
+    };
+    let mut dec = ConstrainedDecoder::new(&gt, &grammar).unwrap();
+    let call =
+        "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>";
+    for (i, t) in text.encode(call, false).unwrap().into_iter().enumerate() {
+        let mut logits = vec![0.0f32; gt.vocab_size()];
+        dec.mask_logits(&mut logits).unwrap();
+        assert_eq!(
+            logits[EOS as usize],
+            f32::NEG_INFINITY,
+            "EOS allowed at step {i}"
+        );
+        assert_eq!(
+            logits[t as usize], 0.0,
+            "token {t} of the call masked at step {i}"
+        );
+        dec.accept(t).unwrap();
+    }
+    // One call is complete; another may follow, or EOS ends the list.
+    assert!(!dec.is_finished());
+    let mut logits = vec![0.0f32; gt.vocab_size()];
+    dec.mask_logits(&mut logits).unwrap();
+    assert_eq!(logits[EOS as usize], 0.0);
+    assert_eq!(logits[text.token_to_id("Ċ").unwrap() as usize], 0.0);
+    dec.accept(EOS).unwrap();
+    assert!(dec.is_finished());
+}
+
+#[test]
+fn token_bytes_are_exact() {
+    let (text, gt) = load(&model_dir(), PAD_ROWS);
+    assert_eq!(gt.token_bytes(text.token_to_id("Ġthe").unwrap()), b" the");
+    assert_eq!(gt.token_bytes(EOS), b"<|im_end|>");
+    assert_eq!(gt.token_bytes(text.token_to_id("Ċ").unwrap()), b"\n");
+    assert!(
+        gt.token_bytes(text.vocab_size() as u32).is_empty(),
+        "padding row"
+    );
+    assert!(gt.token_bytes(u32::MAX).is_empty());
+    assert_eq!(gt.vocab_size(), text.vocab_size() + PAD_ROWS);
+}
+
+#[test]
+fn bad_tokenizer_arguments_are_errors() {
+    let text = TextTokenizer::from_model_dir(&model_dir()).unwrap();
+    let n = text.vocab_size();
+    for (rows, eos) in [(n - 1, vec![EOS]), (n + 8, vec![(n + 1) as u32])] {
+        let err = GrammarTokenizer::new(&text, rows, &eos).err().unwrap();
+        assert!(matches!(err, ConstraintError::Tokenizer(_)), "{err}");
+    }
+}
+
+/// Qwen-style tokenizers have `<tool_call>`/`</tool_call>` as single added
+/// tokens; the grammar must then use those tokens, not their spelled-out text.
+#[test]
+fn tool_tags_use_added_tokens_when_the_tokenizer_has_them() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("constraint-tool-tags");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = model_dir();
+    let mut json: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    for (id, tag) in [(49152, "<tool_call>"), (49153, "</tool_call>")] {
+        json["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": id, "content": tag, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false
+        }));
+    }
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    ] {
+        if src.join(f).is_file() {
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
+        }
+    }
+    let (text, gt) = load(&dir, 0);
+    assert_eq!(text.vocab_size(), 49154);
+    let grammar = Grammar::ToolCalls {
+        tools: vec![("get_weather".into(), weather_schema())],
+        only: Some("get_weather".into()),
+    };
+    let w = walk(&gt, &grammar, 40, 100.0);
+    assert_eq!(w.ids.first(), Some(&49152), "{}", w.text);
+    assert_eq!(w.ids.last(), Some(&49153), "{}", w.text);
+    let calls = tool_calls(&w.text);
+    check_weather_args(&calls[0]["arguments"]);
+}
+
+#[test]
+fn handles_cross_threads() {
+    fn send<T: Send>() {}
+    fn send_sync<T: Send + Sync>() {}
+    send::<ConstrainedDecoder>();
+    send_sync::<GrammarTokenizer>();
+}
