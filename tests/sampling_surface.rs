@@ -186,9 +186,10 @@ fn logprobs_match_the_greedy_choice_and_bias_and_penalties_act() {
         }
         counts.into_values().max().unwrap_or(0)
     };
-    let echo = chat("Repeat the word hello twenty times.");
+    // A raw text of repeats: greedy decoding goes on repeating.
+    let echo = Prompt::Text("hello".repeat(1) + &" hello".repeat(15));
     let plain = run(&e, greedy_request(echo.clone(), 24)).remove(0);
-    for (presence, frequency, repetition) in [(0.0, 1.5, 1.0), (1.5, 0.0, 1.0), (0.0, 0.0, 1.8)] {
+    for (presence, frequency, repetition) in [(0.0, 2.0, 1.0), (8.0, 0.0, 1.0), (0.0, 0.0, 2.0)] {
         let mut penalized = greedy_request(echo.clone(), 24);
         penalized.sampling.presence_penalty = presence;
         penalized.sampling.frequency_penalty = frequency;
