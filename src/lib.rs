@@ -6,6 +6,7 @@ pub mod model_source;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use mlxcel_engine::{AttentionPath, Engine, EngineConfig, StorageBackend};
+use mlxcel_http::cors::AllowedOrigins;
 use mlxcel_http::{AppState, HttpConfig};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::WeightMode;
@@ -233,6 +234,40 @@ pub struct ServeArgs {
     /// `max_tokens` of requests that do not set it.
     #[arg(long, default_value_t = 512)]
     pub default_max_tokens: usize,
+    /// Require `Authorization: Bearer <KEY>` on every route but `GET /health`.
+    #[arg(
+        long,
+        env = "MLXCEL_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
+    pub api_key: Option<ApiKeyArg>,
+    /// Origins whose browser pages may call the API: `*`, or a
+    /// comma-separated list such as `https://app.example.com`. Default: no
+    /// CORS headers.
+    #[arg(long, value_name = "ORIGINS")]
+    pub allowed_origins: Option<AllowedOrigins>,
+}
+
+/// The `--api-key` value: not empty, and never shown by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKeyArg(String);
+
+impl std::str::FromStr for ApiKeyArg {
+    type Err = &'static str;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() {
+            return Err("the API key must not be empty");
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for ApiKeyArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKeyArg(<redacted>)")
+    }
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default `info`).
@@ -259,8 +294,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let local = listener.local_addr()?;
         // Tests and scripts wait for this line.
         tracing::info!("listening on http://{local}");
+        if args.api_key.is_some() {
+            tracing::info!("API key required on every route but GET /health");
+        }
         let config = HttpConfig {
             default_max_tokens: args.default_max_tokens,
+            api_key: args.api_key.map(|key| key.0),
+            allowed_origins: args.allowed_origins.unwrap_or_default(),
             ..HttpConfig::default()
         };
         let state = AppState::with_config(Arc::new(engine), config);

@@ -157,7 +157,10 @@ impl ChatTemplate {
         let messages: Vec<serde_json::Value> = if self.knows_tool_calls {
             messages.iter().map(hf_message).collect()
         } else {
-            messages.iter().map(|m| hf_message(&calls_as_text(m))).collect()
+            messages
+                .iter()
+                .map(|m| hf_message(&calls_as_text(m)))
+                .collect()
         };
         let messages = if !tools.is_empty() && !self.knows_tools {
             with_tool_system_prompt(messages, tools)
@@ -199,7 +202,9 @@ fn hf_message(m: &ChatMessage) -> serde_json::Value {
     out.insert("role".into(), m.role.clone().into());
     out.insert(
         "content".into(),
-        m.content.clone().map_or(serde_json::Value::Null, Into::into),
+        m.content
+            .clone()
+            .map_or(serde_json::Value::Null, Into::into),
     );
     if !m.tool_calls.is_empty() {
         let calls = m
@@ -276,7 +281,10 @@ fn with_tool_system_prompt(
             .to_owned();
         messages[0]["content"] = format!("{existing}\n\n{prompt}").trim_start().into();
     } else {
-        messages.insert(0, serde_json::json!({ "role": "system", "content": prompt }));
+        messages.insert(
+            0,
+            serde_json::json!({ "role": "system", "content": prompt }),
+        );
     }
     messages
 }

@@ -367,7 +367,10 @@ impl InferenceService for Engine {
         {
             return Err(invalid(
                 "logit_bias",
-                format!("token id {bad} is outside the vocabulary ({})", self.vocab_size),
+                format!(
+                    "token id {bad} is outside the vocabulary ({})",
+                    self.vocab_size
+                ),
             ));
         }
         let chat = matches!(request.prompt, Prompt::Chat(_));
@@ -489,7 +492,9 @@ fn grammar_of(request: &GenerationRequest) -> Result<Option<(Grammar, &'static s
     }
     if let Some(name) = &only {
         if !request.tools.iter().any(|t| &t.name == name) {
-            return Err(refuse(&format!("tool_choice names an unknown function `{name}`")));
+            return Err(refuse(&format!(
+                "tool_choice names an unknown function `{name}`"
+            )));
         }
     }
     let tools = request

@@ -99,27 +99,37 @@ impl LogitsProcessor {
     }
 }
 
+/// Smallest log-probability reported: OpenAI's floor for tokens whose
+/// probability underflows, so every reported value is a finite number.
+pub const MIN_LOGPROB: f32 = -9999.0;
+
 /// Natural-log probabilities from one row of logits: that of `token`, and
-/// the `k` most likely tokens (most likely first, ties by lower id). NaN
-/// logits count as `-inf`.
+/// the `k` most likely tokens that are not masked (most likely first, ties
+/// by lower id). NaN logits count as `-inf` and `+inf` as the largest
+/// finite value; every value returned is at least [`MIN_LOGPROB`].
 pub fn log_probs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
-    let clean = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let clean = |l: f32| {
+        if l.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            l.min(f32::MAX)
+        }
+    };
     let max = logits
         .iter()
         .map(|&l| clean(l))
         .fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
-        return (f32::NEG_INFINITY, Vec::new());
+        return (MIN_LOGPROB, Vec::new());
     }
     let sum: f64 = logits
         .iter()
         .map(|&l| f64::from(clean(l) - max).exp())
         .sum();
-    let log_z = f64::from(max) + sum.ln();
-    let lp = |l: f32| (f64::from(clean(l)) - log_z) as f32;
-    let chosen = logits
-        .get(token as usize)
-        .map_or(f32::NEG_INFINITY, |&l| lp(l));
+    // (l - max) - ln(sum): exact even when max is huge.
+    let log_sum = sum.ln();
+    let lp = |l: f32| ((f64::from(clean(l)) - f64::from(max) - log_sum) as f32).max(MIN_LOGPROB);
+    let chosen = logits.get(token as usize).map_or(MIN_LOGPROB, |&l| lp(l));
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(ids.len());
     let rank = |a: &u32, b: &u32| {
@@ -131,6 +141,7 @@ pub fn log_probs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>)
         ids.select_nth_unstable_by(k - 1, rank);
     }
     ids.truncate(k);
+    ids.retain(|&id| clean(logits[id as usize]) > f32::NEG_INFINITY);
     ids.sort_unstable_by(rank);
     let top = ids
         .into_iter()
@@ -171,7 +182,9 @@ mod tests {
         let prompt: Vec<u32> = (0..30).map(|i| i % 4 + 10).collect();
         let mut p = LogitsProcessor::new(&params(0.0, 0.0, 2.0), &[], &prompt);
         p.record(1);
-        let mut logits = vec![4.0, 4.0, -4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, -6.0, 6.0];
+        let mut logits = vec![
+            4.0, 4.0, -4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, -6.0, 6.0,
+        ];
         p.apply(&mut logits);
         assert_eq!(logits[0], 4.0, "not in the window");
         assert_eq!(logits[1], 2.0, "generated: divided");
@@ -200,14 +213,25 @@ mod tests {
 
     #[test]
     fn log_probs_are_a_log_softmax_with_sorted_top_k() {
-        let logits = [0.0_f32, (2.0f32).ln(), f32::NEG_INFINITY, (5.0f32).ln(), f32::NAN];
+        let logits = [
+            0.0_f32,
+            (2.0f32).ln(),
+            f32::NEG_INFINITY,
+            (5.0f32).ln(),
+            f32::NAN,
+        ];
         let (lp, top) = log_probs(&logits, 1, 3);
         assert!((lp - (2.0f32 / 8.0).ln()).abs() < 1e-6);
         let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
         assert_eq!(ids, vec![3, 1, 0]);
         assert!((top[0].1 - (5.0f32 / 8.0).ln()).abs() < 1e-6);
-        let (masked, _) = log_probs(&logits, 2, 0);
-        assert_eq!(masked, f32::NEG_INFINITY);
+        let (masked, top) = log_probs(&logits, 2, 5);
+        assert_eq!(masked, MIN_LOGPROB);
+        assert_eq!(top.len(), 3, "masked tokens are not alternatives");
+        // An infinite logit (a penalty divided by ~0) stays finite.
+        let (lp, top) = log_probs(&[f32::INFINITY, 1.0, f32::INFINITY], 1, 2);
+        assert_eq!(lp, MIN_LOGPROB);
+        assert!((top[0].1 - 0.5f32.ln()).abs() < 1e-6);
         let total: f32 = top.iter().map(|t| t.1.exp()).sum();
         assert!((total - 1.0).abs() < 1e-6);
     }

@@ -201,7 +201,9 @@ fn partial_suffix(text: &str, pattern: &str) -> usize {
         .find(|&n| {
             text.is_char_boundary(text.len() - n)
                 && pattern.is_char_boundary(n)
-                && pattern.as_bytes().starts_with(&text.as_bytes()[text.len() - n..])
+                && pattern
+                    .as_bytes()
+                    .starts_with(&text.as_bytes()[text.len() - n..])
         })
         .unwrap_or(0)
 }
@@ -228,11 +230,7 @@ fn new_call_id() -> String {
     use rand_chacha::rand_core::{RngCore, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::try_from_os_rng()
         .unwrap_or_else(|_| rand_chacha::ChaCha8Rng::seed_from_u64(std::process::id().into()));
-    format!(
-        "call_{:016x}{:08x}",
-        rng.next_u64(),
-        rng.next_u32()
-    )
+    format!("call_{:016x}{:08x}", rng.next_u64(), rng.next_u32())
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! stream) are the only code that builds
 //! `{"error":{"message","type","param","code"}}`.
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use mlxcel_engine_api::SubmitError;
@@ -44,6 +44,11 @@ pub enum ApiError {
         /// The configured limit.
         limit_bytes: usize,
     },
+    /// The server requires an API key and the request did not present it as
+    /// `Authorization: Bearer <key>`: missing, malformed and wrong keys are
+    /// one error with one body, so a client learns nothing from the answer.
+    #[error("Incorrect API key provided.")]
+    InvalidApiKey,
     /// `GET /v1/models/{id}` for a model this server does not serve.
     #[error("The model `{0}` does not exist")]
     UnknownModel(String),
@@ -124,6 +129,7 @@ impl ApiError {
             | Self::BodyRead(_)
             | Self::EngineRejected { .. }
             | Self::ContextLengthExceeded { .. } => StatusCode::BAD_REQUEST,
+            Self::InvalidApiKey => StatusCode::UNAUTHORIZED,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
@@ -161,6 +167,7 @@ impl ApiError {
             Self::Validation(ValidationError::UnrecognizedParameter { .. }) => {
                 Some("unrecognized_parameter")
             }
+            Self::InvalidApiKey => Some("invalid_api_key"),
             Self::Unavailable(_) => Some("service_unavailable"),
             Self::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
             _ => None,
@@ -212,6 +219,13 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(status = status.as_u16(), error = %self, "request rejected");
         }
-        (status, Json(self.body())).into_response()
+        let mut response = (status, Json(self.body())).into_response();
+        if matches!(self, Self::InvalidApiKey) {
+            // RFC 6750: a 401 names the scheme the client should use.
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
     }
 }

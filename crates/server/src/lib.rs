@@ -7,13 +7,19 @@
 //! [`validate::ValidatedChatRequest`] or a
 //! [`validate::ValidatedCompletionRequest`]; every error a client sees is an
 //! [`error::ApiError`], turned into the OpenAI error body in one place.
+//! With an API key configured, [`auth`] refuses every request but
+//! `GET /health` that lacks it; [`cors`] lets browsers of allowed origins
+//! call the API. `GET /openapi.json` describes every route ([`openapi`]).
 
+pub mod auth;
 mod choices;
 mod completions;
+pub mod cors;
 pub mod error;
 mod extract;
 pub mod metrics;
 pub mod openai;
+pub mod openapi;
 mod routes;
 mod sse;
 pub mod validate;
@@ -24,17 +30,18 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::DefaultBodyLimit;
-use axum::http::Request;
+use axum::http::{Method, Request};
 use axum::response::sse::KeepAlive;
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use mlxcel_engine_api::InferenceService;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
-/// Settings of the HTTP layer, built once from the command line.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of the HTTP layer, built once from the command line. `Debug`
+/// never shows the API key.
+#[derive(Clone, PartialEq, Eq)]
 pub struct HttpConfig {
     /// Largest accepted request body; larger ones get 413.
     pub body_limit_bytes: usize,
@@ -46,6 +53,11 @@ pub struct HttpConfig {
     /// After the shutdown signal, how long [`serve`] waits for open requests
     /// (streams included) before it returns anyway.
     pub shutdown_grace: Duration,
+    /// With `Some`, every request but `GET /health` must carry
+    /// `Authorization: Bearer <key>` (see [`auth`]).
+    pub api_key: Option<String>,
+    /// Origins whose browser pages may call the API (see [`cors`]).
+    pub allowed_origins: cors::AllowedOrigins,
 }
 
 impl Default for HttpConfig {
@@ -55,7 +67,22 @@ impl Default for HttpConfig {
             default_max_tokens: 512,
             keep_alive_interval: Duration::from_secs(15),
             shutdown_grace: Duration::from_secs(10),
+            api_key: None,
+            allowed_origins: cors::AllowedOrigins::Disabled,
         }
+    }
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("body_limit_bytes", &self.body_limit_bytes)
+            .field("default_max_tokens", &self.default_max_tokens)
+            .field("keep_alive_interval", &self.keep_alive_interval)
+            .field("shutdown_grace", &self.shutdown_grace)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("allowed_origins", &self.allowed_origins)
+            .finish()
     }
 }
 
@@ -130,11 +157,52 @@ impl std::fmt::Debug for AppState {
     }
 }
 
+/// Every route of the API, in one table: [`router`] is built from it and
+/// the `openapi` tests compare it with `openapi.json`, so the document and
+/// the router cannot drift apart. Paths use axum's syntax
+/// (`/v1/models/{*id}` is `/v1/models/{id}` in the document).
+fn api_routes() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
+    vec![
+        (
+            Method::POST,
+            "/v1/chat/completions",
+            post(completions::chat_completions),
+        ),
+        (
+            Method::POST,
+            "/v1/completions",
+            post(completions::completions),
+        ),
+        (Method::GET, "/v1/models", get(routes::list_models)),
+        (Method::GET, "/v1/models/{*id}", get(routes::retrieve_model)),
+        (Method::GET, "/v1/cache/stats", get(routes::cache_stats)),
+        (Method::POST, "/v1/cache/reset", post(routes::cache_reset)),
+        (Method::GET, "/metrics", get(routes::metrics)),
+        (Method::GET, "/health", get(routes::health)),
+        (Method::GET, "/openapi.json", get(openapi::openapi_json)),
+    ]
+}
+
+/// The method and path (axum syntax) of every route [`router`] serves.
+pub fn route_table() -> Vec<(Method, &'static str)> {
+    api_routes()
+        .into_iter()
+        .map(|(method, path, _)| (method, path))
+        .collect()
+}
+
 /// The whole HTTP application. Every request gets an `x-request-id` (the
 /// client's, or a new UUID), echoed in the response and recorded on the
 /// request's tracing span (with the body's `user`, when it has one).
+///
+/// Layers, outermost first: request id and tracing, the body limit, CORS
+/// (so preflights need no key and refusals carry CORS headers), request
+/// counting (refusals are counted too), the API key check, then routing.
 pub fn router(state: AppState) -> Router {
-    let body_limit = state.config().body_limit_bytes;
+    let config = state.config();
+    let body_limit = config.body_limit_bytes;
+    let cors = config.allowed_origins.layer();
+    let api_key = config.api_key.as_deref().map(auth::ApiKey::new);
     let trace = TraceLayer::new_for_http()
         .make_span_with(|request: &Request<Body>| {
             let request_id = request
@@ -151,22 +219,27 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .on_response(DefaultOnResponse::new().level(Level::INFO));
-    Router::new()
-        .route("/v1/chat/completions", post(completions::chat_completions))
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/models", get(routes::list_models))
-        .route("/v1/models/{*id}", get(routes::retrieve_model))
-        .route("/v1/cache/stats", get(routes::cache_stats))
-        .route("/v1/cache/reset", post(routes::cache_reset))
-        .route("/metrics", get(routes::metrics))
-        .route("/health", get(routes::health))
+    let mut app = api_routes()
+        .into_iter()
+        .fold(Router::new(), |app, (_, path, handler)| {
+            app.route(path, handler)
+        })
         .fallback(routes::not_found)
-        .method_not_allowed_fallback(routes::method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            routes::count_request,
-        ))
-        .layer(DefaultBodyLimit::max(body_limit))
+        .method_not_allowed_fallback(routes::method_not_allowed);
+    if let Some(key) = api_key {
+        app = app.layer(axum::middleware::from_fn_with_state(
+            Arc::new(key),
+            auth::require_api_key,
+        ));
+    }
+    app = app.layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        routes::count_request,
+    ));
+    if let Some(cors) = cors {
+        app = app.layer(cors);
+    }
+    app.layer(DefaultBodyLimit::max(body_limit))
         // Layers run outermost last: set the id, then trace, then echo it.
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(trace)

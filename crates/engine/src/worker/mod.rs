@@ -228,8 +228,8 @@ impl<'m> Worker<'m> {
                 break;
             }
             let own = self.worst_blocks(job.request.max_tokens + bs, bs, tile);
-            let need =
-                self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile) + (n - 1) * own;
+            let need = self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile)
+                + (n - 1) * own;
             let promised: usize = self
                 .running
                 .iter()
