@@ -171,6 +171,9 @@ pub enum Grammar {
         /// `tool_choice: {"function": {"name": ..}}`); `None`: one or more
         /// calls to any of `tools` (`tool_choice: "required"`).
         only: Option<String>,
+        /// Exactly one call even when `only` is `None`
+        /// (`parallel_tool_calls: false`).
+        single: bool,
     },
 }
 
@@ -195,9 +198,14 @@ impl Grammar {
             Grammar::JsonSchema(schema) => Ok(TopLevelGrammar::from_json_schema(with_layout(
                 schema.clone(),
             )?)),
-            Grammar::ToolCalls { tools, only } => Ok(TopLevelGrammar::from_lark(tool_calls_lark(
+            Grammar::ToolCalls {
+                tools,
+                only,
+                single,
+            } => Ok(TopLevelGrammar::from_lark(tool_calls_lark(
                 tools,
                 only.as_deref(),
+                *single,
                 special_tags,
             )?)),
         }
@@ -227,6 +235,7 @@ fn with_layout(schema: Json) -> Result<Json, ConstraintError> {
 fn tool_calls_lark(
     tools: &[(String, Json)],
     only: Option<&str>,
+    single: bool,
     special_tags: bool,
 ) -> Result<String, ConstraintError> {
     let chosen: Vec<&(String, Json)> = match only {
@@ -245,7 +254,7 @@ fn tool_calls_lark(
     } else {
         (lit("<tool_call>"), lit("</tool_call>"))
     };
-    let mut lark = String::from(if only.is_some() {
+    let mut lark = String::from(if only.is_some() || single {
         "start: call\n"
     } else {
         "start: call (\"\\n\" call)*\n"

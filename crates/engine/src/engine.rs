@@ -502,7 +502,15 @@ fn grammar_of(request: &GenerationRequest) -> Result<Option<(Grammar, &'static s
         .iter()
         .map(|t| (t.name.clone(), t.parameters.clone()))
         .collect();
-    Ok(Some((Grammar::ToolCalls { tools, only }, "tool_choice")))
+    let single = !request.parallel_tool_calls;
+    Ok(Some((
+        Grammar::ToolCalls {
+            tools,
+            only,
+            single,
+        },
+        "tool_choice",
+    )))
 }
 
 /// What the engine thread builds after loading, decided from the config.

@@ -223,6 +223,7 @@ fn named_tool_call_is_one_call_to_that_function() {
             ("get_time".into(), time_schema()),
         ],
         only: Some("get_weather".into()),
+        single: false,
     };
     grammar.validate().unwrap();
     for seed in 20..23 {
@@ -250,6 +251,7 @@ fn required_tool_calls_use_the_given_tools() {
             ("get_time".into(), time_schema()),
         ],
         only: None,
+        single: false,
     };
     let mut names = Vec::new();
     let mut counts = Vec::new();
@@ -288,14 +290,17 @@ fn invalid_grammars_are_rejected() {
         Grammar::ToolCalls {
             tools: vec![("get_time".into(), time_schema())],
             only: Some("get_weather".into()),
+            single: false,
         },
         Grammar::ToolCalls {
             tools: vec![],
             only: None,
+            single: false,
         },
         Grammar::ToolCalls {
             tools: vec![("f".into(), json!({"type": "wat"}))],
             only: None,
+            single: false,
         },
     ];
     for g in &bad {
@@ -379,6 +384,7 @@ fn eos_is_allowed_only_where_the_grammar_can_end() {
     let grammar = Grammar::ToolCalls {
         tools: vec![("get_time".into(), time_schema())],
         only: None,
+        single: false,
     };
     let mut dec = ConstrainedDecoder::new(&gt, &grammar).unwrap();
     let call =
@@ -462,6 +468,7 @@ fn tool_tags_use_added_tokens_when_the_tokenizer_has_them() {
     let grammar = Grammar::ToolCalls {
         tools: vec![("get_weather".into(), weather_schema())],
         only: Some("get_weather".into()),
+        single: false,
     };
     let w = walk(&gt, &grammar, 40, 100.0);
     assert_eq!(w.ids.first(), Some(&49152), "{}", w.text);

@@ -91,6 +91,7 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
             response_format: None,
             tools: vec![],
             tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
         }
     );
 }

@@ -111,6 +111,7 @@ async fn a_full_chat_request_reaches_the_engine() {
             },
         ],
         tool_choice: ToolChoice::Function("get_weather".into()),
+        parallel_tool_calls: true,
     };
     assert_eq!(fake.last_request(), expected);
 }

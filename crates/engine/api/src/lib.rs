@@ -182,6 +182,9 @@ pub struct GenerationRequest {
     pub tools: Vec<ToolDefinition>,
     /// Whether the model must call them.
     pub tool_choice: ToolChoice,
+    /// `false`: at most one tool call (a required call is constrained to
+    /// exactly one).
+    pub parallel_tool_calls: bool,
 }
 
 impl GenerationRequest {
@@ -202,6 +205,7 @@ impl GenerationRequest {
             response_format: None,
             tools: Vec::new(),
             tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
         }
     }
 }

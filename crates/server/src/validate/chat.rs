@@ -84,6 +84,7 @@ impl ValidatedChatRequest {
                 response_format,
                 tools,
                 tool_choice,
+                parallel_tool_calls,
                 ..shared.request(Prompt::Chat(messages), max_tokens)
             },
             stream: shared.stream,
