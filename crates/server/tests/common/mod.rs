@@ -337,7 +337,9 @@ impl Reply {
         );
         let body = self.json();
         let error = body["error"].clone();
-        let keys: Vec<&String> = error.as_object().unwrap().keys().collect();
+        // Key order depends on serde_json's `preserve_order` feature.
+        let mut keys: Vec<&String> = error.as_object().unwrap().keys().collect();
+        keys.sort();
         assert_eq!(keys, ["code", "message", "param", "type"], "body: {body}");
         assert!(!error["message"].as_str().unwrap().is_empty());
         error
