@@ -453,3 +453,71 @@ fn capacity_bounds_unreferenced_cached_blocks_lru_first() {
     let (_, cached_a) = c.new_sequence_for_prompt(&a).unwrap();
     assert_eq!((cached_a, cached_b), (0, 7), "the older prompt was evicted");
 }
+
+/// `n` choices: a forked sequence shares every block (no copy until a
+/// write), the first write into the shared partial block copies it, each
+/// side then reads its own tail over the common prefix, and dropping both
+/// returns every block.
+fn fork_shares_the_prefix_and_copies_on_write(backend: StorageBackend) {
+    let mut c = cache(backend, 4, 16);
+    let total = c.pool().free_blocks();
+    let (a, _) = {
+        let (seq, _) = c.new_sequence_for_prompt(&[]).expect("new");
+        let mut seqs = vec![Seq {
+            kv: seq,
+            prompt: 10,
+            done: 0,
+        }];
+        run_step_tagged(&mut c, &mut seqs, 1);
+        (seqs.pop().expect("one").kv, ())
+    };
+    let held = total - c.pool().free_blocks();
+    assert_eq!(held, 3, "10 tokens in blocks of 4");
+    let b = c.fork(&a).expect("fork");
+    assert_eq!(c.len(&b).expect("len"), 10);
+    assert_eq!(total - c.pool().free_blocks(), held, "a fork copies nothing");
+    let mut sa = vec![Seq {
+        kv: a,
+        prompt: 11,
+        done: 10,
+    }];
+    let mut sb = vec![Seq {
+        kv: b,
+        prompt: 11,
+        done: 10,
+    }];
+    run_step_tagged(&mut c, &mut sa, 1);
+    run_step_tagged(&mut c, &mut sb, 2);
+    if backend == StorageBackend::Paged {
+        assert_eq!(
+            total - c.pool().free_blocks(),
+            held + 1,
+            "only the shared partial block was copied"
+        );
+    }
+    let (a, b) = (sa.pop().expect("a").kv, sb.pop().expect("b").kv);
+    for layer in 0..LAYERS {
+        let ka = read_keys(&mut c, &a, layer);
+        let kb = read_keys(&mut c, &b, layer);
+        let expect = |tag: usize| -> Vec<f32> {
+            (0..11)
+                .flat_map(|p| [key(if p < 10 { 1 } else { tag }, p, layer); HEAD_DIM])
+                .collect()
+        };
+        assert_eq!(ka, expect(1), "layer {layer}: the original");
+        assert_eq!(kb, expect(2), "layer {layer}: the fork");
+    }
+    drop((a, b));
+    c.reclaim().expect("reclaim");
+    assert_eq!(c.pool().free_blocks(), total);
+}
+
+#[test]
+fn paged_fork_shares_the_prefix_and_copies_on_write() {
+    fork_shares_the_prefix_and_copies_on_write(StorageBackend::Paged);
+}
+
+#[test]
+fn dense_fork_shares_the_prefix_and_copies_on_write() {
+    fork_shares_the_prefix_and_copies_on_write(StorageBackend::Dense);
+}
