@@ -260,6 +260,11 @@ impl std::str::FromStr for ApiKeyArg {
         if s.is_empty() {
             return Err("the API key must not be empty");
         }
+        // A bearer token is read without surrounding whitespace, so such a
+        // key could never match.
+        if s.trim() != s {
+            return Err("the API key must not start or end with whitespace");
+        }
         Ok(Self(s.to_owned()))
     }
 }

@@ -23,8 +23,8 @@ fn engine() -> Engine {
 fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
     let n = request.n;
     let mut stream = engine.submit(request).expect("submit");
-    let mut out: Vec<(String, Vec<u32>, Vec<f32>, Option<(FinishReason, Usage)>)> =
-        vec![(String::new(), Vec::new(), Vec::new(), None); n];
+    type Partial = (String, Vec<u32>, Vec<f32>, Option<(FinishReason, Usage)>);
+    let mut out: Vec<Partial> = vec![(String::new(), Vec::new(), Vec::new(), None); n];
     while let Some(event) = stream.blocking_recv() {
         match event {
             GenerationEvent::Delta {
@@ -187,7 +187,7 @@ fn logprobs_match_the_greedy_choice_and_bias_and_penalties_act() {
         counts.into_values().max().unwrap_or(0)
     };
     // A raw text of repeats: greedy decoding goes on repeating.
-    let echo = Prompt::Text("hello".repeat(1) + &" hello".repeat(15));
+    let echo = Prompt::Text("hello".to_string() + &" hello".repeat(15));
     let plain = run(&e, greedy_request(echo.clone(), 24)).remove(0);
     for (presence, frequency, repetition) in [(0.0, 2.0, 1.0), (8.0, 0.0, 1.0), (0.0, 0.0, 2.0)] {
         let mut penalized = greedy_request(echo.clone(), 24);
@@ -201,5 +201,46 @@ fn logprobs_match_the_greedy_choice_and_bias_and_penalties_act() {
             p.0,
             plain.0
         );
+    }
+}
+
+/// Requests whose choices could not all fit the pool to `max_tokens` are
+/// clamped to what fits (never left waiting forever); under a KV window the
+/// same pool holds two long choices in full; a prompt that cannot fit at
+/// all is refused.
+#[test]
+fn n_choices_on_a_small_pool_are_clamped_to_fit_and_finish() {
+    let bytes_per_block = 2 * 30 * 3 * 64 * 4 * 32;
+    // (window, n, max_tokens, expected tokens per choice: None = clamped)
+    for (window, n, max_tokens) in [(None, 3, 4000), (Some(64), 2, 200)] {
+        let mut c = EngineConfig::new(common::model_dir());
+        c.check_invariants = true;
+        c.kv_cache_budget = Some(12 * bytes_per_block);
+        c.prefill_chunk_size = 64;
+        c.max_kv_size = window;
+        let e = Engine::start(c).expect("engine");
+        assert_eq!(e.info.kv_blocks, 12);
+        let prompt = Prompt::Tokens((0..100).map(|i| 300 + i).collect());
+        let mut req = greedy_request(prompt, max_tokens);
+        req.ignore_eos = true;
+        req.n = n;
+        let choices = run(&e, req);
+        let made: Vec<usize> = choices.iter().map(|c| c.4.completion_tokens).collect();
+        assert!(made.iter().all(|&m| m == made[0]), "{made:?}");
+        match window {
+            // 12 blocks of 32 tokens cannot hold 3 x 4000 tokens.
+            None => assert!((16..100).contains(&made[0]), "{made:?}"),
+            // 2 x (100 + 200) tokens do not fit either, but the window does.
+            Some(_) => assert_eq!(made[0], max_tokens),
+        }
+        assert!(choices.iter().all(|c| c.3 == FinishReason::Length));
+        assert_eq!(settled(&e).kv_blocks_active, 0);
+        if window.is_none() {
+            let long = Prompt::Tokens(vec![300; 12 * 32]);
+            assert!(matches!(
+                e.submit(greedy_request(long, 4)),
+                Err(mlxcel_engine::api::SubmitError::ContextLengthExceeded { .. })
+            ));
+        }
     }
 }

@@ -20,7 +20,7 @@ use crate::chat_template::ChatTemplate;
 use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
 use crate::scheduler::{worst_case_blocks, SchedulerConfig};
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
-use crate::worker::{Job, Message, Worker, WorkerConfig};
+use crate::worker::{request_blocks, Job, Message, Worker, WorkerConfig};
 use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, WeightMode};
@@ -122,14 +122,24 @@ pub(crate) struct Text {
     pub(crate) tokenizer: TextTokenizer,
     pub(crate) template: Option<ChatTemplate>,
     pub(crate) eos: Vec<u32>,
-    /// The vocabulary as byte strings, for grammars and logprob bytes.
-    pub(crate) grammar: GrammarTokenizer,
+    /// The vocabulary as byte strings, for grammars and logprob bytes;
+    /// `None` when llguidance cannot read this tokenizer (then constrained
+    /// output is refused with a 400, and everything else works).
+    pub(crate) grammar: Option<GrammarTokenizer>,
 }
 
 impl Text {
-    /// The exact bytes of token `id`.
+    /// The exact bytes of token `id` (without a grammar tokenizer: its
+    /// decoded text, lossy for partial UTF-8).
     pub(crate) fn token_bytes(&self, id: u32) -> Vec<u8> {
-        self.grammar.token_bytes(id)
+        match &self.grammar {
+            Some(g) => g.token_bytes(id),
+            None => self
+                .tokenizer
+                .decode(&[id], false)
+                .map(String::into_bytes)
+                .unwrap_or_default(),
+        }
     }
 }
 
@@ -138,9 +148,12 @@ impl Text {
 pub struct Engine {
     model_id: String,
     context_length: usize,
-    /// Rows of the model's output (token ids accepted in `logit_bias`).
+    /// Token ids accepted in `logit_bias`: the tokenizer's vocabulary
+    /// (padding rows of the model's output have no text).
     vocab_size: usize,
     parallel: usize,
+    /// The engine thread's options (admission math).
+    worker: WorkerConfig,
     text: Arc<Text>,
     jobs: mpsc::Sender<Message>,
     stats: Arc<Mutex<EngineStats>>,
@@ -201,12 +214,19 @@ impl Engine {
         let context_length = model_config.max_position_embeddings;
         let vocab_size = model_config.vocab_size;
         let trie_started = Instant::now();
-        let grammar = GrammarTokenizer::new(&tokenizer, vocab_size, &eos)
-            .map_err(|e| EngineError::Config(format!("building the grammar tokenizer: {e}")))?;
-        tracing::info!(
-            ms = trie_started.elapsed().as_secs_f64() * 1e3,
-            "grammar tokenizer ready"
-        );
+        let grammar = match GrammarTokenizer::new(&tokenizer, vocab_size, &eos) {
+            Ok(g) => {
+                tracing::info!(
+                    ms = trie_started.elapsed().as_secs_f64() * 1e3,
+                    "grammar tokenizer ready"
+                );
+                Some(g)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no constrained decoding for this tokenizer");
+                None
+            }
+        };
         let model_type = model_config.model_type.clone();
         let text = Arc::new(Text {
             tokenizer,
@@ -281,8 +301,9 @@ impl Engine {
         Ok(Engine {
             model_id,
             context_length,
-            vocab_size,
+            vocab_size: vocab_size.min(text.tokenizer.vocab_size()),
             parallel: plan.worker.parallel,
+            worker: plan.worker,
             text,
             jobs,
             stats,
@@ -384,12 +405,18 @@ impl InferenceService for Engine {
             &request.tools
         };
         let grammar = grammar_of(&request)?;
-        let constraints = match &grammar {
-            Some((grammar, param)) => (0..n)
-                .map(|_| ConstrainedDecoder::new(&self.text.grammar, grammar))
+        let constraints = match (&grammar, &self.text.grammar) {
+            (Some((grammar, param)), Some(tokens)) => (0..n)
+                .map(|_| ConstrainedDecoder::new(tokens, grammar))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| invalid(param, e.to_string()))?,
-            None => Vec::new(),
+            (Some((_, param)), None) => {
+                return Err(invalid(
+                    param,
+                    "constrained output is not available for this model's tokenizer".into(),
+                ))
+            }
+            (None, _) => Vec::new(),
         };
         let prompt = self.tokenize_prompt(&request.prompt, tools)?;
         if prompt.is_empty() {
@@ -403,18 +430,47 @@ impl InferenceService for Engine {
             ));
         }
         // A request must fit the model's context and, to its last token,
-        // the KV pool (else it could never be admitted); each extra choice
-        // needs room for its own tokens (and a copied block, and slack).
-        let limit = self.context_length.min(self.info.max_request_tokens);
-        let extra = (n - 1) * (3 * self.info.kv_block_size + self.info.prefill_tile);
-        let room = limit.saturating_sub(prompt.len() + extra) / n;
-        if prompt.len() >= limit || room == 0 {
-            return Err(SubmitError::ContextLengthExceeded {
-                prompt_tokens: prompt.len(),
-                context_length: limit,
-            });
+        // the KV pool with all its choices (else it could never be
+        // admitted): `max_tokens` is clamped to both, with the engine
+        // thread's own block count.
+        let too_long = || SubmitError::ContextLengthExceeded {
+            prompt_tokens: prompt.len(),
+            context_length: self.context_length.min(self.info.max_request_tokens),
+        };
+        if prompt.len() >= self.context_length {
+            return Err(too_long());
         }
-        request.max_tokens = request.max_tokens.min(room).max(1);
+        let fits = |max_tokens: usize| {
+            let (need, _) = request_blocks(
+                &self.worker,
+                self.info.kv_block_size,
+                prompt.len(),
+                max_tokens,
+                n,
+            );
+            need <= self.info.kv_blocks
+        };
+        if !fits(1) {
+            return Err(too_long());
+        }
+        let mut max_tokens = request
+            .max_tokens
+            .min(self.context_length - prompt.len())
+            .max(1);
+        if !fits(max_tokens) {
+            // The largest budget that fits (`fits` grows with it).
+            let (mut lo, mut hi) = (1, max_tokens);
+            while lo < hi {
+                let mid = lo + (hi - lo).div_ceil(2);
+                if fits(mid) {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            max_tokens = lo;
+        }
+        request.max_tokens = max_tokens;
         let parse_tools = chat && !tools.is_empty();
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
         let job = Job {
@@ -426,7 +482,7 @@ impl InferenceService for Engine {
             parse_tools,
         };
         self.jobs
-            .send(Message::Job(job))
+            .send(Message::Job(Box::new(job)))
             .map_err(|_| SubmitError::Unavailable("the engine has stopped".into()))?;
         Ok(stream)
     }

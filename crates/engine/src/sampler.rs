@@ -69,6 +69,15 @@ impl Sampler {
         }
     }
 
+    /// The same seed on another of ChaCha's independent streams (choice
+    /// `stream` of an `n`-choice request): choices of one seed never repeat
+    /// each other or another seed's choices, and stream 0 is
+    /// [`Sampler::new`]'s.
+    pub fn with_stream(mut self, stream: u64) -> Self {
+        self.rng.set_stream(stream);
+        self
+    }
+
     /// Whether this sampler is greedy (temperature 0, or not a positive
     /// number).
     pub fn is_greedy(&self) -> bool {

@@ -475,7 +475,11 @@ fn fork_shares_the_prefix_and_copies_on_write(backend: StorageBackend) {
     assert_eq!(held, 3, "10 tokens in blocks of 4");
     let b = c.fork(&a).expect("fork");
     assert_eq!(c.len(&b).expect("len"), 10);
-    assert_eq!(total - c.pool().free_blocks(), held, "a fork copies nothing");
+    assert_eq!(
+        total - c.pool().free_blocks(),
+        held,
+        "a fork copies nothing"
+    );
     let mut sa = vec![Seq {
         kv: a,
         prompt: 11,

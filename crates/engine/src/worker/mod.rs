@@ -43,7 +43,7 @@ pub(crate) struct Job {
 /// What the handle sends the engine thread.
 pub(crate) enum Message {
     /// A request to run.
-    Job(Job),
+    Job(Box<Job>),
     /// Free unreferenced prefix-cache blocks; the outcome goes back.
     ResetPrefixCache(mpsc::Sender<CacheReset>),
 }
@@ -101,6 +101,34 @@ struct Fork {
     constraint: Option<ConstrainedDecoder>,
     /// Blocks it may need beyond the prompt's.
     own_blocks: usize,
+}
+
+/// KV blocks a request of `prompt` tokens and `n` choices of up to
+/// `max_tokens` may hold at once under `config` (its worst case), and what
+/// each choice after the first may hold beyond the shared prompt. A choice
+/// holds all its tokens or, with a KV window, the window plus one chunk
+/// (and one more block, as the window starts mid-block); the other choices
+/// share the prompt's blocks and copy one.
+///
+/// The engine thread admits a request when this many blocks are free; the
+/// handle refuses or clamps requests that could never fit the pool.
+pub(crate) fn request_blocks(
+    config: &WorkerConfig,
+    block_size: usize,
+    prompt: usize,
+    max_tokens: usize,
+    n: usize,
+) -> (usize, usize) {
+    let tile = config.scheduler.prefill_tile;
+    let worst = |tokens: usize| {
+        let held = match config.max_kv_size {
+            Some(max) => tokens.min(max + config.scheduler.prefill_chunk_size) + block_size,
+            None => tokens,
+        };
+        worst_case_blocks(held, block_size, tile)
+    };
+    let own = worst(max_tokens + block_size);
+    (worst(prompt + max_tokens) + n.saturating_sub(1) * own, own)
 }
 
 /// What happened to a sequence after its token was emitted.
@@ -180,7 +208,7 @@ impl<'m> Worker<'m> {
 
     fn handle(&mut self, message: Message) {
         match message {
-            Message::Job(job) => self.waiting.push_back(job),
+            Message::Job(job) => self.waiting.push_back(*job),
             Message::ResetPrefixCache(reply) => {
                 self.reclaim();
                 let r = self.kv.reset_prefix_cache();
@@ -218,18 +246,19 @@ impl<'m> Worker<'m> {
     /// still take. A request that doesn't fit waits (and so do later ones).
     fn admit(&mut self) {
         let bs = self.kv.config().block_size;
-        let tile = self.config.scheduler.prefill_tile;
-        while self.running.len() < self.config.parallel {
-            let Some(job) = self.waiting.front() else {
-                break;
-            };
-            let n = job.request.n.max(1);
-            if !self.running.is_empty() && self.running.len() + n > self.config.parallel {
+        while let Some(job) = self.waiting.front() {
+            // Choices still to fork hold their slots already.
+            let slots: usize = self.running.iter().map(|s| 1 + s.forks.len()).sum();
+            if slots + job.request.n.max(1) > self.config.parallel {
                 break;
             }
-            let own = self.worst_blocks(job.request.max_tokens + bs, bs, tile);
-            let need = self.worst_blocks(job.prompt.len() + job.request.max_tokens, bs, tile)
-                + (n - 1) * own;
+            let (need, own) = request_blocks(
+                &self.config,
+                bs,
+                job.prompt.len(),
+                job.request.max_tokens,
+                job.request.n,
+            );
             let promised: usize = self
                 .running
                 .iter()
@@ -254,17 +283,6 @@ impl<'m> Worker<'m> {
                 }
             }
         }
-    }
-
-    /// Blocks a request of `tokens` (prompt + max completion) may hold at
-    /// once: all of them, or with a KV window, the window plus one chunk
-    /// (and one more block, as the window starts mid-block).
-    fn worst_blocks(&self, tokens: usize, bs: usize, tile: usize) -> usize {
-        let held = match self.config.max_kv_size {
-            Some(max) => tokens.min(max + self.config.scheduler.prefill_chunk_size) + bs,
-            None => tokens,
-        };
-        worst_case_blocks(held, bs, tile)
     }
 
     /// Puts a sequence that starts from `cached` prefix-cache tokens in the
@@ -361,14 +379,12 @@ impl<'m> Worker<'m> {
     /// generator (seed + choice index).
     fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, String> {
         let forks = std::mem::take(&mut self.running[seq].forks);
-        let mut added = Vec::with_capacity(forks.len());
+        let mut children = Vec::with_capacity(forks.len());
         let bs = self.kv.config().block_size;
         for fork in forks {
             let parent = &self.running[seq];
             let kv = self.kv.fork(&parent.kv).map_err(|e| e.to_string())?;
             let held = self.kv.blocks_held(&kv).map_err(|e| e.to_string())?;
-            let mut sampling = parent.job.request.sampling;
-            sampling.seed = sampling.seed.map(|s| s.wrapping_add(fork.index as u64));
             let id = self.next_id;
             self.next_id += 1;
             let span = tracing::info_span!(parent: &parent.span, "choice", index = fork.index);
@@ -381,7 +397,7 @@ impl<'m> Worker<'m> {
                 tokens: parent.tokens.clone(),
                 computed: parent.computed,
                 worst_blocks: held + fork.own_blocks,
-                sampler: Sampler::new(&sampling),
+                sampler: Sampler::new(&parent.job.request.sampling).with_stream(fork.index as u64),
                 processor: parent.processor.clone(),
                 constraint: fork.constraint,
                 detok: IncrementalDetokenizer::new(),
@@ -391,15 +407,22 @@ impl<'m> Worker<'m> {
                 first_token_at: None,
                 span,
             };
-            self.running.push(child);
-            added.push(self.running.len() - 1);
+            children.push(child);
         }
+        // All or none: a failed fork drops the children made so far.
+        let first = self.running.len();
+        self.running.extend(children);
         // Choice 0 now promises only its own tokens.
         let job = &self.running[seq].job;
-        let own = job.prompt.len() + job.request.max_tokens;
-        let worst = self.worst_blocks(own, bs, self.config.scheduler.prefill_tile);
-        self.running[seq].worst_blocks = worst;
-        Ok(added)
+        let (own, _) = request_blocks(
+            &self.config,
+            bs,
+            job.prompt.len(),
+            job.request.max_tokens,
+            1,
+        );
+        self.running[seq].worst_blocks = own;
+        Ok((first..self.running.len()).collect())
     }
 
     fn publish(&mut self) {
