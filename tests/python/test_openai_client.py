@@ -122,7 +122,7 @@ def test_n_two_gives_two_choices_in_both_modes(client, model):
     r = client.chat.completions.create(**kw)
     assert [c.index for c in r.choices] == [0, 1]
     assert all(c.message.content is not None for c in r.choices)
-    # Two distinct seeded streams (choice i uses seed + i): the run repeats.
+    # Two distinct seeded streams (choice i uses stream i of the seed): the run repeats.
     again = client.chat.completions.create(**kw)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
     _, texts, finish, usage = stream_chat(client, stream_options={"include_usage": True}, **kw)

@@ -376,7 +376,7 @@ impl<'m> Worker<'m> {
     /// Forks choice 0 (at `seq`, its prompt just computed) into the
     /// request's other choices; returns their indices in `running`. Each
     /// shares its blocks and samples from the same logits with its own
-    /// generator (seed + choice index).
+    /// generator (the seed on ChaCha stream `index`).
     fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, String> {
         let forks = std::mem::take(&mut self.running[seq].forks);
         let mut children = Vec::with_capacity(forks.len());
