@@ -131,18 +131,7 @@ impl OutputFilter {
                 };
                 let body = self.held[..end].to_owned();
                 self.held.drain(..end + TOOL_CALL_CLOSE.len());
-                self.in_call = false;
-                match parse_tool_call(&body) {
-                    Some(call) => {
-                        self.calls += 1;
-                        out.tool_calls.push(call);
-                    }
-                    None => {
-                        out.text.push_str(TOOL_CALL_OPEN);
-                        out.text.push_str(&body);
-                        out.text.push_str(TOOL_CALL_CLOSE);
-                    }
-                }
+                self.close_call(&mut out, &body, true);
             } else if let Some(start) = self.held.find(TOOL_CALL_OPEN) {
                 let before: String = self.held.drain(..start).collect();
                 self.emit_text(&mut out, &before);
@@ -169,19 +158,28 @@ impl OutputFilter {
             // The choice ended inside a call (no closing tag): its JSON may
             // still be complete.
             let body = std::mem::take(&mut self.held);
-            self.in_call = false;
-            match parse_tool_call(&body) {
-                Some(call) => {
-                    self.calls += 1;
-                    out.tool_calls.push(call);
-                }
-                None => {
-                    out.text.push_str(TOOL_CALL_OPEN);
-                    out.text.push_str(&body);
+            self.close_call(&mut out, &body, false);
+        }
+        out
+    }
+
+    /// Ends the call whose JSON is `body` (`closed`: by its closing tag):
+    /// a [`ToolCall`] when it parses, else its text, unchanged.
+    fn close_call(&mut self, out: &mut Filtered, body: &str, closed: bool) {
+        self.in_call = false;
+        match parse_tool_call(body) {
+            Some(call) => {
+                self.calls += 1;
+                out.tool_calls.push(call);
+            }
+            None => {
+                out.text.push_str(TOOL_CALL_OPEN);
+                out.text.push_str(body);
+                if closed {
+                    out.text.push_str(TOOL_CALL_CLOSE);
                 }
             }
         }
-        out
     }
 
     fn emit_text(&self, out: &mut Filtered, text: &str) {

@@ -7,6 +7,8 @@
 //! grammar finishes or EOS is picked. The text is then checked by hand with
 //! `serde_json`.
 
+mod common;
+use common::model_dir;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -18,20 +20,6 @@ use serde_json::{json, Value};
 const EOS: u32 = 2;
 /// Extra output rows beyond the tokenizer's 49152 ids, to check padding.
 const PAD_ROWS: usize = 64;
-
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("MLXCEL_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct")
-        });
-    assert!(
-        dir.join("tokenizer.json").is_file(),
-        "{} has no tokenizer.json: run scripts/setup.sh (or set MLXCEL_TEST_MODEL)",
-        dir.display()
-    );
-    dir
-}
 
 fn load(dir: &std::path::Path, extra_rows: usize) -> (TextTokenizer, GrammarTokenizer) {
     let text = TextTokenizer::from_model_dir(dir).unwrap();

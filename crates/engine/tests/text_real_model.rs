@@ -15,27 +15,13 @@
 //! mlx_lm.tokenizer_utils.load(Path(dir), eos_token_ids=2).eos_token_ids  # {2}
 //! ```
 
-use std::path::PathBuf;
+mod common;
+use common::model_dir;
 
 use mlxcel_engine::api::ChatMessage;
 use mlxcel_engine::chat_template::ChatTemplate;
 use mlxcel_engine::detokenizer::IncrementalDetokenizer;
 use mlxcel_engine::tokenizer::{eos_token_ids, TextTokenizer};
-
-/// The model directory; a missing model is a failure.
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("MLXCEL_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct")
-        });
-    assert!(
-        dir.join("tokenizer.json").is_file(),
-        "{} has no tokenizer.json: run scripts/setup.sh (or set MLXCEL_TEST_MODEL)",
-        dir.display()
-    );
-    dir
-}
 
 fn msg(role: &str, content: &str) -> ChatMessage {
     ChatMessage::text(role, content)

@@ -29,17 +29,6 @@ fn chat_request(body: &Value) -> Request<Body> {
         .unwrap()
 }
 
-/// Parses every payload but the last, which must be `[DONE]`.
-fn chunks(reply: &Reply) -> Vec<Value> {
-    assert_eq!(reply.status, StatusCode::OK);
-    assert_eq!(reply.headers["content-type"], "text/event-stream");
-    let mut data = sse_data(&reply.body);
-    assert_eq!(data.pop().as_deref(), Some("[DONE]"), "last event");
-    data.iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
-
 /// Same id, created and model on every chunk; returns the id.
 fn assert_same_identity(chunks: &[Value]) -> String {
     let id = chunks[0]["id"].as_str().unwrap().to_owned();
@@ -56,7 +45,7 @@ fn assert_same_identity(chunks: &[Value]) -> String {
 #[tokio::test]
 async fn streams_role_deltas_finish_and_done() {
     let reply = post_json(app(FakeService::hello()), stream_request(None)).await;
-    let chunks = chunks(&reply);
+    let chunks = sse_json(&reply);
     assert_same_identity(&chunks);
     let choices: Vec<Value> = chunks.iter().map(|c| c["choices"].clone()).collect();
     assert_eq!(
@@ -80,7 +69,7 @@ async fn streams_role_deltas_finish_and_done() {
 async fn include_usage_adds_a_usage_chunk_before_done() {
     let fake = FakeService::new(hello_script(FinishReason::Length));
     let reply = post_json(app(fake), stream_request(Some(true))).await;
-    let chunks = chunks(&reply);
+    let chunks = sse_json(&reply);
     assert_same_identity(&chunks);
     assert_eq!(chunks.len(), 5);
     let text: String = chunks[1..3]
@@ -107,7 +96,7 @@ async fn include_usage_adds_a_usage_chunk_before_done() {
 #[tokio::test]
 async fn include_usage_false_sends_no_usage() {
     let reply = post_json(app(FakeService::hello()), stream_request(Some(false))).await;
-    let chunks = chunks(&reply);
+    let chunks = sse_json(&reply);
     assert_eq!(chunks.len(), 4);
     assert!(chunks.iter().all(|c| c.get("usage").is_none()));
 }
