@@ -21,7 +21,7 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind};
 use serde::Serialize;
 
-use crate::api::{ChatMessage, ToolDefinition};
+use crate::api::{ChatMessage, ToolCall, ToolDefinition};
 use crate::output::{TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 use crate::tokenizer::{bos_eos_strings, read_json_opt, TextError};
 
@@ -211,12 +211,10 @@ fn hf_message(m: &ChatMessage) -> serde_json::Value {
             .tool_calls
             .iter()
             .map(|c| {
-                let arguments = serde_json::from_str::<serde_json::Value>(&c.arguments)
-                    .unwrap_or_else(|_| c.arguments.clone().into());
                 serde_json::json!({
                     "id": c.id,
                     "type": "function",
-                    "function": { "name": c.name, "arguments": arguments },
+                    "function": { "name": c.name, "arguments": arguments_value(c) },
                 })
             })
             .collect();
@@ -231,14 +229,18 @@ fn hf_message(m: &ChatMessage) -> serde_json::Value {
     serde_json::Value::Object(out)
 }
 
+/// A call's arguments as a JSON value: the object its JSON text holds, or
+/// the text itself when it is not JSON.
+fn arguments_value(call: &ToolCall) -> serde_json::Value {
+    serde_json::from_str(&call.arguments).unwrap_or_else(|_| call.arguments.clone().into())
+}
+
 /// A message with its tool calls (and tool results) written as text, for
 /// templates that know neither.
 fn calls_as_text(m: &ChatMessage) -> ChatMessage {
     let mut text = m.content.clone().unwrap_or_default();
     for c in &m.tool_calls {
-        let arguments = serde_json::from_str::<serde_json::Value>(&c.arguments)
-            .unwrap_or_else(|_| c.arguments.clone().into());
-        let call = serde_json::json!({ "name": c.name, "arguments": arguments });
+        let call = serde_json::json!({ "name": c.name, "arguments": arguments_value(c) });
         if !text.is_empty() {
             text.push('\n');
         }

@@ -151,8 +151,7 @@ pub struct Engine {
     /// Token ids accepted in `logit_bias`: the tokenizer's vocabulary
     /// (padding rows of the model's output have no text).
     vocab_size: usize,
-    parallel: usize,
-    /// The engine thread's options (admission math).
+    /// The engine thread's options (`parallel`, admission math).
     worker: WorkerConfig,
     text: Arc<Text>,
     jobs: mpsc::Sender<Message>,
@@ -302,7 +301,6 @@ impl Engine {
             model_id,
             context_length,
             vocab_size: vocab_size.min(text.tokenizer.vocab_size()),
-            parallel: plan.worker.parallel,
             worker: plan.worker,
             text,
             jobs,
@@ -348,6 +346,19 @@ impl Engine {
         }
     }
 
+    /// Refuses token ids outside the tokenizer's vocabulary (a 400 on
+    /// `prompt`).
+    fn check_token_ids(&self, tokens: &[u32]) -> Result<(), SubmitError> {
+        let vocab = self.text.tokenizer.vocab_size();
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(SubmitError::InvalidRequest {
+                message: format!("token id {bad} is outside the vocabulary ({vocab})"),
+                param: Some("prompt".into()),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// End-of-sequence token ids generation stops at.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.text.eos
@@ -372,12 +383,12 @@ impl InferenceService for Engine {
             param: Some(param.into()),
         };
         let n = request.n.max(1);
-        if n > self.parallel {
+        if n > self.worker.parallel {
             return Err(invalid(
                 "n",
                 format!(
                     "n = {n} is more than the {} sequences this server runs at once (--parallel)",
-                    self.parallel
+                    self.worker.parallel
                 ),
             ));
         }
@@ -422,13 +433,7 @@ impl InferenceService for Engine {
         if prompt.is_empty() {
             return Err(invalid("messages", "the prompt is empty".into()));
         }
-        let vocab = self.text.tokenizer.vocab_size();
-        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(invalid(
-                "prompt",
-                format!("token id {bad} is outside the vocabulary ({vocab})"),
-            ));
-        }
+        self.check_token_ids(&prompt)?;
         // A request must fit the model's context and, to its last token,
         // the KV pool with all its choices (else it could never be
         // admitted): `max_tokens` is clamped to both, with the engine
@@ -488,13 +493,7 @@ impl InferenceService for Engine {
     }
 
     fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {
-        let vocab = self.text.tokenizer.vocab_size();
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(SubmitError::InvalidRequest {
-                message: format!("token id {bad} is outside the vocabulary ({vocab})"),
-                param: Some("prompt".into()),
-            });
-        }
+        self.check_token_ids(tokens)?;
         self.text
             .tokenizer
             .decode(tokens, false)

@@ -40,6 +40,13 @@ pub(crate) struct Job {
     pub(crate) parse_tools: bool,
 }
 
+impl Job {
+    /// A fresh output filter for one of its choices.
+    fn output_filter(&self) -> OutputFilter {
+        OutputFilter::new(&self.request.stop, self.parse_tools)
+    }
+}
+
 /// What the handle sends the engine thread.
 pub(crate) enum Message {
     /// A request to run.
@@ -99,8 +106,6 @@ struct Sequence {
 struct Fork {
     index: usize,
     constraint: Option<ConstrainedDecoder>,
-    /// Blocks it may need beyond the prompt's.
-    own_blocks: usize,
 }
 
 /// KV blocks a request of `prompt` tokens and `n` choices of up to
@@ -252,7 +257,7 @@ impl<'m> Worker<'m> {
             if slots + job.request.n.max(1) > self.config.parallel {
                 break;
             }
-            let (need, own) = request_blocks(
+            let (need, _) = request_blocks(
                 &self.config,
                 bs,
                 job.prompt.len(),
@@ -273,7 +278,7 @@ impl<'m> Worker<'m> {
             let Some(job) = self.waiting.pop_front() else {
                 break;
             };
-            match self.new_sequence(job, need, own) {
+            match self.new_sequence(job, need) {
                 Ok(seq) => self.running.push(seq),
                 Err((job, e)) => {
                     tracing::error!(error = %e, "prefix lookup failed");
@@ -307,14 +312,12 @@ impl<'m> Worker<'m> {
 
     /// Choice 0 of `job`, its prompt prefix taken from the prefix cache
     /// unless the request opted out; the other choices wait in its `forks`.
-    /// `worst_blocks` covers every choice; `own_blocks` is what each other
-    /// choice may need beyond the prompt.
+    /// `worst_blocks` covers every choice.
     #[allow(clippy::result_large_err)]
     fn new_sequence(
         &mut self,
         mut job: Job,
         worst_blocks: usize,
-        own_blocks: usize,
     ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
         let (kv, cached) = if job.request.cache_prompt {
             match self.kv.new_sequence_for_prompt(&job.prompt) {
@@ -333,7 +336,6 @@ impl<'m> Worker<'m> {
             .map(|index| Fork {
                 index,
                 constraint: constraints.next(),
-                own_blocks,
             })
             .collect();
         let id = self.next_id;
@@ -358,7 +360,7 @@ impl<'m> Worker<'m> {
             ),
             constraint: first,
             detok: IncrementalDetokenizer::new(),
-            filter: OutputFilter::new(&job.request.stop, job.parse_tools),
+            filter: job.output_filter(),
             usage: Usage {
                 prompt_tokens: job.prompt.len(),
                 completion_tokens: 0,
@@ -381,6 +383,13 @@ impl<'m> Worker<'m> {
         let forks = std::mem::take(&mut self.running[seq].forks);
         let mut children = Vec::with_capacity(forks.len());
         let bs = self.kv.config().block_size;
+        let (prompt, max_tokens) = {
+            let job = &self.running[seq].job;
+            (job.prompt.len(), job.request.max_tokens)
+        };
+        // Each child may hold `own` blocks beyond the prompt's; choice 0
+        // now promises only its own tokens.
+        let (parent_worst, own) = request_blocks(&self.config, bs, prompt, max_tokens, 1);
         for fork in forks {
             let parent = &self.running[seq];
             let kv = self.kv.fork(&parent.kv).map_err(|e| e.to_string())?;
@@ -396,12 +405,12 @@ impl<'m> Worker<'m> {
                 kv,
                 tokens: parent.tokens.clone(),
                 computed: parent.computed,
-                worst_blocks: held + fork.own_blocks,
+                worst_blocks: held + own,
                 sampler: Sampler::new(&parent.job.request.sampling).with_stream(fork.index as u64),
                 processor: parent.processor.clone(),
                 constraint: fork.constraint,
                 detok: IncrementalDetokenizer::new(),
-                filter: OutputFilter::new(&parent.job.request.stop, parent.job.parse_tools),
+                filter: parent.job.output_filter(),
                 usage: parent.usage,
                 timings: parent.timings,
                 first_token_at: None,
@@ -412,16 +421,7 @@ impl<'m> Worker<'m> {
         // All or none: a failed fork drops the children made so far.
         let first = self.running.len();
         self.running.extend(children);
-        // Choice 0 now promises only its own tokens.
-        let job = &self.running[seq].job;
-        let (own, _) = request_blocks(
-            &self.config,
-            bs,
-            job.prompt.len(),
-            job.request.max_tokens,
-            1,
-        );
-        self.running[seq].worst_blocks = own;
+        self.running[seq].worst_blocks = parent_worst;
         Ok((first..self.running.len()).collect())
     }
 
