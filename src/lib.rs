@@ -5,6 +5,7 @@ pub mod model_source;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use mlxcel_engine::api::{InferenceService, ServiceSlot};
 use mlxcel_engine::{AttentionPath, Engine, EngineConfig, StorageBackend};
 use mlxcel_http::cors::AllowedOrigins;
 use mlxcel_http::{AppState, HttpConfig};
@@ -61,9 +62,10 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     /// Prefill tokens one step runs, in tokens; prompts are split into
-    /// chunks ending at multiples of it, interleaved with decode.
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
-    pub prefill_chunk_size: u32,
+    /// chunks ending at multiples of it, interleaved with decode (`auto`:
+    /// 2048 on a GPU, 512 on a CPU).
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub prefill_chunk_size: AutoOr<usize>,
     /// Pad each prefill chunk to a multiple of this many tokens (`auto`: 32
     /// on Apple M5 and newer GPUs, 0 elsewhere). Pad tokens are masked and
     /// rewound.
@@ -84,10 +86,24 @@ pub struct ModelArgs {
     /// sequence (`auto`: paged when `--parallel` > 1).
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     pub decode_storage_backend: BackendArg,
-    /// How decode rows read a paged cache: one attention over all rows
-    /// padded to the longest (`batched`), or one per row.
-    #[arg(long, value_enum, default_value_t = AttentionPathArg::Batched)]
+    /// How decode rows read a paged cache: a paged-attention kernel reading
+    /// the pool through block tables (`paged`, GPU only), one attention over
+    /// all rows gathered and padded to the longest (`batched`), or one per
+    /// row (`auto`: paged on a GPU, batched elsewhere).
+    #[arg(long, value_enum, default_value_t = AttentionPathArg::Auto)]
     pub attention_path: AttentionPathArg,
+    /// Run every kind of step once before serving, so that GPU kernels are
+    /// compiled before the first request (`auto`: on a GPU).
+    #[arg(long, value_enum, default_value_t = SwitchArg::Auto)]
+    pub warmup: SwitchArg,
+    /// Let MLX's CUDA backend use cuDNN's fused attention for prefill (it
+    /// builds a graph for every new prompt shape, 50-800 ms each).
+    #[arg(long)]
+    pub cudnn_attention: bool,
+    /// Read each decode step's tokens before queueing the next one (the
+    /// default queues the next step first, overlapping host and device).
+    #[arg(long)]
+    pub no_decode_pipeline: bool,
     /// Keep at most N tokens of K/V per sequence: older ones are dropped
     /// from the front (positions keep counting), so long prompts and
     /// generations run in bounded memory. Models with a sliding window use
@@ -167,8 +183,18 @@ pub enum BackendArg {
 /// `--attention-path`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AttentionPathArg {
+    Auto,
+    Paged,
     Batched,
     PerRow,
+}
+
+/// An on/off flag whose default depends on the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SwitchArg {
+    Auto,
+    On,
+    Off,
 }
 
 impl ModelArgs {
@@ -195,7 +221,19 @@ impl ModelArgs {
             WeightsArg::Dequantized => Some(WeightMode::Dequantized),
         };
         c.use_gpu = self.device != DeviceArg::Cpu;
-        c.prefill_chunk_size = self.prefill_chunk_size as usize;
+        let gpu = c.use_gpu && mlxcel_mlx::gpu_available();
+        c.prefill_chunk_size = match self.prefill_chunk_size {
+            AutoOr::Auto => mlxcel_engine::auto_prefill_chunk_size(gpu),
+            AutoOr::Value(0) => anyhow::bail!("--prefill-chunk-size must be at least 1"),
+            AutoOr::Value(n) => n,
+        };
+        c.warmup = match self.warmup {
+            SwitchArg::Auto => None,
+            SwitchArg::On => Some(true),
+            SwitchArg::Off => Some(false),
+        };
+        c.cudnn_attention = self.cudnn_attention;
+        c.pipeline = !self.no_decode_pipeline;
         c.prefill_tile = self.prefill_tile.value();
         c.parallel = self.parallel as usize;
         c.kv_block_size = self.kv_block_size as usize;
@@ -210,6 +248,7 @@ impl ModelArgs {
         c.chat_template = self.chat_template.clone();
         c.prefix_cache_capacity = self.prompt_cache_capacity.value();
         c.attention_path = match self.attention_path {
+            AttentionPathArg::Auto | AttentionPathArg::Paged => AttentionPath::PagedDecode,
             AttentionPathArg::Batched => AttentionPath::BatchedDecode,
             AttentionPathArg::PerRow => AttentionPath::PerRow,
         };
@@ -286,9 +325,14 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Loads the model and serves the OpenAI-compatible API until Ctrl-C/SIGTERM.
+/// Serves the OpenAI-compatible API until Ctrl-C/SIGTERM. The server
+/// listens at once and answers `GET /health` with 503 `starting` while the
+/// model loads and warms up on another thread; then it serves.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let engine = Engine::start(args.model.engine_config(args.alias.clone())?)?;
+    let engine_config = args.model.engine_config(args.alias.clone())?;
+    let context_length =
+        mlxcel_model::read_config(&engine_config.model_dir)?.max_position_embeddings;
+    let slot = Arc::new(ServiceSlot::new(engine_config.model_id(), context_length));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -297,7 +341,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let local = listener.local_addr()?;
-        // Tests and scripts wait for this line.
+        // Tests and scripts wait for this line (then for /health to be ok).
         tracing::info!("listening on http://{local}");
         if args.api_key.is_some() {
             tracing::info!("API key required on every route but GET /health");
@@ -308,8 +352,26 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             allowed_origins: args.allowed_origins.unwrap_or_default(),
             ..HttpConfig::default()
         };
-        let state = AppState::with_config(Arc::new(engine), config);
-        mlxcel_http::serve(listener, state, shutdown_signal()).await?;
+        let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);
+        let mut server = tokio::spawn(mlxcel_http::serve(listener, state, shutdown_signal()));
+        let loading = {
+            let slot = Arc::clone(&slot);
+            tokio::task::spawn_blocking(move || {
+                let engine = Engine::start(engine_config)?;
+                slot.fill(Arc::new(engine));
+                anyhow::Ok(())
+            })
+        };
+        tokio::select! {
+            loaded = loading => {
+                // A model that cannot load stops the server with its error.
+                loaded.context("the model loader stopped")??;
+                tracing::info!("ready: serving requests");
+                server.await.context("the HTTP server task")??;
+            }
+            // Stopped (a signal) while the model was still loading.
+            served = &mut server => served.context("the HTTP server task")??,
+        }
         tracing::info!("server stopped");
         anyhow::Ok(())
     })

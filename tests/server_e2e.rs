@@ -26,6 +26,13 @@ fn start_server() -> Server {
 }
 
 fn start_server_with(extra: &[&str]) -> Server {
+    start_server_watching(extra, |_| {})
+}
+
+/// Starts the server and returns once it logged "ready"; `on_listening`
+/// runs with the port as soon as the server listens (the model may still
+/// be loading then).
+fn start_server_watching(extra: &[&str], on_listening: impl FnOnce(u16)) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
         .args(["-m", model_dir().to_str().expect("utf-8 path")])
         .args(["--port", "0", "--alias", "smollm2"])
@@ -37,11 +44,14 @@ fn start_server_with(extra: &[&str]) -> Server {
         .expect("spawn mlxcel-server");
     let stderr = child.stderr.take().expect("stderr");
     let mut lines = BufReader::new(stderr).lines();
-    let port = loop {
-        let line = lines
+    let mut next_line = || {
+        lines
             .next()
-            .expect("server exited before listening")
-            .expect("read stderr");
+            .expect("server exited before it was ready")
+            .expect("read stderr")
+    };
+    let port = loop {
+        let line = next_line();
         if let Some(addr) = line.split("listening on http://").nth(1) {
             break addr
                 .trim()
@@ -51,6 +61,8 @@ fn start_server_with(extra: &[&str]) -> Server {
                 .expect("port");
         }
     };
+    on_listening(port);
+    while !next_line().contains("ready: serving requests") {}
     // Keep draining the log so the server never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     Server { child, port }
@@ -171,11 +183,31 @@ fn check_error(r: &common::http::Response, status: u16, param: Option<&str>) {
 
 #[test]
 fn server_answers_like_the_goldens() {
-    let server = start_server();
+    // The server listens at once; while the model loads and warms up (the
+    // GPU default, forced on here) /health says `starting`, and chat
+    // requests get a 503 with the OpenAI error body.
+    let mut while_loading = None;
+    let server = start_server_watching(&["--warmup", "on"], |port| {
+        let health = get(port, "/health");
+        let chat = post_json(
+            port,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        );
+        while_loading = Some((health.status, health.json(), chat.status, chat.json()));
+    });
     let port = server.port;
+    let (health_status, health, chat_status, chat_body) = while_loading.expect("listening");
+    assert_eq!(health_status, 503, "{health}");
+    assert_eq!(health["status"], "starting");
+    assert_eq!(chat_status, 503, "{chat_body}");
+    assert!(chat_body["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("loading")));
 
     // Health and models.
     assert_eq!(get(port, "/health").status, 200);
+    assert_eq!(get(port, "/health").json()["status"], "ok");
     let models = get(port, "/v1/models").json();
     assert_eq!(models["data"][0]["id"], "smollm2");
 

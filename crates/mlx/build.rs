@@ -12,6 +12,7 @@ fn main() {
     );
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
+        .file("src/paged_attention.cc")
         .file("src/gemv_forward.cc")
         .file("src/skinny_gemm.cc")
         .include(&include)
@@ -29,6 +30,7 @@ fn main() {
     mlxcel_mlx_link::emit();
     println!("cargo:rerun-if-changed=src/ffi.rs");
     println!("cargo:rerun-if-changed=src/shim.cc");
+    println!("cargo:rerun-if-changed=src/paged_attention.cc");
     println!("cargo:rerun-if-changed=src/gemv_forward.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.h");

@@ -6,6 +6,7 @@ use mlxcel_engine::api::{
     ChatMessage, GenerationEvent, GenerationRequest, InferenceService, Prompt, SamplingParams,
 };
 use mlxcel_engine::Engine;
+use mlxcel_model::profile::{self, ProfileMode};
 use std::io::Write;
 
 #[derive(Debug, Parser)]
@@ -28,8 +29,18 @@ struct GenerateArgs {
     #[command(flatten)]
     model: mlxcel::ModelArgs,
     /// The prompt (a user message unless --no-chat-template).
-    #[arg(short = 'p', long)]
-    prompt: String,
+    #[arg(short = 'p', long, required_unless_present = "prompts_file")]
+    prompt: Option<String>,
+    /// A JSON file holding a list of prompts instead of `--prompt`: each a
+    /// string (a user message, or raw text with --no-chat-template) or a
+    /// list of token ids (used as is). They run at once (`--parallel`
+    /// becomes their count) unless --sequential; with --print-token-ids
+    /// each prompt's ids are printed as one JSON line.
+    #[arg(long, value_name = "FILE")]
+    prompts_file: Option<std::path::PathBuf>,
+    /// Run the prompts of --prompts-file one after the other.
+    #[arg(long)]
+    sequential: bool,
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     max_tokens: u32,
@@ -51,6 +62,28 @@ struct GenerateArgs {
     /// Print the generated token ids as JSON after the text.
     #[arg(long)]
     print_token_ids: bool,
+    /// Generate this many times in one process (the prompt cache is reset
+    /// between runs), printing each run's speed: the first run pays MLX's
+    /// one-time costs (kernel compilation, graph plans), later ones don't.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// Send the prompt this many times at once (a batch of N rows;
+    /// `--parallel` becomes N) and report the aggregate decode speed.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    batch: u32,
+    /// Print where each step's time went after the runs (see
+    /// docs/performance.md): `steps` adds no device syncs, `layers` syncs at
+    /// every layer region.
+    #[arg(long, value_enum, default_value_t = ProfileArg::Off)]
+    profile: ProfileArg,
+}
+
+/// `--profile`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ProfileArg {
+    Off,
+    Steps,
+    Layers,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -62,56 +95,169 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
-    // One prompt: a batch of one.
+    let prompts = prompts(&args)?;
     let mut config = args.model.engine_config(None)?;
-    config.parallel = 1;
+    config.parallel = if args.sequential { 1 } else { prompts.len() };
     let engine = Engine::start(config)?;
-    let prompt = if args.no_chat_template {
-        Prompt::Text(args.prompt.clone())
-    } else {
-        Prompt::Chat(vec![ChatMessage::text("user", args.prompt.clone())])
+    let mode = match args.profile {
+        ProfileArg::Off => ProfileMode::Off,
+        ProfileArg::Steps => ProfileMode::Steps,
+        ProfileArg::Layers => ProfileMode::Layers,
     };
+    for run in 0..args.runs {
+        // Each run prefills from scratch and is profiled on its own.
+        engine
+            .reset_prefix_cache()
+            .context("resetting the prompt cache")?;
+        profile::set_mode(mode);
+        let report = generate_once(&engine, &args, &prompts, run == 0)?;
+        // A round trip through the engine thread: its last step has ended.
+        engine
+            .reset_prefix_cache()
+            .context("resetting the prompt cache")?;
+        eprintln!("==========");
+        if args.runs > 1 {
+            eprintln!("Run {} of {}", run + 1, args.runs);
+        }
+        eprintln!(
+            "Prompt: {} tokens, {:.3} tokens-per-sec",
+            report.prompt_tokens,
+            report.prompt_tokens as f64 / report.prefill_s.max(1e-9)
+        );
+        eprintln!(
+            "Generation: {} tokens, {:.3} tokens-per-sec",
+            report.completion_tokens,
+            report.decode_tokens as f64 / report.decode_s.max(1e-9)
+        );
+        if mode != ProfileMode::Off {
+            eprintln!("Profile of this run:\n{}", profile::report());
+        }
+    }
+    Ok(())
+}
+
+/// What one run measured, summed over the batch's requests.
+struct RunReport {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Tokens after each request's first.
+    decode_tokens: usize,
+    /// Longest prefill of the batch, seconds.
+    prefill_s: f64,
+    /// Longest decode of the batch, seconds.
+    decode_s: f64,
+}
+
+/// The prompts to run: `--prompts-file`'s, or `--prompt` `--batch` times.
+fn prompts(args: &GenerateArgs) -> anyhow::Result<Vec<Prompt>> {
+    let text = |t: String| {
+        if args.no_chat_template {
+            Prompt::Text(t)
+        } else {
+            Prompt::Chat(vec![ChatMessage::text("user", t)])
+        }
+    };
+    if let Some(path) = &args.prompts_file {
+        let raw =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let items: Vec<serde_json::Value> =
+            serde_json::from_str(&raw).context("--prompts-file: a JSON list")?;
+        let prompts = items
+            .into_iter()
+            .map(|v| match v {
+                serde_json::Value::String(t) => Ok(text(t)),
+                ids => serde_json::from_value::<Vec<u32>>(ids)
+                    .map(Prompt::Tokens)
+                    .context("--prompts-file: each prompt is a string or a list of token ids"),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(!prompts.is_empty(), "--prompts-file holds no prompt");
+        return Ok(prompts);
+    }
+    let prompt = args.prompt.clone().context("--prompt or --prompts-file")?;
+    Ok(vec![text(prompt); args.batch as usize])
+}
+
+/// Runs `prompts` (all at once, or one after the other with
+/// --sequential) and waits for every answer; prints prompt 0's text when
+/// `print`, and every prompt's token ids with --print-token-ids.
+fn generate_once(
+    engine: &Engine,
+    args: &GenerateArgs,
+    prompts: &[Prompt],
+    print: bool,
+) -> anyhow::Result<RunReport> {
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
         seed: args.seed,
         ..SamplingParams::default()
     };
-    let mut request = GenerationRequest::new(prompt, sampling, args.max_tokens as usize);
-    request.ignore_eos = args.ignore_eos;
-    let mut stream = engine.submit(request).context("submitting the prompt")?;
+    let submit = |prompt: &Prompt| {
+        let mut request =
+            GenerationRequest::new(prompt.clone(), sampling, args.max_tokens as usize);
+        request.ignore_eos = args.ignore_eos;
+        engine.submit(request).context("submitting the prompt")
+    };
+    let mut streams = Vec::new();
+    if !args.sequential {
+        for prompt in prompts {
+            streams.push(Some(submit(prompt)?));
+        }
+    } else {
+        streams.resize_with(prompts.len(), || None);
+    }
+    let mut report = RunReport {
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        decode_tokens: 0,
+        prefill_s: 0.0,
+        decode_s: 0.0,
+    };
     let mut out = std::io::stdout().lock();
-    let mut ids = Vec::new();
-    while let Some(event) = stream.blocking_recv() {
-        match event {
-            GenerationEvent::Delta { token, text, .. } => {
-                ids.push(token);
-                write!(out, "{text}")?;
-                out.flush()?;
-            }
-            GenerationEvent::Finished { usage, timings, .. } => {
-                writeln!(out)?;
-                if args.print_token_ids {
-                    writeln!(out, "{}", serde_json::to_string(&ids)?)?;
+    for (i, stream) in streams.into_iter().enumerate() {
+        let mut stream = match stream {
+            Some(s) => s,
+            None => submit(&prompts[i])?,
+        };
+        let print_text = print && i == 0 && args.prompts_file.is_none();
+        let mut ids = Vec::new();
+        loop {
+            match stream.blocking_recv() {
+                Some(GenerationEvent::Delta { token, text, .. }) => {
+                    ids.push(token);
+                    if print_text {
+                        write!(out, "{text}")?;
+                        out.flush()?;
+                    }
                 }
-                let decode_tokens = usage.completion_tokens.saturating_sub(1);
-                eprintln!("==========");
-                eprintln!(
-                    "Prompt: {} tokens, {:.3} tokens-per-sec",
-                    usage.prompt_tokens,
-                    usage.prompt_tokens as f64 / timings.prefill_s.max(1e-9)
-                );
-                eprintln!(
-                    "Generation: {} tokens, {:.3} tokens-per-sec",
-                    usage.completion_tokens,
-                    decode_tokens as f64 / timings.decode_s.max(1e-9)
-                );
-                return Ok(());
+                Some(GenerationEvent::Finished { usage, timings, .. }) => {
+                    if print_text {
+                        writeln!(out)?;
+                    }
+                    if print && args.print_token_ids {
+                        if args.prompts_file.is_some() {
+                            let line = serde_json::json!({"prompt": i, "ids": ids});
+                            writeln!(out, "{line}")?;
+                        } else if i == 0 {
+                            writeln!(out, "{}", serde_json::to_string(&ids)?)?;
+                        }
+                    }
+                    report.prompt_tokens += usage.prompt_tokens;
+                    report.completion_tokens += usage.completion_tokens;
+                    report.decode_tokens += usage.completion_tokens.saturating_sub(1);
+                    report.prefill_s = report.prefill_s.max(timings.prefill_s);
+                    report.decode_s = report.decode_s.max(timings.decode_s);
+                    break;
+                }
+                Some(GenerationEvent::Failed { message }) => {
+                    anyhow::bail!("generation failed: {message}")
+                }
+                // No tools are offered, so none are parsed.
+                Some(GenerationEvent::ToolCall { .. }) => {}
+                None => anyhow::bail!("the engine stopped before the request finished"),
             }
-            GenerationEvent::Failed { message } => anyhow::bail!("generation failed: {message}"),
-            // No tools are offered, so none are parsed.
-            GenerationEvent::ToolCall { .. } => {}
         }
     }
-    anyhow::bail!("the engine stopped before the request finished")
+    Ok(report)
 }

@@ -68,6 +68,17 @@ pub struct EngineConfig {
     pub max_kv_size: Option<usize>,
     /// A Jinja chat template file used instead of the model's own.
     pub chat_template: Option<PathBuf>,
+    /// Pipeline decode steps whose rows sample on the device: the next step
+    /// is queued before the current step's tokens are read (default true).
+    pub pipeline: bool,
+    /// Run every kind of step once at start, so the GPU kernels the engine
+    /// needs are compiled before the first request (`crate::warmup`);
+    /// `None` = auto (on when running on a GPU).
+    pub warmup: Option<bool>,
+    /// Let MLX's CUDA backend use cuDNN's fused attention for prefill (it
+    /// builds a graph per query/key shape, 50-800 ms each; default off: see
+    /// docs/performance.md).
+    pub cudnn_attention: bool,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub fault: crate::fault::FaultInjection,
@@ -93,10 +104,26 @@ impl EngineConfig {
             prefix_cache: true,
             prefix_cache_capacity: None,
             max_kv_size: None,
+            pipeline: true,
+            warmup: None,
+            cudnn_attention: false,
             chat_template: None,
             #[cfg(feature = "fault-injection")]
             fault: crate::fault::FaultInjection::default(),
         }
+    }
+}
+
+impl EngineConfig {
+    /// The name the model is served under: the alias, else the model
+    /// directory's name.
+    pub fn model_id(&self) -> String {
+        self.alias.clone().unwrap_or_else(|| {
+            self.model_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        })
     }
 }
 
@@ -154,7 +181,10 @@ pub struct Engine {
     /// The engine thread's options (`parallel`, admission math).
     worker: WorkerConfig,
     text: Arc<Text>,
-    jobs: mpsc::Sender<Message>,
+    /// `None` once dropped (closing the channel stops the engine thread).
+    jobs: Option<mpsc::Sender<Message>>,
+    /// Joined on drop, so no MLX work outlives the handle.
+    thread: Option<std::thread::JoinHandle<()>>,
     stats: Arc<Mutex<EngineStats>>,
     /// What was loaded, for logs and `/v1/models`.
     pub info: EngineInfo,
@@ -196,6 +226,7 @@ impl Engine {
         // generation_config.json, config.json and the tokenizer's EOS.
         let eos = eos_token_ids(&dir, &tokenizer);
         let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
+        mlxcel_mlx::set_cudnn_attention(config.cudnn_attention)?;
         mlxcel_mlx::use_device(gpu)?;
         let dtype = config
             .dtype
@@ -205,11 +236,7 @@ impl Engine {
         } else {
             WeightMode::Dequantized
         });
-        let model_id = config.alias.clone().unwrap_or_else(|| {
-            dir.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".into())
-        });
+        let model_id = config.model_id();
         let context_length = model_config.max_position_embeddings;
         let vocab_size = model_config.vocab_size;
         let trie_started = Instant::now();
@@ -247,7 +274,7 @@ impl Engine {
         }
         let identity = format!("{}|{:?}|{model_type}", dir.display(), dtype);
         let plan = ThreadPlan::new(&config, gpu, stable_hash(&identity))?;
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("mlxcel-engine".into())
             .spawn(move || {
                 let setup = (|| {
@@ -297,16 +324,30 @@ impl Engine {
             prefill_tile = info.prefill_tile,
             "model ready"
         );
-        Ok(Engine {
+        let engine = Engine {
             model_id,
             context_length,
             vocab_size: vocab_size.min(text.tokenizer.vocab_size()),
             worker: plan.worker,
             text,
-            jobs,
+            jobs: Some(jobs),
+            thread: Some(thread),
             stats,
             info,
-        })
+        };
+        if config.warmup.unwrap_or(gpu) {
+            let report = crate::warmup::warm_up(
+                &engine,
+                plan.worker.scheduler.prefill_chunk_size,
+                plan.worker.parallel,
+            )?;
+            tracing::info!(
+                requests = report.requests,
+                seconds = report.seconds,
+                "warm-up done: every kind of step has run once"
+            );
+        }
+        Ok(engine)
     }
 
     /// Renders (chat) and tokenizes a prompt exactly as it will be run.
@@ -486,9 +527,7 @@ impl InferenceService for Engine {
             constraints,
             parse_tools,
         };
-        self.jobs
-            .send(Message::Job(Box::new(job)))
-            .map_err(|_| SubmitError::Unavailable("the engine has stopped".into()))?;
+        self.send(Message::Job(Box::new(job)))?;
         Ok(stream)
     }
 
@@ -510,10 +549,33 @@ impl InferenceService for Engine {
     fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
         let gone = || SubmitError::Unavailable("the engine has stopped".into());
         let (reply, outcome) = mpsc::channel();
-        self.jobs
-            .send(Message::ResetPrefixCache(reply))
-            .map_err(|_| gone())?;
+        self.send(Message::ResetPrefixCache(reply))?;
         outcome.recv().map_err(|_| gone())
+    }
+}
+
+impl Engine {
+    fn send(&self, message: Message) -> Result<(), SubmitError> {
+        self.jobs
+            .as_ref()
+            .and_then(|jobs| jobs.send(message).ok())
+            .ok_or_else(|| SubmitError::Unavailable("the engine has stopped".into()))
+    }
+}
+
+impl Drop for Engine {
+    /// Closes the queue and waits for the engine thread: it finishes the
+    /// requests it holds (whose clients, gone with the handle, cancel them
+    /// at the next step) and any step still queued on the device, so no
+    /// MLX work outlives the engine (a process exiting under a running
+    /// evaluation corrupts MLX's heap).
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
     }
 }
 
@@ -612,6 +674,7 @@ impl ThreadPlan {
                 attention_path: config.attention_path,
                 check_invariants: config.check_invariants,
                 max_kv_size: config.max_kv_size,
+                pipeline: config.pipeline,
                 #[cfg(feature = "fault-injection")]
                 fault: config.fault,
             },
@@ -669,6 +732,17 @@ impl ThreadPlan {
             block_size: c.block_size,
             max_request_tokens: if windowed { usize::MAX } else { pool_tokens },
         }
+    }
+}
+
+/// `--prefill-chunk-size auto`, in tokens: 2048 on a GPU (one step for
+/// most prompts; measured on an H200, docs/performance.md), 512 on a CPU
+/// (long steps there delay every decode row sharing them).
+pub fn auto_prefill_chunk_size(gpu: bool) -> usize {
+    if gpu {
+        2048
+    } else {
+        512
     }
 }
 

@@ -1,7 +1,7 @@
 //! The mlxcel engine: turns validated generation requests into token streams.
 //!
 //! One OS thread owns the model and its KV cache; request handlers talk to it
-//! through channels (see `../../shared/ARCHITECTURE.md`, "Threads and memory").
+//! through channels (see `docs/architecture.md`).
 //! Text work (tokenizer, chat template, incremental detokenization) and the
 //! sampler live here too, so the CLI and the HTTP server share one engine.
 
@@ -19,9 +19,10 @@ pub mod output;
 pub mod sampler;
 pub mod scheduler;
 pub mod tokenizer;
+pub mod warmup;
 mod worker;
 
 pub(crate) use engine::Text;
-pub use engine::{Engine, EngineConfig, EngineError, EngineInfo};
+pub use engine::{auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo};
 pub use mlxcel_kv::StorageBackend;
 pub use mlxcel_model::AttentionPath;

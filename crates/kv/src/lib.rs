@@ -40,5 +40,5 @@ pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};
 pub use prefix::{PrefixCache, PrefixCacheStats};
 pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};
-pub use step::{AttentionKv, StepKv};
+pub use step::{AttentionKv, PagedKv, StepKv};
 pub use storage::{KvLayout, DENSE_GROW_STEP};

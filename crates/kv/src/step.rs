@@ -40,8 +40,35 @@ pub trait AttentionKv {
         rows: &[usize],
     ) -> Result<Option<(Array, Array, Vec<usize>)>, KvError>;
 
+    /// Several rows' K/V as the paged pool of layer `layer` and the rows'
+    /// block tables, for attention that reads the pool itself (a
+    /// paged-attention kernel): `None` when the backend has no pool (dense),
+    /// or doesn't offer it.
+    fn read_paged(&mut self, layer: usize, rows: &[usize]) -> Result<Option<PagedKv<'_>>, KvError> {
+        let _ = (layer, rows);
+        Ok(None)
+    }
+
     /// The storage arrays to evaluate with the step's outputs.
     fn storage(&self) -> Vec<&Array>;
+}
+
+/// One layer's paged pool and the block tables of some rows of a step (see
+/// [`AttentionKv::read_paged`]).
+#[derive(Debug)]
+pub struct PagedKv<'a> {
+    /// `[slots, kv_heads, head_dim]`, slot = block id * block size + offset.
+    pub keys: &'a Array,
+    /// `[slots, kv_heads, head_dim]`.
+    pub values: &'a Array,
+    /// int32 `[rows, max_blocks]`: each row's live blocks in position order
+    /// (shorter rows padded with their last block, never read).
+    pub tables: &'a Array,
+    /// int32 `[rows, 2]`: the offset of each row's first live key in its
+    /// first block, and its live key count.
+    pub meta: &'a Array,
+    /// Tokens per block.
+    pub block_size: usize,
 }
 
 /// One row of a step.
@@ -66,6 +93,8 @@ pub struct StepKv<'a> {
     write_slots: Option<Array>,
     /// Paged: the last padded gather built (`rows`, slots, max_live).
     padded: Option<(Vec<usize>, Array, usize)>,
+    /// Paged: the last block tables built (`rows`, tables, meta).
+    tables: Option<(Vec<usize>, Array, Array)>,
 }
 
 impl<'a> StepKv<'a> {
@@ -102,6 +131,7 @@ impl<'a> StepKv<'a> {
             rows: views,
             write_slots,
             padded: None,
+            tables: None,
         })
     }
 
@@ -228,6 +258,62 @@ impl AttentionKv for StepKv<'_> {
             (Some((_, slots, max)), Some(pool)) => {
                 let (k, v) = pool.gather(layer, slots, rows.len() as i32, *max as i32)?;
                 Ok(Some((k, v, lens)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn read_paged(&mut self, layer: usize, rows: &[usize]) -> Result<Option<PagedKv<'_>>, KvError> {
+        if self.cache.paged.is_none() || rows.is_empty() {
+            return Ok(None);
+        }
+        let stale = self
+            .tables
+            .as_ref()
+            .is_none_or(|(built, _, _)| built != rows);
+        if stale {
+            let mut tables: Vec<Vec<i32>> = Vec::with_capacity(rows.len());
+            let mut meta = Vec::with_capacity(rows.len() * 2);
+            for &row in rows {
+                let r = self.row(row)?;
+                let s = &self.cache.seqs[&r.id].blocks;
+                let bs = s.block_size();
+                // The view's [start, end) is the sequence's now.
+                if (s.start(), s.end()) != (r.start, r.end) || r.end == r.start {
+                    return Err(KvError::Invariant(format!(
+                        "row {row}: view [{}, {}) vs sequence [{}, {})",
+                        r.start,
+                        r.end,
+                        s.start(),
+                        s.end()
+                    )));
+                }
+                tables.push(s.blocks().iter().map(|b| b.index() as i32).collect());
+                meta.push((r.start % bs) as i32);
+                meta.push((r.end - r.start) as i32);
+            }
+            let width = tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+            let mut flat = Vec::with_capacity(rows.len() * width);
+            for mut t in tables {
+                let fill = t.last().copied().unwrap_or(0);
+                t.resize(width, fill);
+                flat.extend(t);
+            }
+            let n = rows.len() as i32;
+            let tables = Array::from_i32(&flat, &[n, width as i32])?;
+            let meta = Array::from_i32(&meta, &[n, 2])?;
+            self.tables = Some((rows.to_vec(), tables, meta));
+        }
+        match (&self.tables, &self.cache.paged) {
+            (Some((_, tables, meta)), Some(pool)) => {
+                let (keys, values) = pool.layer(layer)?;
+                Ok(Some(PagedKv {
+                    keys,
+                    values,
+                    tables,
+                    meta,
+                    block_size: self.cache.config().block_size,
+                }))
             }
             _ => Ok(None),
         }

@@ -144,6 +144,14 @@ impl PagedStorage {
         Ok(())
     }
 
+    /// Layer `layer`'s key and value pools.
+    pub(crate) fn layer(&self, layer: usize) -> Result<(&Array, &Array), KvError> {
+        match (self.keys.get(layer), self.values.get(layer)) {
+            (Some(k), Some(v)) => Ok((k, v)),
+            _ => Err(KvError::Invariant(format!("no layer {layer} in the pool"))),
+        }
+    }
+
     fn layer_mut(&mut self, layer: usize) -> Result<(&mut Array, &mut Array), KvError> {
         match (self.keys.get_mut(layer), self.values.get_mut(layer)) {
             (Some(k), Some(v)) => Ok((k, v)),

@@ -86,6 +86,11 @@ ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale,
                     const array& freqs);
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
+// paged_attention.cc
+ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
+                                const array& tables, const array& meta, const array& scale,
+                                int32_t block_size);
+bool paged_attention_available();
 
 // io
 std::unique_ptr<TensorMap> load_safetensors(rust::Str path);
@@ -97,6 +102,7 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
 // device
 bool gemv_forwarding_active();
 bool gpu_available();
+void set_cudnn_attention(bool enabled);
 void use_device(bool gpu);
 rust::String version();
 

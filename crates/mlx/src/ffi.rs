@@ -132,6 +132,18 @@ pub(crate) mod bridge {
 
         fn gemv_forwarding_active() -> Result<bool>;
         fn gpu_available() -> Result<bool>;
+        fn set_cudnn_attention(enabled: bool) -> Result<()>;
+        #[allow(clippy::too_many_arguments)]
+        fn paged_decode_attention(
+            q: &array,
+            k_pool: &array,
+            v_pool: &array,
+            tables: &array,
+            meta: &array,
+            scale: &array,
+            block_size: i32,
+        ) -> Result<UniquePtr<array>>;
+        fn paged_attention_available() -> Result<bool>;
         fn use_device(gpu: bool) -> Result<()>;
         fn version() -> Result<String>;
     }

@@ -25,6 +25,52 @@ pub use ops::*;
 
 use cxx::UniquePtr;
 use ffi::bridge;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bridge calls made since the process started, for profiling: how large a
+/// step's graph is and how often it talks to the device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Graph nodes built (every op that returned a new array).
+    pub ops: u64,
+    /// Arrays built from host memory (token ids, positions, slot indices, masks).
+    pub uploads: u64,
+    /// `eval` / `async_eval` calls.
+    pub evals: u64,
+    /// Reads of an array back to host memory (each one waits for the device).
+    pub reads: u64,
+}
+
+impl CallCounts {
+    /// Counts made between `earlier` and `self`.
+    pub fn since(&self, earlier: &CallCounts) -> CallCounts {
+        CallCounts {
+            ops: self.ops - earlier.ops,
+            uploads: self.uploads - earlier.uploads,
+            evals: self.evals - earlier.evals,
+            reads: self.reads - earlier.reads,
+        }
+    }
+}
+
+static OPS: AtomicU64 = AtomicU64::new(0);
+static UPLOADS: AtomicU64 = AtomicU64::new(0);
+static EVALS: AtomicU64 = AtomicU64::new(0);
+static READS: AtomicU64 = AtomicU64::new(0);
+
+fn count(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The bridge calls made so far (all threads).
+pub fn call_counts() -> CallCounts {
+    CallCounts {
+        ops: OPS.load(Ordering::Relaxed),
+        uploads: UPLOADS.load(Ordering::Relaxed),
+        evals: EVALS.load(Ordering::Relaxed),
+        reads: READS.load(Ordering::Relaxed),
+    }
+}
 
 /// An MLX failure, with MLX's own message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,6 +100,13 @@ unsafe impl Sync for Array {}
 
 impl Array {
     fn wrap(p: std::result::Result<UniquePtr<bridge::array>, cxx::Exception>) -> Result<Array> {
+        count(&OPS);
+        Self::wrap_uncounted(p)
+    }
+
+    fn wrap_uncounted(
+        p: std::result::Result<UniquePtr<bridge::array>, cxx::Exception>,
+    ) -> Result<Array> {
         let p = p?;
         if p.is_null() {
             return Err(Error("null array".into()));
@@ -72,24 +125,28 @@ impl Array {
     /// `data.len()` must equal the product of `shape`.
     pub fn from_f32(data: &[f32], shape: &[i32]) -> Result<Array> {
         check_len(data.len(), shape)?;
-        Self::wrap(bridge::from_f32(data, shape))
+        count(&UPLOADS);
+        Self::wrap_uncounted(bridge::from_f32(data, shape))
     }
 
     /// An int32 array of `shape` from row-major `data`.
     pub fn from_i32(data: &[i32], shape: &[i32]) -> Result<Array> {
         check_len(data.len(), shape)?;
-        Self::wrap(bridge::from_i32(data, shape))
+        count(&UPLOADS);
+        Self::wrap_uncounted(bridge::from_i32(data, shape))
     }
 
     /// A uint32 array of `shape` from row-major `data` (token ids).
     pub fn from_u32(data: &[u32], shape: &[i32]) -> Result<Array> {
         check_len(data.len(), shape)?;
-        Self::wrap(bridge::from_u32(data, shape))
+        count(&UPLOADS);
+        Self::wrap_uncounted(bridge::from_u32(data, shape))
     }
 
     /// A float32 scalar (shape `[]`).
     pub fn scalar(v: f32) -> Result<Array> {
-        Self::wrap(bridge::scalar_f32(v))
+        count(&UPLOADS);
+        Self::wrap_uncounted(bridge::scalar_f32(v))
     }
 
     /// The array's shape.
@@ -126,21 +183,25 @@ impl Array {
 
     /// Evaluates and copies the array out as float32, row-major.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        count(&READS);
         Ok(bridge::to_f32_vec(self.raw())?)
     }
 
     /// Evaluates and copies the array out as int32, row-major.
     pub fn to_vec_i32(&self) -> Result<Vec<i32>> {
+        count(&READS);
         Ok(bridge::to_i32_vec(self.raw())?)
     }
 
     /// Evaluates and copies the array out as uint32, row-major.
     pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
+        count(&READS);
         Ok(bridge::to_u32_vec(self.raw())?)
     }
 
     /// Evaluates this array.
     pub fn eval(&self) -> Result<()> {
+        count(&EVALS);
         Ok(bridge::eval_one(self.raw())?)
     }
 }
@@ -148,7 +209,7 @@ impl Array {
 impl Clone for Array {
     fn clone(&self) -> Self {
         // Copying a handle (a shared_ptr copy) cannot throw.
-        Array::wrap(bridge::clone_array(self.raw())).expect("copying an array handle")
+        Array::wrap_uncounted(bridge::clone_array(self.raw())).expect("copying an array handle")
     }
 }
 
@@ -177,6 +238,15 @@ pub fn gemv_forwarding_active() -> bool {
 /// Whether MLX has a GPU backend on this machine (Metal or CUDA).
 pub fn gpu_available() -> bool {
     bridge::gpu_available().unwrap_or(false)
+}
+
+/// Whether MLX's CUDA backend uses cuDNN's fused attention (it builds a
+/// cuDNN graph for every new query/key shape, ~50-800 ms each on an H200;
+/// see docs/performance.md). Call before the first attention is evaluated;
+/// a `MLX_CUDA_USE_CUDNN_SDPA` already in the environment wins. No effect on
+/// other backends.
+pub fn set_cudnn_attention(enabled: bool) -> Result<()> {
+    Ok(bridge::set_cudnn_attention(enabled)?)
 }
 
 /// Makes the GPU (`true`) or the CPU (`false`) MLX's default device.

@@ -21,12 +21,14 @@ fn list_ref(l: &UniquePtr<bridge::ArrayList>) -> Result<&bridge::ArrayList> {
 /// Evaluates all `arrays` (one graph evaluation).
 pub fn eval(arrays: &[&Array]) -> Result<()> {
     let l = list(arrays)?;
+    crate::count(&crate::EVALS);
     Ok(bridge::eval_many(list_ref(&l)?)?)
 }
 
 /// Starts evaluating `arrays` without waiting; a later [`eval`] or read waits.
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let l = list(arrays)?;
+    crate::count(&crate::EVALS);
     Ok(bridge::async_eval_many(list_ref(&l)?)?)
 }
 
@@ -369,4 +371,46 @@ impl Array {
             freqs.raw(),
         ))
     }
+}
+
+/// Decode attention over a paged KV pool (`src/paged_attention.cc`): each
+/// row's one query attends to its live keys, read from the pool through its
+/// block table, with no gather and no mask. The algorithm is vLLM's
+/// PagedAttention decode kernel (Kwon et al. 2023) with an online softmax.
+///
+/// Shapes: `q` `[rows, heads, head_dim]`; `k_pool`/`v_pool` `[slots,
+/// kv_heads, head_dim]` (same dtype as `q`); `tables` int32 `[rows,
+/// max_blocks]`, each row's block ids in position order; `meta` int32
+/// `[rows, 2]`: the offset of the row's first live key inside its first
+/// block, and its live key count (at least 1); `scale` float32 `[1]`. Live key
+/// `t` of a row is at slot `tables[row][(offset + t) / block_size] *
+/// block_size + (offset + t) % block_size`. Returns `[rows, heads, head_dim]`.
+///
+/// # Errors
+/// Mismatched shapes or dtypes, `head_dim` not a multiple of 32 (or above
+/// 256), and backends without the kernel (see [`paged_attention_available`]).
+pub fn paged_decode_attention(
+    q: &Array,
+    k_pool: &Array,
+    v_pool: &Array,
+    tables: &Array,
+    meta: &Array,
+    scale: &Array,
+    block_size: i32,
+) -> Result<Array> {
+    Array::wrap(bridge::paged_decode_attention(
+        q.raw(),
+        k_pool.raw(),
+        v_pool.raw(),
+        tables.raw(),
+        meta.raw(),
+        scale.raw(),
+        block_size,
+    ))
+}
+
+/// Whether [`paged_decode_attention`] has a kernel on this machine: MLX's
+/// CUDA backend, or Metal on macOS.
+pub fn paged_attention_available() -> bool {
+    bridge::paged_attention_available().unwrap_or(false)
 }

@@ -1,6 +1,7 @@
 // Implementation of the cxx shim over MLX. See include/shim.h.
 #include "mlxcel-mlx/include/shim.h"
 
+#include <cstdlib>
 #include <stdexcept>
 
 namespace mx = mlx::core;
@@ -188,6 +189,9 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names, con
 }
 
 bool gpu_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
+// MLX's CUDA backend reads MLX_CUDA_USE_CUDNN_SDPA once, at the first
+// attention it evaluates; a value the user already set wins.
+void set_cudnn_attention(bool enabled) { setenv("MLX_CUDA_USE_CUDNN_SDPA", enabled ? "1" : "0", 0); }
 void use_device(bool gpu) { mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)); }
 rust::String version() { return rust::String(mx::version()); }
 

@@ -3,6 +3,7 @@
 //! the number of live keys the view returns (ARCHITECTURE.md invariant 3).
 
 use crate::layers::{Linear, LoadContext};
+use crate::profile::mark;
 use crate::rope::Rope;
 use crate::step::Step;
 use crate::{ModelConfig, ModelError};
@@ -21,6 +22,8 @@ pub struct Attention {
     kv_heads: i32,
     head_dim: i32,
     scale: f32,
+    /// `scale` as a float32 `[1]` array (the paged kernel's input).
+    scale_array: Array,
     /// Sliding window (Mistral-style): a query sees at most this many keys,
     /// itself included.
     window: Option<usize>,
@@ -43,6 +46,7 @@ impl Attention {
             kv_heads: config.num_key_value_heads as i32,
             head_dim: config.head_dim as i32,
             scale: (config.head_dim as f32).powf(-0.5),
+            scale_array: Array::from_f32(&[(config.head_dim as f32).powf(-0.5)], &[1])?,
             window: config.sliding_window,
         })
     }
@@ -62,22 +66,28 @@ impl Attention {
         // Packed per token: [tokens, heads, 1, head_dim], rotated at each
         // token's own absolute position.
         let q = self.q_proj.forward(x)?.reshape(&[t, h, 1, d])?;
-        let q = self.rope.apply_at(&q, &step.positions)?;
         let k = self.k_proj.forward(x)?.reshape(&[t, kvh, 1, d])?;
-        let k = self.rope.apply_at(&k, &step.positions)?;
         let v = self.v_proj.forward(x)?.reshape(&[t, kvh, d])?;
+        mark("attn.qkv_proj", &[&q, &k, &v])?;
+        let q = self.rope.apply_at(&q, &step.positions)?;
+        let k = self.rope.apply_at(&k, &step.positions)?;
+        mark("attn.rope", &[&q, &k])?;
         kv.write(layer, &k.reshape(&[t, kvh, d])?, &v)?;
+        mark("kv.write", &kv.storage())?;
         let mut parts = Vec::with_capacity(step.rows.len());
         let batched = step.batched_decode_rows;
         if batched > 0 {
-            parts.push(self.attend_batched(&q, layer, kv, batched)?);
+            parts.push(self.attend_batched(&q, layer, kv, step)?);
         }
         for (row, span) in step.rows.iter().enumerate().skip(batched) {
             parts.push(self.attend_row(&q, layer, kv, row, span)?);
         }
         let parts: Vec<&Array> = parts.iter().collect();
         let o = mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * d])?;
-        self.o_proj.forward(&o)
+        mark("attn.concat", &[&o])?;
+        let o = self.o_proj.forward(&o)?;
+        mark("attn.o_proj", &[&o])?;
+        Ok(o)
     }
 
     /// One row's queries `[n, heads, 1, head_dim]` (packed at `span.start`)
@@ -97,37 +107,68 @@ impl Attention {
             .reshape(&[1, n, h, d])?
             .transpose(&[0, 2, 1, 3])?;
         let (keys, values) = kv.read(layer, row)?;
+        mark("kv.read", &[&q, &keys, &values])?;
         let live = keys.dim(2)?;
         let mask = match self.window {
             Some(w) => windowed_causal_mask(n, live, w, q.dtype())?,
             None => causal_mask(n, live)?,
         };
         let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
+        mark("attn.sdpa", &[&o])?;
         Ok(o.transpose(&[0, 2, 1, 3])?.reshape(&[n, h * d])?)
     }
 
-    /// The first `rows` rows, one query each (decode), in one attention over
-    /// their keys padded to the longest; the mask hides each row's padding.
-    /// Falls back to row by row when the view can't pad.
+    /// The step's first `step.batched_decode_rows` rows, one query each
+    /// (decode), attended together: by the paged-attention kernel straight
+    /// from the pool, or over their keys gathered and padded to the longest
+    /// with a mask that hides each row's padding (built once per step).
+    /// Falls back to row by row when the view can do neither.
     fn attend_batched(
         &self,
         q: &Array,
         layer: usize,
         kv: &mut dyn AttentionKv,
-        rows: usize,
+        step: &Step,
     ) -> Result<Array, ModelError> {
+        let rows = step.batched_decode_rows;
         let (h, d) = (self.heads, self.head_dim);
         let ids: Vec<usize> = (0..rows).collect();
+        let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
+        if step.paged_kernel && self.window.is_none() {
+            if let Some(pool) = kv.read_paged(layer, &ids)? {
+                let o = mlxcel_mlx::paged_decode_attention(
+                    &q.reshape(&[rows as i32, h, d])?,
+                    pool.keys,
+                    pool.values,
+                    pool.tables,
+                    pool.meta,
+                    &self.scale_array,
+                    pool.block_size as i32,
+                )?;
+                mark("attn.paged_kernel", &[&o])?;
+                return Ok(o.reshape(&[rows as i32, h * d])?);
+            }
+        }
         let Some((keys, values, lens)) = kv.read_padded(layer, &ids)? else {
             let parts = (0..rows)
-                .map(|r| self.attend_row(q, layer, kv, r, &(r..r + 1)))
+                .map(|r| self.attend_row(&q, layer, kv, r, &(r..r + 1)))
                 .collect::<Result<Vec<_>, _>>()?;
             let parts: Vec<&Array> = parts.iter().collect();
             return Ok(mlxcel_mlx::concatenate(&parts, 0)?);
         };
-        let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
-        let mask = padding_mask(&lens, keys.dim(2)?, self.window, q.dtype())?;
-        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
+        mark("kv.read", &[&q, &keys, &values])?;
+        let mask = match step.batched_mask.get() {
+            Some(m) => m,
+            None => {
+                let m = padding_mask(&lens, keys.dim(2)?, self.window, q.dtype())?;
+                if let AttentionMask::Array(a) = &m {
+                    mark("attn.mask", &[a])?;
+                }
+                step.batched_mask.get_or_init(|| m)
+            }
+        };
+        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, mask)?;
+        mark("attn.sdpa", &[&o])?;
         Ok(o.reshape(&[rows as i32, h * d])?)
     }
 

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod config;
 pub mod layers;
+pub mod profile;
 pub mod rope;
 pub mod step;
 pub mod weights;
@@ -55,20 +56,47 @@ pub trait Model: Send {
     /// The model's hyper-parameters.
     fn config(&self) -> &ModelConfig;
 
-    /// Runs `rows` (row `r`'s tokens at the positions `kv.new_positions(r)`,
-    /// already reserved in the cache) and returns float32 next-token logits
-    /// `[rows with logits_at, vocab]`, in row order. The K/V of every token
-    /// (pad tokens too) are written to `kv`; the caller rewinds pads and, on
-    /// error, the whole step (the writes are then never read).
+    /// Builds one step's graph over `rows` (row `r`'s tokens at the
+    /// positions `kv.new_positions(r)`, already reserved in the cache) and
+    /// returns its float32 next-token logits `[rows with logits_at, vocab]`,
+    /// in row order, **not evaluated**: the caller evaluates them together
+    /// with `kv.storage()` (the K/V of every token, pad tokens too, are
+    /// written through `kv`), synchronously or with `async_eval`. The caller
+    /// rewinds pads and, on error, the whole step.
+    ///
+    /// `ids`, when given, is a uint32 `[tokens]` array of the step's packed
+    /// token ids that replaces the rows' host `tokens` (which then only give
+    /// each row's length): a pipelined decode step feeds the previous step's
+    /// sampled tokens without reading them back.
     ///
     /// # Errors
-    /// Rows that don't match the view, or an MLX failure (shapes, eval).
+    /// Rows that don't match the view, or an MLX failure while building.
+    fn build_step(
+        &self,
+        rows: &[StepRow<'_>],
+        ids: Option<&Array>,
+        kv: &mut dyn AttentionKv,
+        path: AttentionPath,
+    ) -> Result<Array, ModelError>;
+
+    /// [`Model::build_step`] from the rows' host tokens, evaluated (logits
+    /// and the cache's writes).
+    ///
+    /// # Errors
+    /// As [`Model::build_step`], and MLX failures during evaluation.
     fn forward(
         &self,
         rows: &[StepRow<'_>],
         kv: &mut dyn AttentionKv,
         path: AttentionPath,
-    ) -> Result<Array, ModelError>;
+    ) -> Result<Array, ModelError> {
+        let logits = self.build_step(rows, None, kv, path)?;
+        let mut outputs: Vec<&Array> = vec![&logits];
+        outputs.extend(kv.storage());
+        mlxcel_mlx::eval(&outputs)?;
+        drop(outputs);
+        Ok(logits)
+    }
 
     /// Compute dtype.
     fn dtype(&self) -> Dtype;

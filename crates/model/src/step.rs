@@ -30,6 +30,11 @@ pub enum AttentionPath {
     /// padded to the longest row, with a padding mask (paged storage only;
     /// row by row otherwise).
     BatchedDecode,
+    /// The leading one-token (decode) rows in one paged-attention kernel
+    /// that reads each row's keys from the pool through its block table (no
+    /// gather, no mask): GPU backends only, paged storage only; as
+    /// [`AttentionPath::BatchedDecode`] elsewhere.
+    PagedDecode,
 }
 
 /// A step as the layers see it: packed token spans and positions.
@@ -43,6 +48,11 @@ pub struct Step {
     pub positions: Array,
     /// The leading rows attended together (one token each), 0 for none.
     pub batched_decode_rows: usize,
+    /// Whether those rows use the paged-attention kernel.
+    pub paged_kernel: bool,
+    /// The padding mask of the rows attended together, built by the first
+    /// layer that needs it (every layer's is the same).
+    pub batched_mask: std::cell::OnceCell<mlxcel_mlx::AttentionMask>,
 }
 
 impl Step {
@@ -81,14 +91,21 @@ impl Step {
         }
         let batched_decode_rows = match path {
             AttentionPath::PerRow => 0,
-            AttentionPath::BatchedDecode => rows.iter().take_while(|r| r.tokens.len() == 1).count(),
+            AttentionPath::BatchedDecode | AttentionPath::PagedDecode => {
+                rows.iter().take_while(|r| r.tokens.len() == 1).count()
+            }
         };
+        let paged_kernel = path == AttentionPath::PagedDecode
+            && batched_decode_rows > 0
+            && mlxcel_mlx::paged_attention_available();
         let tokens = positions.len();
         Ok(Step {
             tokens,
             rows: spans,
             positions: Array::from_i32(&positions, &[tokens as i32])?,
             batched_decode_rows,
+            paged_kernel,
+            batched_mask: std::cell::OnceCell::new(),
         })
     }
 

@@ -42,9 +42,18 @@ pub async fn retrieve_model(
     Ok(Json(ModelCard::new(model_id, state.started_at())).into_response())
 }
 
-/// `GET /health`.
-pub async fn health() -> Response {
-    Json(json!({ "status": "ok" })).into_response()
+/// `GET /health`: `{"status":"ok"}` once the engine serves, `503
+/// {"status":"starting"}` while the model loads and warms up.
+pub async fn health(State(state): State<AppState>) -> Response {
+    if state.service().ready() {
+        Json(json!({ "status": "ok" })).into_response()
+    } else {
+        (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "starting" })),
+        )
+            .into_response()
+    }
 }
 
 /// Any path without a route.

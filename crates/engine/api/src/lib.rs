@@ -345,6 +345,70 @@ pub trait InferenceService: Send + Sync + 'static {
     fn stats(&self) -> EngineStats;
     /// Frees every prefix-cache block no running request holds.
     fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError>;
+    /// Whether the engine serves requests yet (`GET /health` answers 503
+    /// `starting` until then): false while the model loads and warms up.
+    fn ready(&self) -> bool {
+        true
+    }
+}
+
+/// An [`InferenceService`] that exists before its engine: a server listens
+/// (and answers `GET /health` with `starting`) while the model loads and
+/// warms up, then [`ServiceSlot::fill`] hands it the engine. Until then
+/// requests get [`SubmitError::Unavailable`] (HTTP 503) and the stats are
+/// empty.
+pub struct ServiceSlot {
+    model_id: String,
+    context_length: usize,
+    engine: std::sync::OnceLock<std::sync::Arc<dyn InferenceService>>,
+}
+
+impl ServiceSlot {
+    /// An empty slot for the model served as `model_id` with a context of
+    /// `context_length` tokens.
+    pub fn new(model_id: String, context_length: usize) -> Self {
+        Self {
+            model_id,
+            context_length,
+            engine: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Puts the ready engine in the slot (a second call is ignored).
+    pub fn fill(&self, engine: std::sync::Arc<dyn InferenceService>) {
+        let _ = self.engine.set(engine);
+    }
+
+    fn engine(&self) -> Result<&dyn InferenceService, SubmitError> {
+        self.engine
+            .get()
+            .map(|e| e.as_ref())
+            .ok_or_else(|| SubmitError::Unavailable("the model is still loading".into()))
+    }
+}
+
+impl InferenceService for ServiceSlot {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+    fn context_length(&self) -> usize {
+        self.context_length
+    }
+    fn submit(&self, request: GenerationRequest) -> Result<EventStream, SubmitError> {
+        self.engine()?.submit(request)
+    }
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {
+        self.engine()?.detokenize(tokens)
+    }
+    fn stats(&self) -> EngineStats {
+        self.engine().map(|e| e.stats()).unwrap_or_default()
+    }
+    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
+        self.engine()?.reset_prefix_cache()
+    }
+    fn ready(&self) -> bool {
+        self.engine.get().is_some_and(|e| e.ready())
+    }
 }
 
 /// What `/v1/cache/reset` freed.

@@ -10,31 +10,31 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
-use super::{Emitted, Worker};
+use super::{Emitted, NextToken, Sampled, Worker};
 use crate::api::{FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob};
 use crate::logits::log_probs;
 use crate::scheduler::StepPlan;
 
 impl Worker<'_> {
-    /// Samples each sampling row's next token and streams it; forks the
-    /// other choices of a request whose prompt was just computed; finishes
-    /// and removes sequences that are done or whose client left.
-    pub(super) fn sample_and_emit(&mut self, plan: &StepPlan, logits: &[f32]) {
+    /// Streams each sampling row's next token (sampled on the device, or
+    /// sampled here from its logits row); forks the other choices of a
+    /// request whose prompt was just computed; finishes and removes
+    /// sequences that are done or whose client left.
+    pub(super) fn sample_and_emit(&mut self, plan: &StepPlan, sampled: &Sampled) {
         let sampling: Vec<usize> = plan
             .rows
             .iter()
             .filter(|r| r.sample)
             .map(|r| r.seq)
             .collect();
-        if sampling.is_empty() {
-            return;
-        }
-        let vocab = logits.len() / sampling.len();
         for (i, &seq) in sampling.iter().enumerate() {
             if self.done.contains(&self.running[seq].id) {
                 continue;
             }
-            let row = &logits[i * vocab..(i + 1) * vocab];
+            let Some(next) = sampled.row(i) else {
+                self.fail(seq, "internal error: no sample for a sampling row");
+                continue;
+            };
             let mut choices = vec![seq];
             if !self.running[seq].forks.is_empty() {
                 match self.fork_choices(seq) {
@@ -46,42 +46,53 @@ impl Worker<'_> {
                 }
             }
             for seq in choices {
-                match self.emit(seq, row) {
-                    Ok(Emitted::Continue) => {}
-                    Ok(Emitted::Finished | Emitted::Cancelled) => {
-                        self.done.push(self.running[seq].id)
-                    }
-                    Err(message) => self.fail(seq, &message),
-                }
+                self.emit_and_record(seq, next);
             }
         }
     }
 
-    fn emit(&mut self, seq: usize, logits: &[f32]) -> Result<Emitted, String> {
+    /// [`Worker::emit`], then the sequence's end is recorded.
+    pub(super) fn emit_and_record(&mut self, seq: usize, next: NextToken<'_>) {
+        match self.emit(seq, next) {
+            Ok(Emitted::Continue) => {}
+            Ok(Emitted::Finished | Emitted::Cancelled) => self.done.push(self.running[seq].id),
+            Err(message) => self.fail(seq, &message),
+        }
+    }
+
+    fn emit(&mut self, seq: usize, next: NextToken<'_>) -> Result<Emitted, String> {
         let text = self.text;
         let s = &mut self.running[seq];
         let _enter = s.span.enter();
-        let logits: Cow<'_, [f32]> = if s.processor.is_noop() && s.constraint.is_none() {
-            Cow::Borrowed(logits)
-        } else {
-            let mut owned = logits.to_vec();
-            s.processor.apply(&mut owned);
-            if let Some(c) = &mut s.constraint {
-                c.mask_logits(&mut owned).map_err(|e| e.to_string())?;
+        let (token, logprobs) = match next {
+            // Only rows with nothing to do on the host are sampled there
+            // (`Sequence::samples_on_device`).
+            NextToken::Sampled(token) => (token, None),
+            NextToken::Logits(logits) => {
+                let logits: Cow<'_, [f32]> = if s.processor.is_noop() && s.constraint.is_none() {
+                    Cow::Borrowed(logits)
+                } else {
+                    let mut owned = logits.to_vec();
+                    s.processor.apply(&mut owned);
+                    if let Some(c) = &mut s.constraint {
+                        c.mask_logits(&mut owned).map_err(|e| e.to_string())?;
+                    }
+                    Cow::Owned(owned)
+                };
+                let token = s.sampler.sample(&logits);
+                let logprobs = s.job.request.logprobs.map(|k| {
+                    let (logprob, top) = log_probs(&logits, token, k);
+                    SampledLogprobs {
+                        token: text.token_logprob(token, logprob),
+                        top: top
+                            .into_iter()
+                            .map(|(id, lp)| text.token_logprob(id, lp))
+                            .collect(),
+                    }
+                });
+                (token, logprobs)
             }
-            Cow::Owned(owned)
         };
-        let token = s.sampler.sample(&logits);
-        let logprobs = s.job.request.logprobs.map(|k| {
-            let (logprob, top) = log_probs(&logits, token, k);
-            SampledLogprobs {
-                token: text.token_logprob(token, logprob),
-                top: top
-                    .into_iter()
-                    .map(|(id, lp)| text.token_logprob(id, lp))
-                    .collect(),
-            }
-        });
         s.processor.record(token);
         let grammar_done = match &mut s.constraint {
             Some(c) => {

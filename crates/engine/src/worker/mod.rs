@@ -69,6 +69,9 @@ pub(crate) struct WorkerConfig {
     /// Most K/V tokens a sequence keeps (`--max-kv-size`, or the model's
     /// sliding window): older ones are dropped from the front.
     pub(crate) max_kv_size: Option<usize>,
+    /// Queue decode steps of device-sampled rows before reading the
+    /// previous step's tokens (see `worker/step.rs`).
+    pub(crate) pipeline: bool,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub(crate) fault: crate::fault::FaultInjection,
@@ -100,6 +103,66 @@ struct Sequence {
     timings: Timings,
     first_token_at: Option<Instant>,
     span: tracing::Span,
+}
+
+impl Sequence {
+    /// Whether its next token can be sampled on the device: a greedy
+    /// choice with no logit processors, grammar, logprobs or choices still
+    /// to fork (each of those needs the logits row on the host).
+    fn samples_on_device(&self) -> bool {
+        self.forks.is_empty()
+            && self.sampler.is_greedy()
+            && self.processor.is_noop()
+            && self.constraint.is_none()
+            && self.job.request.logprobs.is_none()
+    }
+}
+
+/// How a sampling row's next token reaches [`Worker::emit`].
+#[derive(Debug, Clone, Copy)]
+enum NextToken<'a> {
+    /// Sampled on the device.
+    Sampled(u32),
+    /// Float32 logits `[vocab]` to process and sample on the host.
+    Logits(&'a [f32]),
+}
+
+/// A step's samples, per sampling row in row order: a token sampled on the
+/// device, or a row of logits read back.
+struct Sampled {
+    on_device: Vec<bool>,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl Sampled {
+    /// `tokens` are the device rows' tokens and `logits` the other rows'
+    /// logits rows concatenated, both in row order.
+    fn new(on_device: &[bool], tokens: Vec<u32>, logits: Vec<f32>) -> Self {
+        Sampled {
+            on_device: on_device.to_vec(),
+            tokens,
+            logits,
+        }
+    }
+
+    /// Sampling row `i`'s token or logits.
+    fn row(&self, i: usize) -> Option<NextToken<'_>> {
+        let device_before = self.on_device.get(..i)?.iter().filter(|&&d| d).count();
+        if *self.on_device.get(i)? {
+            return self
+                .tokens
+                .get(device_before)
+                .copied()
+                .map(NextToken::Sampled);
+        }
+        let host_rows = self.on_device.len() - self.tokens.len();
+        let vocab = self.logits.len().checked_div(host_rows)?;
+        let h = i - device_before;
+        self.logits
+            .get(h * vocab..(h + 1) * vocab)
+            .map(NextToken::Logits)
+    }
 }
 
 /// A choice still to fork from choice 0.
@@ -154,6 +217,8 @@ pub(crate) struct Worker<'m> {
     next_id: u64,
     /// Ids of the sequences that ended during the step being run.
     done: Vec<u64>,
+    /// A pipelined decode step whose tokens are not read yet.
+    inflight: Option<step::Queued>,
     counters: EngineStats,
     published: Arc<Mutex<EngineStats>>,
 }
@@ -180,6 +245,7 @@ impl<'m> Worker<'m> {
             running: Vec::new(),
             next_id: 0,
             done: Vec::new(),
+            inflight: None,
             counters,
             published,
         };
@@ -200,6 +266,10 @@ impl<'m> Worker<'m> {
                 self.handle(message);
             }
             self.drop_cancelled();
+            if self.running.is_empty() {
+                // Every sequence of a queued step left: nothing to read.
+                self.inflight = None;
+            }
             self.reclaim();
             self.admit();
             if !self.running.is_empty() {

@@ -1,25 +1,84 @@
 //! One step of the worker: plan, guarded forward (rewind on failure,
 //! row-by-row isolation), and what follows a successful forward.
+//!
+//! Sampling happens on the device where nothing needs the host (a greedy
+//! choice without logit processors, grammar or logprobs): only the token id
+//! comes back, not a `[vocab]` row of logits. Steps made only of such decode
+//! rows are *pipelined* (mlx-lm's `generate_step` does the same): step n+1
+//! is built from step n's tokens on the device and queued with `async_eval`
+//! before step n's tokens are read, so building and encoding one step
+//! overlaps the device running the other (see `docs/performance.md`).
 
-use mlxcel_kv::{KvSequence, RowReserve, StorageBackend};
-use mlxcel_model::{AttentionPath, StepRow};
 use std::time::Instant;
 
-use super::Worker;
+use mlxcel_kv::{AttentionKv, KvSequence, RowReserve, StorageBackend};
+use mlxcel_mlx::{Array, Dtype};
+use mlxcel_model::profile::{self, ProfileMode};
+use mlxcel_model::{AttentionPath, StepRow};
+
+use super::{NextToken, Sampled, Worker};
 use crate::api::GenerationEvent;
 use crate::scheduler::{plan_step, PlannedRow, SeqProgress, StepPlan};
+
+/// A decode step queued on the device whose tokens are not read yet.
+pub(super) struct Queued {
+    /// The rows' sequence ids, in row order.
+    ids: Vec<u64>,
+    /// Each row's cache end before the step (to rewind on failure).
+    ends_before: Vec<usize>,
+    /// The sampled tokens, uint32 `[rows]`, being evaluated.
+    tokens: Array,
+}
+
+impl Drop for Queued {
+    /// Waits for the step's evaluation: a handle dropped unread (its rows
+    /// ended) must not leave device work running behind the engine.
+    fn drop(&mut self) {
+        let _ = self.tokens.eval();
+    }
+}
+
+/// A stand-in host token for rows whose input comes from the device.
+const DEVICE_INPUT: [u32; 1] = [0];
 
 impl Worker<'_> {
     /// Plans and runs one step. A forward that fails (an error or a panic)
     /// over several rows is retried row by row, so only the rows that also
     /// fail alone fail: a poisoned request can't take its batch-mates down.
     pub(super) fn guarded_step(&mut self) {
+        if let Some(queued) = self.inflight.take() {
+            self.continue_pipeline(queued);
+            self.remove_done();
+            profile::end_step();
+            return;
+        }
         let plan = self.plan();
         if plan.rows.is_empty() {
             return;
         }
+        if profile::mode() != ProfileMode::Off {
+            profile::begin_step(match plan.prefill_tokens() {
+                0 => format!("decode x{}", plan.rows.len()),
+                _ => "prefill".to_string(),
+            });
+        }
+        if self.starts_pipeline(&plan) {
+            let ids: Vec<u64> = plan.rows.iter().map(|r| self.running[r.seq].id).collect();
+            match self.queue_decode(&ids, None) {
+                Ok(queued) => {
+                    self.inflight = Some(queued);
+                    profile::end_step();
+                    return;
+                }
+                Err(message) => {
+                    tracing::warn!(error = %message, "queueing a decode step failed; running it synchronously");
+                }
+            }
+        }
         match self.guarded_forward(&plan) {
-            Ok(logits) => self.after_forward(&plan, &logits),
+            Ok(sampled) => {
+                profile::region("engine.sample_emit", || self.after_forward(&plan, &sampled))
+            }
             Err(message) => {
                 self.counters.failed_steps += 1;
                 tracing::error!(error = %message, rows = plan.rows.len(), "step failed");
@@ -31,6 +90,7 @@ impl Worker<'_> {
             }
         }
         self.remove_done();
+        profile::end_step();
     }
 
     /// Re-runs each row of a failed step alone.
@@ -38,7 +98,7 @@ impl Worker<'_> {
         for row in &plan.rows {
             let single = StepPlan { rows: vec![*row] };
             match self.guarded_forward(&single) {
-                Ok(logits) => self.after_forward(&single, &logits),
+                Ok(sampled) => self.after_forward(&single, &sampled),
                 Err(message) => {
                     self.counters.failed_steps += 1;
                     tracing::error!(error = %message, "row failed alone");
@@ -60,9 +120,219 @@ impl Worker<'_> {
         plan_step(&progress, self.config.scheduler)
     }
 
+    /// Whether pipelining may run for these rows at all: it is on, no KV
+    /// window trims between steps (a window must be applied before the
+    /// next step reads), and (tests only) no fault is being injected.
+    fn pipeline_allowed(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.config.fault.poison_token.is_some() {
+            return false;
+        }
+        self.config.pipeline && self.config.max_kv_size.is_none()
+    }
+
+    /// A plan starts a pipeline when it is all decode rows sampled on the
+    /// device and every running sequence is in it.
+    fn starts_pipeline(&self, plan: &StepPlan) -> bool {
+        self.pipeline_allowed()
+            && plan.decode_rows() == plan.rows.len()
+            && plan.rows.len() == self.running.len()
+            && plan
+                .rows
+                .iter()
+                .all(|r| self.running[r.seq].samples_on_device())
+    }
+
+    /// Queues the next decode step behind `queued` (when every running
+    /// sequence is in it and some of its rows will still want a token after
+    /// it), then reads `queued`'s tokens and streams them.
+    fn continue_pipeline(&mut self, queued: Queued) {
+        if profile::mode() != ProfileMode::Off {
+            profile::begin_step(format!("decode x{} (pipelined)", queued.ids.len()));
+        }
+        let next = self.chain_after(&queued).and_then(|ids| {
+            self.queue_decode(&ids, Some(&queued))
+                .map_err(|e| tracing::warn!(error = %e, "queueing a decode step failed"))
+                .ok()
+        });
+        let read = profile::region("engine.wait_tokens", || queued.tokens.to_vec_u32());
+        match read {
+            Ok(tokens) => {
+                let ahead: Vec<u64> = next.as_ref().map(|n| n.ids.clone()).unwrap_or_default();
+                profile::region("engine.sample_emit", || {
+                    self.emit_queued(&queued, &tokens, &ahead)
+                });
+                self.inflight = next;
+            }
+            Err(e) => {
+                // Rewind both steps; the sync path reruns the rows and
+                // isolates a failing one.
+                self.counters.failed_steps += 1;
+                tracing::error!(error = %e, rows = queued.ids.len(), "pipelined step failed");
+                self.rewind_queued(&queued);
+            }
+        }
+    }
+
+    /// The sequences of `queued` that get another pipelined step: all of
+    /// them must be every running sequence (nothing else waits to compute),
+    /// and a row continues only while the token in flight won't be its last.
+    fn chain_after(&self, queued: &Queued) -> Option<Vec<u64>> {
+        if !self.pipeline_allowed() || self.running.len() != queued.ids.len() {
+            return None;
+        }
+        let mut ids = Vec::with_capacity(queued.ids.len());
+        for &id in &queued.ids {
+            let s = self.running.iter().find(|s| s.id == id)?;
+            if !s.samples_on_device() {
+                return None;
+            }
+            if s.usage.completion_tokens + 1 < s.job.request.max_tokens {
+                ids.push(id);
+            }
+        }
+        (!ids.is_empty()).then_some(ids)
+    }
+
+    /// Reserves one position for each sequence of `ids`, builds a decode
+    /// step whose inputs are the sequences' last tokens (on the host), or
+    /// `after`'s sampled tokens (on the device, not read yet), samples it
+    /// greedily on the device and starts its evaluation.
+    fn queue_decode(&mut self, ids: &[u64], after: Option<&Queued>) -> Result<Queued, String> {
+        let started = Instant::now();
+        let seqs: Vec<usize> = ids
+            .iter()
+            .map(|id| self.running.iter().position(|s| s.id == *id))
+            .collect::<Option<_>>()
+            .ok_or("a pipelined sequence is gone")?;
+        let ends_before = seqs
+            .iter()
+            .map(|&i| self.kv.end(&self.running[i].kv))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let reserve: Vec<RowReserve<'_>> = seqs
+            .iter()
+            .map(|&i| RowReserve {
+                seq: &self.running[i].kv,
+                real: 1,
+                padded: 1,
+            })
+            .collect();
+        let reservation = self.kv.reserve_step(&reserve).map_err(|e| e.to_string())?;
+        let host_inputs: Vec<[u32; 1]> = seqs
+            .iter()
+            .map(|&i| [self.running[i].tokens.last().copied().unwrap_or(0)])
+            .collect();
+        let device_ids = match after {
+            None => None,
+            Some(q) if q.ids == ids => Some(q.tokens.clone()),
+            Some(q) => {
+                let picks = ids
+                    .iter()
+                    .map(|id| q.ids.iter().position(|x| x == id).map(|p| p as i32))
+                    .collect::<Option<Vec<i32>>>()
+                    .ok_or("a pipelined row has no token in flight")?;
+                let picks =
+                    Array::from_i32(&picks, &[picks.len() as i32]).map_err(|e| e.to_string())?;
+                Some(q.tokens.take(&picks, 0).map_err(|e| e.to_string())?)
+            }
+        };
+        let rows: Vec<StepRow<'_>> = host_inputs
+            .iter()
+            .map(|t| StepRow {
+                tokens: if after.is_some() { &DEVICE_INPUT } else { t },
+                logits_at: Some(0),
+            })
+            .collect();
+        let path = self.attention_path();
+        let result = {
+            let kv_rows: Vec<(&KvSequence, usize)> =
+                seqs.iter().map(|&i| (&self.running[i].kv, 1)).collect();
+            let model = self.model;
+            let kv = &mut self.kv;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut view = kv.step(&kv_rows)?;
+                let logits = model.build_step(&rows, device_ids.as_ref(), &mut view, path)?;
+                let tokens = logits.argmax(-1, false)?.astype(Dtype::Uint32)?;
+                let mut outputs = vec![&tokens];
+                outputs.extend(view.storage());
+                mlxcel_mlx::async_eval(&outputs)?;
+                drop(outputs);
+                Ok::<_, mlxcel_model::ModelError>(tokens)
+            }))
+            .unwrap_or_else(|p| {
+                Err(mlxcel_model::ModelError::Cache(format!(
+                    "internal error: {}",
+                    panic_message(&p)
+                )))
+            })
+        };
+        self.kv
+            .complete_step(reservation, result.is_ok())
+            .map_err(|e| e.to_string())?;
+        profile::record("engine.queue", started);
+        Ok(Queued {
+            ids: ids.to_vec(),
+            ends_before,
+            tokens: result.map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// Streams the tokens of a pipelined step. Sequences that ended or left
+    /// since it was queued are skipped (their positions go with their
+    /// blocks); `ahead` holds the sequences with a later step queued.
+    fn emit_queued(&mut self, queued: &Queued, tokens: &[u32], ahead: &[u64]) {
+        let rows = queued.ids.len();
+        self.count(&StepPlan {
+            rows: (0..rows)
+                .map(|seq| PlannedRow {
+                    seq,
+                    real: 1,
+                    padded: 1,
+                    sample: true,
+                })
+                .collect(),
+        });
+        if self.config.attention_path == AttentionPath::BatchedDecode
+            && self.kv.config().backend == StorageBackend::Paged
+        {
+            self.counters.attention_batched_rows += rows as u64;
+        } else {
+            self.counters.attention_per_row_rows += rows as u64;
+        }
+        for (&id, &token) in queued.ids.iter().zip(tokens) {
+            let Some(seq) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            if self.done.contains(&id) {
+                continue;
+            }
+            let reserved_ahead = usize::from(ahead.contains(&id));
+            if let Err(message) = self.advance(seq, 1, reserved_ahead) {
+                tracing::error!(error = %message, "row failed after its forward");
+                self.fail(seq, &message);
+                continue;
+            }
+            self.emit_and_record(seq, NextToken::Sampled(token));
+        }
+    }
+
+    /// Gives back the positions of a failed pipelined step (and of any step
+    /// queued behind it).
+    fn rewind_queued(&mut self, queued: &Queued) {
+        for (&id, &end) in queued.ids.iter().zip(&queued.ends_before) {
+            let Some(s) = self.running.iter().find(|s| s.id == id) else {
+                continue;
+            };
+            if let Err(e) = self.kv.truncate_tail(&s.kv, end) {
+                tracing::error!(error = %e, "rewinding a failed step");
+            }
+        }
+    }
+
     /// [`Worker::forward`] with panics caught; on any failure every row's
     /// cache is rewound to where it was before the step.
-    fn guarded_forward(&mut self, plan: &StepPlan) -> Result<Vec<f32>, String> {
+    fn guarded_forward(&mut self, plan: &StepPlan) -> Result<Sampled, String> {
         let ends: Vec<usize> = plan
             .rows
             .iter()
@@ -102,24 +372,27 @@ impl Worker<'_> {
     /// Everything after a successful forward: the rows' computed tokens,
     /// prefix-cache donation, the `--max-kv-size` window, invariant checks,
     /// then sampling and streaming. A failure here fails only its row.
-    fn after_forward(&mut self, plan: &StepPlan, logits: &[f32]) {
+    fn after_forward(&mut self, plan: &StepPlan, sampled: &Sampled) {
         self.count(plan);
         for r in &plan.rows {
-            if let Err(message) = self.advance(r) {
+            if let Err(message) = self.advance(r.seq, r.real, 0) {
                 tracing::error!(error = %message, "row failed after its forward");
                 self.fail(r.seq, &message);
             }
         }
-        self.sample_and_emit(plan, logits);
+        self.sample_and_emit(plan, sampled);
     }
 
-    /// Moves row `r`'s sequence past its computed tokens.
-    fn advance(&mut self, r: &PlannedRow) -> Result<(), String> {
-        let s = &mut self.running[r.seq];
-        s.computed += r.real;
+    /// Moves sequence `seq` past `real` more computed tokens; `ahead`
+    /// positions past them are reserved by a step already queued.
+    fn advance(&mut self, seq: usize, real: usize, ahead: usize) -> Result<(), String> {
+        let s = &mut self.running[seq];
+        s.computed += real;
         let kv = &mut self.kv;
-        if s.job.request.cache_prompt {
-            // Full blocks become hittable as soon as they are computed.
+        if s.job.request.cache_prompt && ahead == 0 {
+            // Full blocks become hittable as soon as they are computed (with
+            // a step queued ahead, the token at `computed` is not known yet:
+            // they are donated when the pipeline stops).
             kv.donate(&s.kv, &s.tokens[..s.computed])
                 .map_err(|e| e.to_string())?;
         }
@@ -133,16 +406,27 @@ impl Worker<'_> {
         if self.config.check_invariants {
             kv.check(&s.kv).map_err(|e| e.to_string())?;
             let end = kv.end(&s.kv).map_err(|e| e.to_string())?;
-            if end != s.computed {
-                return Err(format!("cache end {end} != computed {}", s.computed));
+            if end != s.computed + ahead {
+                return Err(format!(
+                    "cache end {end} != computed {} + {ahead} queued",
+                    s.computed
+                ));
             }
         }
         Ok(())
     }
 
-    /// Reserves, runs and completes the step's forward; float32 logits of
-    /// the sampling rows, `[rows * vocab]`, on the host.
-    fn forward(&mut self, plan: &StepPlan) -> Result<Vec<f32>, String> {
+    /// How decode rows read the cache in this engine.
+    fn attention_path(&self) -> AttentionPath {
+        match self.kv.config().backend {
+            StorageBackend::Paged => self.config.attention_path,
+            StorageBackend::Dense => AttentionPath::PerRow,
+        }
+    }
+
+    /// Reserves, runs and completes the step's forward: each sampling row's
+    /// token, sampled on the device, or its float32 logits on the host.
+    fn forward(&mut self, plan: &StepPlan) -> Result<Sampled, String> {
         let started = Instant::now();
         let reserve: Vec<RowReserve<'_>> = plan
             .rows
@@ -176,26 +460,38 @@ impl Worker<'_> {
                 logits_at: r.sample.then(|| r.real - 1),
             })
             .collect();
+        // Which sampling rows are sampled on the device.
+        let on_device: Vec<bool> = plan
+            .rows
+            .iter()
+            .filter(|r| r.sample)
+            .map(|r| self.running[r.seq].samples_on_device())
+            .collect();
         #[cfg(feature = "fault-injection")]
         self.config.fault.check(&inputs)?;
-        let path = match self.kv.config().backend {
-            StorageBackend::Paged => self.config.attention_path,
-            StorageBackend::Dense => AttentionPath::PerRow,
-        };
+        let path = self.attention_path();
         let result = {
             let kv_rows: Vec<(&KvSequence, usize)> = plan
                 .rows
                 .iter()
                 .map(|r| (&self.running[r.seq].kv, r.padded))
                 .collect();
-            let mut view = self.kv.step(&kv_rows).map_err(|e| e.to_string())?;
-            self.model
-                .forward(&rows, &mut view, path)
-                .and_then(|l| Ok(l.to_vec_f32()?))
+            match self.kv.step(&kv_rows) {
+                Err(e) => Err(e.to_string()),
+                Ok(mut view) => {
+                    profile::record("engine.prepare", started);
+                    self.model
+                        .build_step(&rows, None, &mut view, path)
+                        .map_err(|e| e.to_string())
+                        .and_then(|logits| sample_rows(&logits, &on_device, view.storage()))
+                }
+            }
         };
+        let completing = Instant::now();
         self.kv
             .complete_step(reservation, result.is_ok())
             .map_err(|e| e.to_string())?;
+        profile::record("engine.complete_step", completing);
         let elapsed = started.elapsed().as_secs_f64();
         tracing::debug!(
             rows = plan.rows.len(),
@@ -215,7 +511,7 @@ impl Worker<'_> {
                 self.counters.attention_per_row_rows += plan.decode_rows() as u64;
             }
         }
-        result.map_err(|e| e.to_string())
+        result
     }
 
     pub(super) fn count(&mut self, plan: &StepPlan) {
@@ -233,6 +529,54 @@ impl Worker<'_> {
             .map(|r| (r.padded - r.real) as u64)
             .sum::<u64>();
     }
+}
+
+/// Evaluates a step (its logits `[sampling rows, vocab]` and the cache
+/// `storage`) with the rows marked in `on_device` reduced to their greedy
+/// token on the device, and reads back only those tokens and the other
+/// rows' logits: one device round trip.
+fn sample_rows(
+    logits: &Array,
+    on_device: &[bool],
+    storage: Vec<&Array>,
+) -> Result<Sampled, String> {
+    let pick = |want: bool| -> Result<Option<Array>, mlxcel_mlx::Error> {
+        let idx: Vec<i32> = (0..on_device.len() as i32)
+            .filter(|&i| on_device[i as usize] == want)
+            .collect();
+        if idx.is_empty() {
+            return Ok(None);
+        }
+        if idx.len() == on_device.len() {
+            return Ok(Some(logits.clone()));
+        }
+        let idx = Array::from_i32(&idx, &[idx.len() as i32])?;
+        Ok(Some(logits.take(&idx, 0)?))
+    };
+    let run = || -> Result<Sampled, mlxcel_mlx::Error> {
+        let tokens = match pick(true)? {
+            Some(l) => Some(l.argmax(-1, false)?.astype(Dtype::Uint32)?),
+            None => None,
+        };
+        let host = pick(false)?;
+        let mut outputs: Vec<&Array> = tokens.iter().chain(host.iter()).collect();
+        outputs.extend(storage);
+        profile::region("model.eval", || mlxcel_mlx::eval(&outputs))?;
+        let (device_tokens, logits) = profile::region("engine.logits_to_host", || {
+            Ok::<_, mlxcel_mlx::Error>((
+                match &tokens {
+                    Some(t) => t.to_vec_u32()?,
+                    None => Vec::new(),
+                },
+                match &host {
+                    Some(h) => h.to_vec_f32()?,
+                    None => Vec::new(),
+                },
+            ))
+        })?;
+        Ok(Sampled::new(on_device, device_tokens, logits))
+    };
+    run().map_err(|e| e.to_string())
 }
 
 fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {

@@ -10,6 +10,7 @@ use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::Attention;
 use mlxcel_model::layers::{Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
     AttentionPath, LoadOptions, Model, ModelConfig, ModelError, Step, StepRow, Weights,
 };
@@ -51,11 +52,14 @@ impl DecoderLayer {
         step: &Step,
     ) -> Result<Array, ModelError> {
         let h = self.input_layernorm.forward(x)?;
+        mark("norm", &[&h])?;
         let h = x.add(&self.self_attn.forward(&h, index, kv, step)?)?;
-        let m = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h)?)?;
-        Ok(h.add(&m)?)
+        let n = self.post_attention_layernorm.forward(&h)?;
+        mark("norm", &[&n])?;
+        let m = self.mlp.forward(&n)?;
+        let out = h.add(&m)?;
+        mark("mlp", &[&out])?;
+        Ok(out)
     }
 
     fn arrays(&self) -> Vec<&Array> {
@@ -153,46 +157,51 @@ impl Model for LlamaModel {
         self.dtype
     }
 
-    fn forward(
+    fn build_step(
         &self,
         rows: &[StepRow<'_>],
+        ids: Option<&Array>,
         kv: &mut dyn AttentionKv,
         path: AttentionPath,
     ) -> Result<Array, ModelError> {
+        let built = std::time::Instant::now();
+        profile::restart_clock();
         let step = Step::new(rows, kv, path)?;
-        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let ids = Array::from_u32(&tokens, &[1, step.tokens as i32])?;
+        let ids = match ids {
+            Some(ids) => ids.reshape(&[1, step.tokens as i32])?,
+            None => {
+                let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+                Array::from_u32(&tokens, &[1, step.tokens as i32])?
+            }
+        };
         let mut h = self.embed_tokens.forward(&ids)?;
+        mark("embed", &[&h, &step.positions])?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, i, kv, &step)?;
         }
         // Only the wanted positions go through the final norm and the head.
         let wanted = step.logit_indices(rows);
-        let logits = if wanted.is_empty() {
-            None
-        } else {
-            let idx = Array::from_i32(&wanted, &[wanted.len() as i32])?;
-            let last = self.norm.forward(&h.take(&idx, 1)?)?;
-            let logits = match &self.lm_head {
-                Some(head) => head.forward(&last)?,
-                None => self.embed_tokens.as_linear(&last)?,
-            };
-            Some(
-                logits
-                    .reshape(&[wanted.len() as i32, -1])?
-                    .astype(Dtype::Float32)?,
-            )
-        };
-        let mut outputs: Vec<&Array> = logits.iter().collect();
-        outputs.extend(kv.storage());
-        mlxcel_mlx::eval(&outputs)?;
-        drop(outputs);
-        match logits {
-            Some(l) => Ok(l),
-            None => Ok(mlxcel_mlx::zeros(
+        if wanted.is_empty() {
+            // Nothing samples (a prefill chunk before the last): the graph
+            // is the cache's writes alone.
+            return Ok(mlxcel_mlx::zeros(
                 &[0, self.config.vocab_size as i32],
                 Dtype::Float32,
-            )?),
+            )?);
         }
+        let idx = Array::from_i32(&wanted, &[wanted.len() as i32])?;
+        let last = self.norm.forward(&h.take(&idx, 1)?)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&last)?,
+            None => self.embed_tokens.as_linear(&last)?,
+        };
+        let logits = logits
+            .reshape(&[wanted.len() as i32, -1])?
+            .astype(Dtype::Float32)?;
+        mark("head", &[&logits])?;
+        if profile::mode() == profile::ProfileMode::Steps {
+            profile::record("model.build", built);
+        }
+        Ok(logits)
     }
 }

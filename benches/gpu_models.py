@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Random-weight MLX checkpoints of real model shapes, for GPU speed runs
+(speed does not depend on the weights' values).
+
+  python3 benches/gpu_models.py NAME OUT_DIR --tokenizer DIR [--group-size 64] [--bits 4]
+
+NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2), with the
+hyper-parameters of the published checkpoints. Weights come from mlx_lm's
+own model classes, quantized with `mlx.nn.quantize`, bfloat16 otherwise;
+the tokenizer files are copied from DIR (SmolLM2's tokenizer serves every
+shape: only token ids below its vocabulary are used).
+"""
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+SHAPES = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(SHAPES))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--bits", type=int, default=4)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(SHAPES[args.name])
+    cfg.update(architectures=["RandomWeights"], bos_token_id=1, eos_token_id=2,
+               torch_dtype="bfloat16", hidden_act="silu")
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(cfg))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=args.group_size, bits=args.bits)
+    cfg["quantization"] = {"group_size": args.group_size, "bits": args.bits}
+    args.out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(args.out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (args.out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in TOKENIZER_FILES:
+        if (args.tokenizer / name).exists():
+            shutil.copy(args.tokenizer / name, args.out / name)
+    print(f"made {args.name} in {args.out}: {sum(v.nbytes for v in weights.values()) / 1e6:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+//! Warm-up: every kind of step the engine runs, once, before the first
+//! request (`docs/performance.md`, "Kernel compilation").
+//!
+//! MLX compiles GPU kernels lazily, the first time a variant is evaluated,
+//! and on a fresh machine some take tens of seconds (measured on an H200:
+//! 32-39 s for each tile size of the 4-bit quantized matmul). Which
+//! variants a step needs depends only on a few things, not on exact
+//! shapes: the quantized matmul picks a tile from the step's token count
+//! (under 8 rows, 8-16, 17-32, more), gathers and scatters by dtype, the
+//! paged-attention kernel by model shape, sampling by path (device argmax,
+//! or host logits). So a handful of real requests covers them all:
+//!
+//! - one prompt of a full prefill chunk plus 24 tokens, decoded for a few
+//!   tokens (a large chunk, a 17-32-token chunk, one-row pipelined decode
+//!   sampled on the device);
+//! - one sampled 12-token prompt (an 8-16-token chunk, sampling on the
+//!   host);
+//! - `min(parallel, 12)` 12-token prompts at once, half greedy and half
+//!   sampled (a multi-row decode through the batched attention path).
+//!
+//! The requests run through [`Engine::submit`] like any other, with the
+//! prompt cache off, so they leave no cached blocks behind (the engine's
+//! step counters do include them).
+
+use std::time::Instant;
+
+use crate::api::{GenerationEvent, GenerationRequest, InferenceService, Prompt, SamplingParams};
+use crate::engine::{Engine, EngineError};
+
+/// Completion tokens of each warm-up request.
+const WARMUP_TOKENS: usize = 4;
+
+/// What [`warm_up`] ran.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WarmupReport {
+    /// Requests run.
+    pub requests: usize,
+    /// Wall time, seconds.
+    pub seconds: f64,
+}
+
+/// Runs the warm-up requests (see the module docs) and waits for them.
+///
+/// # Errors
+/// A request refused or failed: the engine could not run a step it will
+/// need to serve.
+pub fn warm_up(
+    engine: &Engine,
+    chunk: usize,
+    parallel: usize,
+) -> Result<WarmupReport, EngineError> {
+    let started = Instant::now();
+    let context = engine.context_length();
+    // Token ids: a short cycle of small ids, valid in every vocabulary.
+    let tokens = |n: usize, salt: u32| -> Vec<u32> {
+        (0..n as u32).map(|i| 100 + (i * 7 + salt) % 500).collect()
+    };
+    let long = (chunk + 24)
+        .min(context.saturating_sub(WARMUP_TOKENS + 1))
+        .max(1);
+    let mut rounds: Vec<Vec<GenerationRequest>> = vec![vec![request(tokens(long, 0), None)]];
+    rounds.push(vec![request(tokens(12, 1), Some(0))]);
+    let many = parallel.min(12);
+    rounds.push(
+        (0..many)
+            .map(|i| request(tokens(12, i as u32 + 2), (i % 2 == 1).then_some(i as u64)))
+            .collect(),
+    );
+    let mut requests = 0;
+    for round in rounds {
+        let streams = round
+            .into_iter()
+            .map(|r| engine.submit(r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| EngineError::Config(format!("warm-up request refused: {e}")))?;
+        for mut stream in streams {
+            requests += 1;
+            loop {
+                match stream.blocking_recv() {
+                    Some(GenerationEvent::Finished { .. }) => break,
+                    Some(GenerationEvent::Failed { message }) => {
+                        return Err(EngineError::Config(format!(
+                            "warm-up step failed: {message}"
+                        )))
+                    }
+                    Some(_) => {}
+                    None => {
+                        return Err(EngineError::Thread(
+                            "the engine stopped during warm-up".into(),
+                        ))
+                    }
+                }
+            }
+        }
+    }
+    Ok(WarmupReport {
+        requests,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// A warm-up request of `prompt`: greedy, or sampled with `seed`.
+fn request(prompt: Vec<u32>, seed: Option<u64>) -> GenerationRequest {
+    let sampling = SamplingParams {
+        temperature: if seed.is_some() { 0.8 } else { 0.0 },
+        seed,
+        ..SamplingParams::default()
+    };
+    let mut r = GenerationRequest::new(Prompt::Tokens(prompt), sampling, WARMUP_TOKENS);
+    r.ignore_eos = true;
+    r.cache_prompt = false;
+    r
+}

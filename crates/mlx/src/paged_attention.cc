@@ -1,0 +1,224 @@
+// Decode attention over a paged KV pool: one query token per row attends to
+// that row's live keys, read straight from the pool through the row's block
+// table (no gather of K/V, no padding mask). The algorithm is vLLM's
+// PagedAttention v1 decode kernel (Kwon et al. 2023, "Efficient Memory
+// Management for Large Language Model Serving with PagedAttention") with an
+// online softmax (Milakov & Gimelshein 2018); the code is our own.
+//
+// One kernel source per GPU backend, behind one function:
+// - CUDA (MLX's CUDA build): `fast::cuda_kernel`, compiled once by NVRTC
+//   and cached by MLX;
+// - Metal (macOS): `fast::metal_kernel`. It is compiled only on a Mac; this
+//   project's CI and GPU runs (Linux, NVIDIA) never build or run it.
+// Shapes and sizes are runtime values (array shapes), so one compiled kernel
+// serves every batch and context length of a model.
+//
+// Inputs:
+//   q       [rows, heads, head_dim]              compute dtype
+//   k_pool  [slots, kv_heads, head_dim]          compute dtype
+//   v_pool  [slots, kv_heads, head_dim]          compute dtype
+//   tables  int32 [rows, max_blocks]             block ids, in position order
+//   meta    int32 [rows, 2]                      (offset of the first live key
+//                                                 in the row's first block, live keys)
+//   scale   float32 [1]                          softmax scale
+// Output:
+//   o       [rows, heads, head_dim]
+// Live key t of a row sits at slot tables[row][(offset + t) / BS] * BS +
+// (offset + t) % BS.
+#include "mlxcel-mlx/include/shim.h"
+
+#if defined(__APPLE__)
+#include "mlx/backend/metal/metal.h"
+#else
+#include "mlx/backend/cuda/cuda.h"
+#endif
+
+#include <stdexcept>
+#include <string>
+
+namespace mx = mlx::core;
+
+namespace mlxcel {
+namespace {
+
+constexpr int kWarps = 4;
+
+#if defined(__APPLE__)
+// One threadgroup of kWarps simdgroups per (row, head).
+const char* kMetalSource = R"(
+  constexpr int WARPS = 4;
+  constexpr int PER = D / 32;
+  uint group = threadgroup_position_in_grid.x;
+  uint tid = thread_position_in_threadgroup.x;
+  int row = group / HEADS;
+  int head = group % HEADS;
+  int kvh = head / (HEADS / KV_HEADS);
+  int warp = tid / 32;
+  int lane = tid % 32;
+  int max_blocks = tables_shape[1];
+  int first = meta[row * 2];
+  int len = meta[row * 2 + 1];
+  float sc = scale[0];
+  float qv[PER];
+  for (int i = 0; i < PER; ++i) {
+    qv[i] = float(q[(row * HEADS + head) * D + lane * PER + i]) * sc;
+  }
+  float m = -1e30f;
+  float l = 0.0f;
+  float acc[PER];
+  for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+  for (int t = warp; t < len; t += WARPS) {
+    int p = first + t;
+    int slot = tables[row * max_blocks + p / BS] * BS + p % BS;
+    int base = (slot * KV_HEADS + kvh) * D + lane * PER;
+    float s = 0.0f;
+    for (int i = 0; i < PER; ++i) s += qv[i] * float(k_pool[base + i]);
+    s = simd_sum(s);
+    float m_new = max(m, s);
+    float corr = fast::exp(m - m_new);
+    float e = fast::exp(s - m_new);
+    l = l * corr + e;
+    for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + e * float(v_pool[base + i]);
+    m = m_new;
+  }
+  threadgroup float sm[WARPS];
+  threadgroup float sl[WARPS];
+  threadgroup float sacc[WARPS * D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  for (int i = 0; i < PER; ++i) sacc[warp * D + lane * PER + i] = acc[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (warp == 0) {
+    float mx_ = -1e30f;
+    for (int w = 0; w < WARPS; ++w) mx_ = max(mx_, sm[w]);
+    float total = 0.0f;
+    float out[PER];
+    for (int i = 0; i < PER; ++i) out[i] = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      float c = fast::exp(sm[w] - mx_);
+      total += sl[w] * c;
+      for (int i = 0; i < PER; ++i) out[i] += sacc[w * D + lane * PER + i] * c;
+    }
+    for (int i = 0; i < PER; ++i) {
+      o[(row * HEADS + head) * D + lane * PER + i] = T(out[i] / total);
+    }
+  }
+)";
+#else
+// One block of kWarps warps per (row, head): warp w takes keys w, w + 4, ...
+// with an online softmax, lanes split head_dim; the warps merge at the end.
+const char* kCudaSource = R"(
+  constexpr int WARPS = 4;
+  constexpr int PER = D / 32;
+  const int row = blockIdx.x / HEADS;
+  const int head = blockIdx.x % HEADS;
+  const int kvh = head / (HEADS / KV_HEADS);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int max_blocks = tables_shape[1];
+  const int first = meta[row * 2];
+  const int len = meta[row * 2 + 1];
+  const float sc = scale[0];
+  float qv[PER];
+  const size_t qbase = ((size_t)row * HEADS + head) * D + lane * PER;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) qv[i] = static_cast<float>(q[qbase + i]) * sc;
+  float m = -1e30f;
+  float l = 0.0f;
+  float acc[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+  for (int t = warp; t < len; t += WARPS) {
+    const int p = first + t;
+    const size_t slot = (size_t)tables[row * max_blocks + p / BS] * BS + p % BS;
+    const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) s += qv[i] * static_cast<float>(k_pool[base + i]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
+    const float m_new = fmaxf(m, s);
+    const float corr = __expf(m - m_new);
+    const float e = __expf(s - m_new);
+    l = l * corr + e;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + e * static_cast<float>(v_pool[base + i]);
+    m = m_new;
+  }
+  __shared__ float sm[WARPS];
+  __shared__ float sl[WARPS];
+  __shared__ float sacc[WARPS * D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) sacc[warp * D + lane * PER + i] = acc[i];
+  __syncthreads();
+  if (warp == 0) {
+    float mx_ = -1e30f;
+    for (int w = 0; w < WARPS; ++w) mx_ = fmaxf(mx_, sm[w]);
+    float total = 0.0f;
+    float out[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) out[i] = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float c = __expf(sm[w] - mx_);
+      total += sl[w] * c;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) out[i] += sacc[w * D + lane * PER + i] * c;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) o[qbase + i] = static_cast<T>(out[i] / total);
+  }
+)";
+#endif
+
+const std::vector<std::string> kInputs = {"q", "k_pool", "v_pool", "tables", "meta", "scale"};
+
+const mx::fast::CustomKernelFunction& kernel() {
+#if defined(__APPLE__)
+  static const auto k = mx::fast::metal_kernel("mlxcel_paged_decode_attention", kInputs, {"o"},
+                                               kMetalSource);
+#else
+  static const auto k = mx::fast::cuda_kernel("mlxcel_paged_decode_attention", kInputs, {"o"},
+                                              kCudaSource);
+#endif
+  return k;
+}
+
+}  // namespace
+
+ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
+                                const array& tables, const array& meta, const array& scale,
+                                int32_t block_size) {
+  if (q.ndim() != 3 || k_pool.ndim() != 3 || v_pool.ndim() != 3 || tables.ndim() != 2 ||
+      meta.ndim() != 2) {
+    throw std::invalid_argument("[paged_decode_attention] bad ranks");
+  }
+  const int rows = q.shape(0), heads = q.shape(1), dim = q.shape(2);
+  const int kv_heads = k_pool.shape(1);
+  if (dim % 32 != 0 || dim > 256 || kv_heads == 0 || heads % kv_heads != 0 ||
+      k_pool.shape(2) != dim || v_pool.shape(2) != dim || tables.shape(0) != rows ||
+      meta.shape(0) != rows || meta.shape(1) != 2 || tables.dtype() != mx::int32 ||
+      meta.dtype() != mx::int32 || scale.dtype() != mx::float32 || block_size < 1 ||
+      k_pool.dtype() != q.dtype() || v_pool.dtype() != q.dtype()) {
+    throw std::invalid_argument("[paged_decode_attention] inputs do not match");
+  }
+  const int threads = 32 * kWarps;
+  auto out = kernel()({q, k_pool, v_pool, tables, meta, scale}, {q.shape()}, {q.dtype()},
+                      {rows * heads * threads, 1, 1}, {threads, 1, 1},
+                      {{"T", q.dtype()},
+                       {"HEADS", heads},
+                       {"KV_HEADS", kv_heads},
+                       {"D", dim},
+                       {"BS", static_cast<int>(block_size)}},
+                      std::nullopt, false, {});
+  return std::make_unique<array>(std::move(out[0]));
+}
+
+bool paged_attention_available() {
+#if defined(__APPLE__)
+  return mx::metal::is_available();
+#else
+  return mx::cu::is_available();
+#endif
+}
+
+}  // namespace mlxcel
