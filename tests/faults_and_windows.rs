@@ -1,4 +1,4 @@
-//! Fault containment (ARCHITECTURE.md invariant 6) with the test-only fault
+//! Fault containment (docs/architecture.md invariant 6) with the test-only fault
 //! injection of `mlxcel-engine` (feature `fault-injection`, enabled for
 //! tests only), and KV windows (`--max-kv-size`, sliding windows; invariant
 //! 3): trimmed sequences keep answering, masks follow the live key count,

@@ -1,4 +1,4 @@
-//! The prefix cache on the real model (ARCHITECTURE.md invariants 5 and 7):
+//! The prefix cache on the real model (docs/architecture.md invariants 5 and 7):
 //! the same answer warm or cold, one copy of a shared prefix, blocks
 //! conserved, reset empties the pool.
 

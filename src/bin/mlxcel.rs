@@ -142,7 +142,8 @@ struct RunReport {
     completion_tokens: usize,
     /// Tokens after each request's first.
     decode_tokens: usize,
-    /// Longest prefill of the batch, seconds.
+    /// Prefill time, seconds: one request's prefill steps; for several at
+    /// once, until the last got its first token (they share steps).
     prefill_s: f64,
     /// Longest decode of the batch, seconds.
     decode_s: f64,
@@ -246,8 +247,21 @@ fn generate_once(
                     report.prompt_tokens += usage.prompt_tokens;
                     report.completion_tokens += usage.completion_tokens;
                     report.decode_tokens += usage.completion_tokens.saturating_sub(1);
-                    report.prefill_s = report.prefill_s.max(timings.prefill_s);
-                    report.decode_s = report.decode_s.max(timings.decode_s);
+                    let prefill = if prompts.len() > 1 && !args.sequential {
+                        timings.time_to_first_token_s
+                    } else {
+                        timings.prefill_s
+                    };
+                    report.prefill_s = if args.sequential {
+                        report.prefill_s + prefill
+                    } else {
+                        report.prefill_s.max(prefill)
+                    };
+                    report.decode_s = if args.sequential {
+                        report.decode_s + timings.decode_s
+                    } else {
+                        report.decode_s.max(timings.decode_s)
+                    };
                     break;
                 }
                 Some(GenerationEvent::Failed { message }) => {

@@ -1,6 +1,6 @@
 //! Test-only fault injection (cargo feature `fault-injection`, never in a
 //! release build): makes chosen forwards fail, to prove that a failing step
-//! fails only its own requests (ARCHITECTURE.md invariant 6).
+//! fails only its own requests (docs/architecture.md invariant 6).
 
 /// Which forwards fail, and how.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

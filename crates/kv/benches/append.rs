@@ -1,4 +1,4 @@
-//! Appending one token's K/V costs O(token), not O(pool) (ARCHITECTURE.md,
+//! Appending one token's K/V costs O(token), not O(pool) (docs/architecture.md,
 //! "Threads and memory"): the time of a decode-style append (reserve one
 //! position, write its K/V through a step view, evaluate) at two pool sizes
 //! 128x apart, for both backends. A copy of the pool per append would make

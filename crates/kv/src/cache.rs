@@ -2,7 +2,7 @@
 //! and block table, and the tensors behind them (paged or dense).
 //!
 //! Both backends keep a sequence's positions in one [`SequenceBlocks`]
-//! (ARCHITECTURE.md invariant 1): the dense backend allocates pool blocks
+//! (docs/architecture.md invariant 1): the dense backend allocates pool blocks
 //! too, for the budget, but stores K/V in per-sequence buffers. Growing is
 //! [`KvCache::append`]; shrinking is [`KvCache::truncate_tail`] and
 //! [`KvCache::drop_front`], one function per direction for both backends.

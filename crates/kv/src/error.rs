@@ -3,7 +3,7 @@
 //! Every error leaves the pool and the sequence it was called on exactly as
 //! they were before the call (operations validate first, then mutate), so a
 //! failing request can be failed alone while the engine goes on
-//! (ARCHITECTURE.md, invariant 6).
+//! (docs/architecture.md, invariant 6).
 
 use crate::pool::BlockId;
 

@@ -1,4 +1,4 @@
-//! The KV cache (see ARCHITECTURE.md, crates/kv): the paged block pool,
+//! The KV cache (see docs/architecture.md, crates/kv): the paged block pool,
 //! per-sequence block tables, the prefix cache, and the tensors behind them.
 //! The bookkeeping (pool.rs, hash.rs, sequence.rs, prefix.rs) is plain Rust
 //! with no MLX call; the tensor side (storage.rs: pool arrays, gather,

@@ -1,6 +1,6 @@
 //! The block pool: block ids, reference counts, the LRU free queue and the
 //! map from content hash to cached block. Nothing about models, requests or
-//! sequences (STYLE.md, habit 1).
+//! sequences (as vLLM's `block_pool.py` keeps it).
 //!
 //! # States of a block
 //!

@@ -1,5 +1,5 @@
 //! One sequence's block table: the absolute positions `[start, end)` it holds
-//! K/V for and the blocks that hold them (ARCHITECTURE.md, invariant 1).
+//! K/V for and the blocks that hold them (docs/architecture.md, invariant 1).
 //!
 //! Position `p` lives in logical block `p / block_size` at offset
 //! `p % block_size`. The table holds the logical blocks from

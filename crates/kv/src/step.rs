@@ -5,7 +5,7 @@
 //! Token order is *packed*: the step's new tokens are the rows' new tokens
 //! concatenated in row order (`[tokens, ...]`), without padding between
 //! rows. Positions come from the sequence's `[start, end)`; key counts come
-//! from what a read returns (ARCHITECTURE.md invariant 3).
+//! from what a read returns (docs/architecture.md invariant 3).
 
 use std::ops::Range;
 

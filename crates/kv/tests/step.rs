@@ -1,6 +1,6 @@
 //! The KV cache's step protocol on real MLX storage, without a model:
 //! reserve (real + pad tokens), write packed K/V, read, complete. After every
-//! step each sequence holds exactly its real tokens (ARCHITECTURE.md
+//! step each sequence holds exactly its real tokens (docs/architecture.md
 //! invariants 1 and 2), for both backends, tile and batch padding, and any
 //! chunk size; failed steps leave no trace; blocks are conserved.
 

@@ -1,6 +1,6 @@
 //! Multi-head attention with grouped-query K/V (Ainslie et al. 2023), the one
 //! attention layer that talks to the KV view. The mask is built here, from
-//! the number of live keys the view returns (ARCHITECTURE.md invariant 3).
+//! the number of live keys the view returns (docs/architecture.md invariant 3).
 
 use crate::layers::{Linear, LoadContext};
 use crate::profile::mark;
@@ -82,8 +82,14 @@ impl Attention {
         for (row, span) in step.rows.iter().enumerate().skip(batched) {
             parts.push(self.attend_row(&q, layer, kv, row, span)?);
         }
-        let parts: Vec<&Array> = parts.iter().collect();
-        let o = mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * d])?;
+        // One part (a decode batch, or a single row) needs no copy.
+        let o = match parts.as_slice() {
+            [one] => one.reshape(&[1, t, h * d])?,
+            _ => {
+                let parts: Vec<&Array> = parts.iter().collect();
+                mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * d])?
+            }
+        };
         mark("attn.concat", &[&o])?;
         let o = self.o_proj.forward(&o)?;
         mark("attn.o_proj", &[&o])?;

@@ -1,5 +1,5 @@
 //! mlxcel's HTTP layer: OpenAI-compatible routes over an
-//! [`InferenceService`] (see ARCHITECTURE.md, crates/server).
+//! [`InferenceService`] (see docs/architecture.md, crates/server).
 //!
 //! [`router`] builds the whole application without a socket, so tests drive
 //! it with `tower::ServiceExt::oneshot`; [`serve`] runs it on a listener with

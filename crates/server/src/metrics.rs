@@ -91,7 +91,7 @@ impl EngineMetrics {
             ),
             steps: counter_vec(
                 "mlxcel_steps_total",
-                "Engine steps with prefill rows / decode rows",
+                "Engine steps with prefill rows / decode rows / decode steps queued before the previous step's tokens were read (pipelined)",
                 &["kind"],
             ),
             step_tokens: counter_vec(
@@ -154,6 +154,10 @@ impl EngineMetrics {
         catch_up(&self.prefix_tokens_reused, s.prefix_cache_tokens_reused);
         catch_up(&self.steps.with_label_values(&["prefill"]), s.prefill_steps);
         catch_up(&self.steps.with_label_values(&["decode"]), s.decode_steps);
+        catch_up(
+            &self.steps.with_label_values(&["pipelined"]),
+            s.pipelined_steps,
+        );
         catch_up(
             &self.step_tokens.with_label_values(&["prefill"]),
             s.prefill_tokens,

@@ -109,6 +109,7 @@ async fn usage_reports_cached_tokens_and_metrics_count_them() {
     has(r#"mlxcel_prefix_cache_events_total{event="hit"} 3"#);
     has("mlxcel_prefix_cache_tokens_reused_total 256");
     has(r#"mlxcel_steps_total{kind="decode"} 45"#);
+    has(r#"mlxcel_steps_total{kind="pipelined"} 7"#);
     has(r#"mlxcel_attention_rows_total{path="batched"} 80"#);
     has(r#"mlxcel_sequences{state="waiting"} 1"#);
     // Counters copied from the engine don't double on a second scrape.

@@ -469,8 +469,11 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     pub pad_tokens: u64,
     pub decode_tokens: u64,
-    /// Decode-row attentions by path: padded batch over the paged pool, or
-    /// one row at a time.
+    /// Decode-row attentions by path: together over the paged pool (the
+    /// paged-attention kernel, or a padded batch), or one row at a time.
     pub attention_batched_rows: u64,
     pub attention_per_row_rows: u64,
+    /// Decode steps queued before the previous step's tokens were read
+    /// (pipelined decode).
+    pub pipelined_steps: u64,
 }

@@ -1,6 +1,6 @@
 //! The engine thread's loop: admit, plan, run one forward, sample, stream.
 //!
-//! A step (ARCHITECTURE.md, crates/engine): take new requests off the queue,
+//! A step (docs/architecture.md, crates/engine): take new requests off the queue,
 //! drop the ones whose client went away, give released blocks back, admit
 //! waiting requests the pool can hold to completion, plan the rows
 //! ([`crate::scheduler`]), reserve their positions, run the forward, rewind

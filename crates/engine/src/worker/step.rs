@@ -271,6 +271,9 @@ impl Worker<'_> {
             .complete_step(reservation, result.is_ok())
             .map_err(|e| e.to_string())?;
         profile::record("engine.queue", started);
+        if result.is_ok() && after.is_some() {
+            self.counters.pipelined_steps += 1;
+        }
         Ok(Queued {
             ids: ids.to_vec(),
             ends_before,
@@ -293,13 +296,7 @@ impl Worker<'_> {
                 })
                 .collect(),
         });
-        if self.config.attention_path == AttentionPath::BatchedDecode
-            && self.kv.config().backend == StorageBackend::Paged
-        {
-            self.counters.attention_batched_rows += rows as u64;
-        } else {
-            self.counters.attention_per_row_rows += rows as u64;
-        }
+        self.count_attention_rows(self.attention_path(), rows);
         for (&id, &token) in queued.ids.iter().zip(tokens) {
             let Some(seq) = self.running.iter().position(|s| s.id == id) else {
                 continue;
@@ -416,6 +413,16 @@ impl Worker<'_> {
         Ok(())
     }
 
+    /// Counts `rows` decode rows under the attention path that read them.
+    fn count_attention_rows(&mut self, path: AttentionPath, rows: usize) {
+        match path {
+            AttentionPath::BatchedDecode | AttentionPath::PagedDecode => {
+                self.counters.attention_batched_rows += rows as u64
+            }
+            AttentionPath::PerRow => self.counters.attention_per_row_rows += rows as u64,
+        }
+    }
+
     /// How decode rows read the cache in this engine.
     fn attention_path(&self) -> AttentionPath {
         match self.kv.config().backend {
@@ -505,11 +512,7 @@ impl Worker<'_> {
             for r in plan.rows.iter().filter(|r| r.padded > 1) {
                 self.running[r.seq].timings.prefill_s += elapsed;
             }
-            if path == AttentionPath::BatchedDecode && plan.decode_rows() > 0 {
-                self.counters.attention_batched_rows += plan.decode_rows() as u64;
-            } else {
-                self.counters.attention_per_row_rows += plan.decode_rows() as u64;
-            }
+            self.count_attention_rows(path, plan.decode_rows());
         }
         result
     }

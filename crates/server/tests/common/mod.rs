@@ -182,6 +182,7 @@ impl InferenceService for FakeService {
             decode_tokens: 90,
             attention_batched_rows: 80,
             attention_per_row_rows: 10,
+            pipelined_steps: 7,
             ..EngineStats::default()
         }
     }
