@@ -370,11 +370,24 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 server.await.context("the HTTP server task")??;
             }
             // Stopped (a signal) while the model was still loading.
-            served = &mut server => served.context("the HTTP server task")??,
+            served = &mut server => {
+                served.context("the HTTP server task")??;
+                tracing::info!("stopped while the model was loading");
+                leave_now();
+            }
         }
         tracing::info!("server stopped");
         anyhow::Ok(())
     })
+}
+
+/// Ends the process at once, without waiting for the model loader (a
+/// blocking load or warm-up cannot be cancelled, and waiting for it would
+/// keep a stopped server alive for minutes) and without running exit-time
+/// destructors, which would race the loader's MLX work.
+fn leave_now() -> ! {
+    // SAFETY: `_exit` ends the process; nothing after it runs.
+    unsafe { libc::_exit(0) }
 }
 
 async fn shutdown_signal() {

@@ -305,3 +305,43 @@ fn a_dropped_stream_stops_and_returns_its_blocks() {
     let after = collect(e.submit(request(prompts[0].clone(), 4)).expect("submit")).expect("run");
     assert_eq!(after.len(), 4);
 }
+
+#[test]
+fn one_token_prefill_chunks_are_never_pipelined_as_decode_rows() {
+    // With 1-token chunks every prompt step is a one-token row like a
+    // decode row; only a row that samples its last known token may start a
+    // pipeline, so the greedy answer still equals mlx_lm's, and pipelining
+    // still runs once the prompt is in.
+    let e = engine(
+        Variant {
+            name: "chunk 1",
+            parallel: 2,
+            backend: StorageBackend::Paged,
+            tile: 0,
+            chunk: 1,
+            path: AttentionPath::BatchedDecode,
+            pipeline: true,
+        },
+        None,
+    );
+    let golden = goldens()
+        .into_iter()
+        .find(|g| g.name == "capital_france")
+        .expect("golden");
+    let got = collect(
+        e.submit(request(
+            Prompt::Tokens(golden.prompt_ids.clone()),
+            GOLDEN_MAX_TOKENS,
+        ))
+        .expect("submit"),
+    )
+    .expect("run");
+    let eos = e.eos_token_ids().to_vec();
+    let without_eos: Vec<u32> = got.into_iter().filter(|t| !eos.contains(t)).collect();
+    assert_eq!(without_eos, golden.completion_ids);
+    let stats = settled(&e);
+    // One step per prompt token, then the decode steps.
+    assert!(stats.steps as usize >= golden.prompt_ids.len() + golden.completion_ids.len() - 1);
+    assert!(stats.pipelined_steps > 0);
+    assert_eq!(stats.failed_steps, 0);
+}

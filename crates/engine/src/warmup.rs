@@ -54,14 +54,16 @@ pub fn warm_up(
     parallel: usize,
 ) -> Result<WarmupReport, EngineError> {
     let started = Instant::now();
-    let context = engine.context_length();
+    // The longest prompt a request may have here (context and KV pool).
+    let context = engine
+        .context_length()
+        .min(engine.info.max_request_tokens)
+        .saturating_sub(WARMUP_TOKENS + 1);
     // Token ids: a short cycle of small ids, valid in every vocabulary.
     let tokens = |n: usize, salt: u32| -> Vec<u32> {
         (0..n as u32).map(|i| 100 + (i * 7 + salt) % 500).collect()
     };
-    let long = (chunk + 24)
-        .min(context.saturating_sub(WARMUP_TOKENS + 1))
-        .max(1);
+    let long = (chunk + 24).min(context).max(1);
     let mut rounds: Vec<Vec<GenerationRequest>> = vec![vec![request(tokens(long, 0), None)]];
     rounds.push(vec![request(tokens(12, 1), Some(0))]);
     let many = parallel.min(12);
@@ -72,7 +74,7 @@ pub fn warm_up(
     );
     let mut lengths = Vec::new();
     let mut n = 16;
-    while n <= chunk.min(1024) && n + 1 < context {
+    while n <= chunk.min(1024).min(context) {
         lengths.push(n);
         n *= 2;
     }

@@ -60,8 +60,9 @@ const char* kMetalSource = R"(
   int len = meta[row * 2 + 1];
   float sc = scale[0];
   float qv[PER];
+  size_t qbase = (size_t(row) * HEADS + head) * D + lane * PER;
   for (int i = 0; i < PER; ++i) {
-    qv[i] = float(q[(row * HEADS + head) * D + lane * PER + i]) * sc;
+    qv[i] = float(q[qbase + i]) * sc;
   }
   float m = -1e30f;
   float l = 0.0f;
@@ -69,8 +70,8 @@ const char* kMetalSource = R"(
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
   for (int t = warp; t < len; t += WARPS) {
     int p = first + t;
-    int slot = tables[row * max_blocks + p / BS] * BS + p % BS;
-    int base = (slot * KV_HEADS + kvh) * D + lane * PER;
+    size_t slot = size_t(tables[row * max_blocks + p / BS]) * BS + p % BS;
+    size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
     float s = 0.0f;
     for (int i = 0; i < PER; ++i) s += qv[i] * float(k_pool[base + i]);
     s = simd_sum(s);
@@ -99,7 +100,7 @@ const char* kMetalSource = R"(
       for (int i = 0; i < PER; ++i) out[i] += sacc[w * D + lane * PER + i] * c;
     }
     for (int i = 0; i < PER; ++i) {
-      o[(row * HEADS + head) * D + lane * PER + i] = T(out[i] / total);
+      o[qbase + i] = T(out[i] / total);
     }
   }
 )";

@@ -140,7 +140,9 @@ impl Attention {
         let (h, d) = (self.heads, self.head_dim);
         let ids: Vec<usize> = (0..rows).collect();
         let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
-        if step.paged_kernel && self.window.is_none() {
+        // The kernel splits head_dim over a warp's 32 lanes (up to 256).
+        let kernel_fits = self.head_dim % 32 == 0 && self.head_dim <= 256;
+        if step.paged_kernel && kernel_fits && self.window.is_none() {
             if let Some(pool) = kv.read_paged(layer, &ids)? {
                 let o = mlxcel_mlx::paged_decode_attention(
                     &q.reshape(&[rows as i32, h, d])?,

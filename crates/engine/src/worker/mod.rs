@@ -219,6 +219,8 @@ pub(crate) struct Worker<'m> {
     done: Vec<u64>,
     /// A pipelined decode step whose tokens are not read yet.
     inflight: Option<step::Queued>,
+    /// The last pipelined step failed: the next step runs synchronously.
+    pipeline_paused: bool,
     counters: EngineStats,
     published: Arc<Mutex<EngineStats>>,
 }
@@ -246,6 +248,7 @@ impl<'m> Worker<'m> {
             next_id: 0,
             done: Vec::new(),
             inflight: None,
+            pipeline_paused: false,
             counters,
             published,
         };

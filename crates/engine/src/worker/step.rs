@@ -24,8 +24,6 @@ use crate::scheduler::{plan_step, PlannedRow, SeqProgress, StepPlan};
 pub(super) struct Queued {
     /// The rows' sequence ids, in row order.
     ids: Vec<u64>,
-    /// Each row's cache end before the step (to rewind on failure).
-    ends_before: Vec<usize>,
     /// The sampled tokens, uint32 `[rows]`, being evaluated.
     tokens: Array,
 }
@@ -131,16 +129,18 @@ impl Worker<'_> {
         self.config.pipeline && self.config.max_kv_size.is_none()
     }
 
-    /// A plan starts a pipeline when it is all decode rows sampled on the
-    /// device and every running sequence is in it.
+    /// A plan starts a pipeline when every running sequence is in it as a
+    /// decode row (one token, its last known one, sampled on the device),
+    /// unless the last pipelined step failed (the next step then runs
+    /// synchronously, where a failing row is isolated).
     fn starts_pipeline(&self, plan: &StepPlan) -> bool {
-        self.pipeline_allowed()
-            && plan.decode_rows() == plan.rows.len()
+        !self.pipeline_paused
+            && self.pipeline_allowed()
             && plan.rows.len() == self.running.len()
-            && plan
-                .rows
-                .iter()
-                .all(|r| self.running[r.seq].samples_on_device())
+            && plan.rows.iter().all(|r| {
+                let s = &self.running[r.seq];
+                r.sample && r.real == 1 && r.padded == 1 && s.samples_on_device()
+            })
     }
 
     /// Queues the next decode step behind `queued` (when every running
@@ -170,6 +170,7 @@ impl Worker<'_> {
                 self.counters.failed_steps += 1;
                 tracing::error!(error = %e, rows = queued.ids.len(), "pipelined step failed");
                 self.rewind_queued(&queued);
+                self.pipeline_paused = true;
             }
         }
     }
@@ -205,24 +206,7 @@ impl Worker<'_> {
             .map(|id| self.running.iter().position(|s| s.id == *id))
             .collect::<Option<_>>()
             .ok_or("a pipelined sequence is gone")?;
-        let ends_before = seqs
-            .iter()
-            .map(|&i| self.kv.end(&self.running[i].kv))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        let reserve: Vec<RowReserve<'_>> = seqs
-            .iter()
-            .map(|&i| RowReserve {
-                seq: &self.running[i].kv,
-                real: 1,
-                padded: 1,
-            })
-            .collect();
-        let reservation = self.kv.reserve_step(&reserve).map_err(|e| e.to_string())?;
-        let host_inputs: Vec<[u32; 1]> = seqs
-            .iter()
-            .map(|&i| [self.running[i].tokens.last().copied().unwrap_or(0)])
-            .collect();
+        // Everything that can fail before the positions are reserved.
         let device_ids = match after {
             None => None,
             Some(q) if q.ids == ids => Some(q.tokens.clone()),
@@ -237,10 +221,26 @@ impl Worker<'_> {
                 Some(q.tokens.take(&picks, 0).map_err(|e| e.to_string())?)
             }
         };
+        let host_inputs: Vec<[u32; 1]> = seqs
+            .iter()
+            .map(|&i| match after {
+                Some(_) => DEVICE_INPUT,
+                None => [self.running[i].tokens.last().copied().unwrap_or(0)],
+            })
+            .collect();
+        let reserve: Vec<RowReserve<'_>> = seqs
+            .iter()
+            .map(|&i| RowReserve {
+                seq: &self.running[i].kv,
+                real: 1,
+                padded: 1,
+            })
+            .collect();
+        let reservation = self.kv.reserve_step(&reserve).map_err(|e| e.to_string())?;
         let rows: Vec<StepRow<'_>> = host_inputs
             .iter()
             .map(|t| StepRow {
-                tokens: if after.is_some() { &DEVICE_INPUT } else { t },
+                tokens: t,
                 logits_at: Some(0),
             })
             .collect();
@@ -276,7 +276,6 @@ impl Worker<'_> {
         }
         Ok(Queued {
             ids: ids.to_vec(),
-            ends_before,
             tokens: result.map_err(|e| e.to_string())?,
         })
     }
@@ -311,17 +310,27 @@ impl Worker<'_> {
                 continue;
             }
             self.emit_and_record(seq, NextToken::Sampled(token));
+            if reserved_ahead > 0 {
+                // The emitted token is the queued step's input: every
+                // position the cache holds is known now, so its full blocks
+                // can be donated (the queued step's write lands before any
+                // later reader, on the same stream), also when the sequence
+                // just finished.
+                if let Err(message) = self.donate_known(seq) {
+                    tracing::error!(error = %message, "donating a pipelined row's blocks");
+                }
+            }
         }
     }
 
-    /// Gives back the positions of a failed pipelined step (and of any step
-    /// queued behind it).
+    /// Gives back the positions of a failed pipelined step and of any step
+    /// queued behind it: each row's cache ends at its computed tokens again.
     fn rewind_queued(&mut self, queued: &Queued) {
-        for (&id, &end) in queued.ids.iter().zip(&queued.ends_before) {
+        for &id in &queued.ids {
             let Some(s) = self.running.iter().find(|s| s.id == id) else {
                 continue;
             };
-            if let Err(e) = self.kv.truncate_tail(&s.kv, end) {
+            if let Err(e) = self.kv.truncate_tail(&s.kv, s.computed) {
                 tracing::error!(error = %e, "rewinding a failed step");
             }
         }
@@ -388,8 +397,8 @@ impl Worker<'_> {
         let kv = &mut self.kv;
         if s.job.request.cache_prompt && ahead == 0 {
             // Full blocks become hittable as soon as they are computed (with
-            // a step queued ahead, the token at `computed` is not known yet:
-            // they are donated when the pipeline stops).
+            // a step queued ahead, the token at `computed` is not known
+            // before the emit: `emit_queued` donates then).
             kv.donate(&s.kv, &s.tokens[..s.computed])
                 .map_err(|e| e.to_string())?;
         }
@@ -409,6 +418,19 @@ impl Worker<'_> {
                     s.computed
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Donates sequence `seq`'s full blocks when every position its cache
+    /// holds has a known token.
+    fn donate_known(&mut self, seq: usize) -> Result<(), String> {
+        let s = &self.running[seq];
+        let end = self.kv.end(&s.kv).map_err(|e| e.to_string())?;
+        if s.job.request.cache_prompt && s.tokens.len() >= end {
+            self.kv
+                .donate(&s.kv, &s.tokens[..end])
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
     }
