@@ -74,12 +74,12 @@ def mlx_lm_greedy(model_dir: Path, prompts, n):
     return out
 
 
-def mlxcel_greedy(binary, model_dir: Path, prompts, n, sequential):
+def mlxcel_greedy(binary, model_dir: Path, prompts, n, sequential, extra):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
         path = f.name
     cmd = [binary, "generate", "-m", str(model_dir), "--prompts-file", path, "-n", str(n),
-           "--ignore-eos", "--print-token-ids"]
+           "--ignore-eos", "--print-token-ids", *extra]
     if sequential:
         cmd.append("--sequential")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -107,17 +107,20 @@ def main():
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--max-margin", type=float, default=0.25,
                     help="largest top-2 logit margin at a divergence still called a near tie")
+    ap.add_argument("--prompts", type=int, default=0, help="only the first N golden prompts (0: all)")
+    ap.add_argument("--mlxcel-args", default="", help="extra `mlxcel generate` flags")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     model_dir = bf16_copy(args.model)
     goldens = json.loads((REPO / "tests" / "goldens" / "smollm2_greedy.json").read_text())
-    cases = goldens["prompts"]
+    cases = goldens["prompts"][: args.prompts or None]
     # The goldens' prompt ids are mlx_lm's chat-template rendering.
     prompts = [c["prompt_ids"] for c in cases]
     reference = mlx_lm_greedy(model_dir, prompts, args.tokens)
-    alone = mlxcel_greedy(args.mlxcel, model_dir, prompts, args.tokens, sequential=True)
-    together = mlxcel_greedy(args.mlxcel, model_dir, prompts, args.tokens, sequential=False)
+    extra = args.mlxcel_args.split()
+    alone = mlxcel_greedy(args.mlxcel, model_dir, prompts, args.tokens, True, extra)
+    together = mlxcel_greedy(args.mlxcel, model_dir, prompts, args.tokens, False, extra)
     rows, bad = [], False
     for c, (ref, margins), a, t in zip(cases, reference, alone, together):
         d = first_diff(ref, a)

@@ -100,6 +100,12 @@ pub struct ModelArgs {
     /// builds a graph for every new prompt shape, 50-800 ms each).
     #[arg(long)]
     pub cudnn_attention: bool,
+    /// Where MLX's CUDA backend keeps the GPU kernels it compiles, so that
+    /// restarts don't compile them again (`auto`: `$XDG_CACHE_HOME/mlxcel/
+    /// kernels`, else `~/.cache/mlxcel/kernels`; `none`: MLX's default
+    /// under /tmp). `MLX_PTX_CACHE_DIR`, when set, wins.
+    #[arg(long, default_value = "auto", value_name = "DIR")]
+    pub kernel_cache_dir: String,
     /// Read each decode step's tokens before queueing the next one (the
     /// default queues the next step first, overlapping host and device).
     #[arg(long)]
@@ -233,6 +239,11 @@ impl ModelArgs {
             SwitchArg::Off => Some(false),
         };
         c.cudnn_attention = self.cudnn_attention;
+        c.kernel_cache_dir = match self.kernel_cache_dir.as_str() {
+            "none" => None,
+            "auto" => default_kernel_cache_dir(),
+            dir => Some(PathBuf::from(dir)),
+        };
         c.pipeline = !self.no_decode_pipeline;
         c.prefill_tile = self.prefill_tile.value();
         c.parallel = self.parallel as usize;
@@ -254,6 +265,16 @@ impl ModelArgs {
         };
         Ok(c)
     }
+}
+
+/// `--kernel-cache-dir auto`: `$XDG_CACHE_HOME/mlxcel/kernels`, else
+/// `$HOME/.cache/mlxcel/kernels`; `None` without either variable.
+fn default_kernel_cache_dir() -> Option<PathBuf> {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(cache.join("mlxcel").join("kernels"))
 }
 
 /// Flags of the HTTP server.

@@ -79,6 +79,9 @@ pub struct EngineConfig {
     /// builds a graph per query/key shape, 50-800 ms each; default off: see
     /// docs/performance.md).
     pub cudnn_attention: bool,
+    /// Where MLX's CUDA backend keeps compiled kernels across restarts (a
+    /// subdirectory per MLX version is used); `None`: MLX's default.
+    pub kernel_cache_dir: Option<PathBuf>,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub fault: crate::fault::FaultInjection,
@@ -107,6 +110,7 @@ impl EngineConfig {
             pipeline: true,
             warmup: None,
             cudnn_attention: false,
+            kernel_cache_dir: None,
             chat_template: None,
             #[cfg(feature = "fault-injection")]
             fault: crate::fault::FaultInjection::default(),
@@ -227,6 +231,10 @@ impl Engine {
         let eos = eos_token_ids(&dir, &tokenizer);
         let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
         mlxcel_mlx::set_cudnn_attention(config.cudnn_attention)?;
+        if let Some(dir) = &config.kernel_cache_dir {
+            let dir = dir.join(format!("mlx-{}", mlxcel_mlx::version()));
+            mlxcel_mlx::set_kernel_cache_dir(&dir)?;
+        }
         mlxcel_mlx::use_device(gpu)?;
         let dtype = config
             .dtype

@@ -103,6 +103,7 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
 bool gemv_forwarding_active();
 bool gpu_available();
 void set_cudnn_attention(bool enabled);
+void set_kernel_cache_dir(rust::Str dir);
 void use_device(bool gpu);
 rust::String version();
 

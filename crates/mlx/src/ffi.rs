@@ -133,6 +133,7 @@ pub(crate) mod bridge {
         fn gemv_forwarding_active() -> Result<bool>;
         fn gpu_available() -> Result<bool>;
         fn set_cudnn_attention(enabled: bool) -> Result<()>;
+        fn set_kernel_cache_dir(dir: &str) -> Result<()>;
         #[allow(clippy::too_many_arguments)]
         fn paged_decode_attention(
             q: &array,

@@ -249,6 +249,22 @@ pub fn set_cudnn_attention(enabled: bool) -> Result<()> {
     Ok(bridge::set_cudnn_attention(enabled)?)
 }
 
+/// Where MLX's CUDA backend keeps the kernels it compiles (PTX), so a
+/// restart does not compile them again (MLX's default is under `/tmp`,
+/// which many systems empty at boot; a fresh H200 spends ~4 minutes
+/// compiling what the engine needs). Call before the first evaluation; a
+/// `MLX_PTX_CACHE_DIR` already in the environment wins; MLX creates the
+/// directory, and compiles without a cache when it cannot.
+///
+/// # Errors
+/// A path that is not UTF-8.
+pub fn set_kernel_cache_dir(dir: &std::path::Path) -> Result<()> {
+    let dir = dir
+        .to_str()
+        .ok_or_else(|| Error(format!("{} is not UTF-8", dir.display())))?;
+    Ok(bridge::set_kernel_cache_dir(dir)?)
+}
+
 /// Makes the GPU (`true`) or the CPU (`false`) MLX's default device.
 pub fn use_device(gpu: bool) -> Result<()> {
     Ok(bridge::use_device(gpu)?)

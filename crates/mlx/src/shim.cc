@@ -192,6 +192,9 @@ bool gpu_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
 // MLX's CUDA backend reads MLX_CUDA_USE_CUDNN_SDPA once, at the first
 // attention it evaluates; a value the user already set wins.
 void set_cudnn_attention(bool enabled) { setenv("MLX_CUDA_USE_CUDNN_SDPA", enabled ? "1" : "0", 0); }
+// MLX's CUDA backend reads MLX_PTX_CACHE_DIR once, at its first kernel
+// compilation; a value the user already set wins.
+void set_kernel_cache_dir(rust::Str dir) { setenv("MLX_PTX_CACHE_DIR", std::string(dir).c_str(), 0); }
 void use_device(bool gpu) { mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)); }
 rust::String version() { return rust::String(mx::version()); }
 
