@@ -101,9 +101,10 @@ pub struct ModelArgs {
     #[arg(long)]
     pub cudnn_attention: bool,
     /// Where MLX's CUDA backend keeps the GPU kernels it compiles, so that
-    /// restarts don't compile them again (`auto`: `$XDG_CACHE_HOME/mlxcel/
-    /// kernels`, else `~/.cache/mlxcel/kernels`; `none`: MLX's default
-    /// under /tmp). `MLX_PTX_CACHE_DIR`, when set, wins.
+    /// restarts don't compile them again (`auto`:
+    /// `$XDG_CACHE_HOME/mlxcel/kernels`, else `~/.cache/mlxcel/kernels`;
+    /// `none`: MLX's default under /tmp). `MLX_PTX_CACHE_DIR`, when set,
+    /// wins.
     #[arg(long, default_value = "auto", value_name = "DIR")]
     pub kernel_cache_dir: String,
     /// Read each decode step's tokens before queueing the next one (the
