@@ -4,12 +4,24 @@
 //! outside authentication, so a preflight `OPTIONS` is answered without a
 //! key, and every response to an allowed origin — refusals included — carries
 //! the CORS headers a browser needs to show it to the page.
+//!
+//! CORS only decides what a page may *read*. A "simple" cross-site request
+//! (a form post, or a body with no `Content-Type`) needs no preflight, so a
+//! page of any site could still make a server without `--api-key` generate
+//! or reset its cache. [`refuse_other_origins`] closes that: a
+//! state-changing request carrying an `Origin` the list does not allow is a
+//! 403. Clients outside browsers send no `Origin` and are not affected.
 
 use std::str::FromStr;
 use std::time::Duration;
 
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderName, HeaderValue, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use tower_http::cors::{AllowOrigin, CorsLayer};
+
+use crate::error::ApiError;
 
 /// How long a browser may cache a preflight answer.
 const PREFLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
@@ -84,6 +96,16 @@ fn parse_origin(entry: &str) -> Result<String, AllowedOriginsError> {
 }
 
 impl AllowedOrigins {
+    /// Whether a page of `origin` (an `Origin` header's value) may call the
+    /// API.
+    pub fn allows(&self, origin: &[u8]) -> bool {
+        match self {
+            Self::Disabled => false,
+            Self::Any => true,
+            Self::List(origins) => origins.iter().any(|o| o.as_bytes() == origin),
+        }
+    }
+
     /// The layer answering preflights and adding CORS headers; `None` when
     /// disabled.
     pub fn layer(&self) -> Option<CorsLayer> {
@@ -111,6 +133,30 @@ impl AllowedOrigins {
                 .max_age(PREFLIGHT_MAX_AGE),
         )
     }
+}
+
+/// Middleware: refuses a request that may change state (any method but
+/// `GET`, `HEAD` and `OPTIONS`) when it carries an `Origin` header that
+/// `origins` does not allow, with a 403 OpenAI error body
+/// (`origin_not_allowed`); every other request passes.
+pub async fn refuse_other_origins(
+    State(origins): State<AllowedOrigins>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let reads_only = matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS
+    );
+    if !reads_only {
+        if let Some(origin) = request.headers().get(header::ORIGIN) {
+            if !origins.allows(origin.as_bytes()) {
+                let shown = String::from_utf8_lossy(origin.as_bytes()).into_owned();
+                return ApiError::OriginNotAllowed(shown).into_response();
+            }
+        }
+    }
+    next.run(request).await
 }
 
 #[cfg(test)]

@@ -49,6 +49,13 @@ pub enum ApiError {
     /// one error with one body, so a client learns nothing from the answer.
     #[error("Incorrect API key provided.")]
     InvalidApiKey,
+    /// A state-changing request from a browser page of an origin that
+    /// `--allowed-origins` does not allow (a cross-site request).
+    #[error("Requests from the web origin `{0}` are not allowed; start the server with --allowed-origins to allow a web page to call it")]
+    OriginNotAllowed(String),
+    /// The body has a `Content-Encoding` the server does not decode.
+    #[error("Unsupported Content-Encoding `{0}`: send the body uncompressed or gzip-compressed")]
+    UnsupportedContentEncoding(String),
     /// `GET /v1/models/{id}` for a model this server does not serve.
     #[error("The model `{0}` does not exist")]
     UnknownModel(String),
@@ -130,7 +137,10 @@ impl ApiError {
             | Self::EngineRejected { .. }
             | Self::ContextLengthExceeded { .. } => StatusCode::BAD_REQUEST,
             Self::InvalidApiKey => StatusCode::UNAUTHORIZED,
-            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
+            Self::UnsupportedMediaType | Self::UnsupportedContentEncoding(_) => {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            }
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
@@ -168,6 +178,8 @@ impl ApiError {
                 Some("unrecognized_parameter")
             }
             Self::InvalidApiKey => Some("invalid_api_key"),
+            Self::OriginNotAllowed(_) => Some("origin_not_allowed"),
+            Self::UnsupportedContentEncoding(_) => Some("unsupported_content_encoding"),
             Self::Unavailable(_) => Some("service_unavailable"),
             Self::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
             _ => None,

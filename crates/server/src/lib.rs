@@ -35,6 +35,7 @@ use axum::response::sse::KeepAlive;
 use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use mlxcel_engine_api::InferenceService;
+use tower_http::decompression::RequestDecompressionLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
@@ -195,9 +196,12 @@ pub fn route_table() -> Vec<(Method, &'static str)> {
 /// client's, or a new UUID), echoed in the response and recorded on the
 /// request's tracing span (with the body's `user`, when it has one).
 ///
-/// Layers, outermost first: request id and tracing, the body limit, CORS
-/// (so preflights need no key and refusals carry CORS headers), request
-/// counting (refusals are counted too), the API key check, then routing.
+/// Layers, outermost first: request id and tracing, gzip request bodies
+/// decoded (other encodings are a 415), the body limit (on the decoded
+/// body), CORS (so preflights need no key and refusals carry CORS headers),
+/// request counting (refusals are counted too), the refusal of
+/// state-changing requests from origins that are not allowed, the API key
+/// check, then routing.
 pub fn router(state: AppState) -> Router {
     let config = state.config();
     let body_limit = config.body_limit_bytes;
@@ -233,6 +237,10 @@ pub fn router(state: AppState) -> Router {
         ));
     }
     app = app.layer(axum::middleware::from_fn_with_state(
+        config.allowed_origins.clone(),
+        cors::refuse_other_origins,
+    ));
+    app = app.layer(axum::middleware::from_fn_with_state(
         state.clone(),
         routes::count_request,
     ));
@@ -240,11 +248,38 @@ pub fn router(state: AppState) -> Router {
         app = app.layer(cors);
     }
     app.layer(DefaultBodyLimit::max(body_limit))
+        .layer(
+            RequestDecompressionLayer::new()
+                .gzip(true)
+                .pass_through_unaccepted(true),
+        )
+        .layer(axum::middleware::from_fn(refuse_unknown_encodings))
         // Layers run outermost last: set the id, then trace, then echo it.
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(trace)
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
+}
+
+/// Middleware: a request body in a `Content-Encoding` other than `gzip`
+/// (decoded by the next layer) or `identity` is a 415 with the OpenAI error
+/// body, not a body read as garbage.
+async fn refuse_unknown_encodings(
+    request: Request<Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if let Some(value) = request.headers().get(axum::http::header::CONTENT_ENCODING) {
+        let known = value.to_str().is_ok_and(|v| {
+            let v = v.trim();
+            v.eq_ignore_ascii_case("gzip") || v.eq_ignore_ascii_case("identity")
+        });
+        if !known {
+            let shown = String::from_utf8_lossy(value.as_bytes()).into_owned();
+            return error::ApiError::UnsupportedContentEncoding(shown).into_response();
+        }
+    }
+    next.run(request).await
 }
 
 /// Serves [`router`] on `listener` until `shutdown` completes, then stops

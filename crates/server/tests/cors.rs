@@ -143,3 +143,85 @@ async fn disabled_by_default() {
         .keys()
         .all(|name| !name.as_str().starts_with("access-control-")));
 }
+
+/// A cross-site "simple" request: a form-typed (or untyped) POST from a
+/// page of `origin`, with no key (the server was started without one).
+fn simple_post(origin: Option<&str>, uri: &str, content_type: Option<&str>) -> Request<Body> {
+    let mut request = Request::post(uri);
+    if let Some(origin) = origin {
+        request = request.header("origin", origin);
+    }
+    if let Some(content_type) = content_type {
+        request = request.header("content-type", content_type);
+    }
+    request
+        .body(Body::from(hello_request().to_string()))
+        .unwrap()
+}
+
+fn keyless(origins: AllowedOrigins) -> (std::sync::Arc<FakeService>, axum::Router) {
+    let service = FakeService::hello();
+    let app = app_with(
+        service.clone(),
+        HttpConfig {
+            allowed_origins: origins,
+            ..HttpConfig::default()
+        },
+    );
+    (service, app)
+}
+
+#[tokio::test]
+async fn cross_site_posts_from_origins_not_allowed_are_refused() {
+    for origins in [AllowedOrigins::Disabled, listed()] {
+        for content_type in [
+            Some("application/x-www-form-urlencoded"),
+            None,
+            Some("application/json"),
+        ] {
+            for uri in ["/v1/chat/completions", "/v1/completions", "/v1/cache/reset"] {
+                let (service, app) = keyless(origins.clone());
+                let reply = send(app, simple_post(Some(OTHER), uri, content_type)).await;
+                let error = reply.error(StatusCode::FORBIDDEN);
+                assert_eq!(error["code"], "origin_not_allowed", "{uri}");
+                assert!(error["message"].as_str().unwrap().contains(OTHER));
+                assert_eq!(service.request_count(), 0, "{uri}: nothing ran");
+            }
+        }
+        // `Origin: null` (sandboxed frames, file: pages) is not allowed either.
+        let (_, app) = keyless(origins.clone());
+        let reply = send(app, simple_post(Some("null"), "/v1/chat/completions", None)).await;
+        reply.error(StatusCode::FORBIDDEN);
+    }
+}
+
+#[tokio::test]
+async fn allowed_origins_and_clients_without_an_origin_still_post() {
+    // curl and SDKs send no Origin: any accepted Content-Type works.
+    for content_type in [Some("application/x-www-form-urlencoded"), None] {
+        let (service, app) = keyless(AllowedOrigins::Disabled);
+        let reply = send(app, simple_post(None, "/v1/chat/completions", content_type)).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(service.request_count(), 1);
+    }
+    let (service, app) = keyless(listed());
+    let reply = send(
+        app,
+        simple_post(Some(ALLOWED), "/v1/chat/completions", None),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.headers["access-control-allow-origin"], ALLOWED);
+    assert_eq!(service.request_count(), 1);
+    let (_, app) = keyless(AllowedOrigins::Any);
+    let reply = send(app, simple_post(Some(OTHER), "/v1/chat/completions", None)).await;
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn reads_from_other_origins_are_not_refused() {
+    // CORS keeps their answers from the page; the request itself is harmless.
+    let (_, app) = keyless(AllowedOrigins::Disabled);
+    let reply = send(app, get_from(OTHER, "/v1/models", None)).await;
+    assert_eq!(reply.status, StatusCode::OK);
+}

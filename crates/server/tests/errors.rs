@@ -290,3 +290,65 @@ async fn wrong_method_is_a_405_with_the_openai_body() {
     let reply = send(app(FakeService::hello()), request).await;
     reply.error(StatusCode::METHOD_NOT_ALLOWED);
 }
+
+fn encoded_post(encoding: &str, body: Vec<u8>) -> Request<Body> {
+    Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .header("content-encoding", encoding)
+        .body(Body::from(body))
+        .unwrap()
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(bytes).unwrap();
+    encoder.finish().unwrap()
+}
+
+#[tokio::test]
+async fn gzip_bodies_are_decoded_and_other_encodings_are_a_415() {
+    let body = hello_request().to_string();
+    let fake = FakeService::hello();
+    let reply = send(
+        app(fake.clone()),
+        encoded_post("gzip", gzip(body.as_bytes())),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(fake.request_count(), 1);
+    assert_eq!(reply.json()["choices"][0]["message"]["content"], "Hello");
+
+    for encoding in ["br", "deflate", "zstd", "gzip, br"] {
+        let fake = FakeService::hello();
+        let reply = send(
+            app(fake.clone()),
+            encoded_post(encoding, body.clone().into_bytes()),
+        )
+        .await;
+        let error = reply.error(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert_eq!(error["code"], "unsupported_content_encoding", "{encoding}");
+        assert_eq!(fake.request_count(), 0);
+    }
+
+    // A body that is not gzip under `Content-Encoding: gzip` is a 400.
+    let reply = send(
+        app(FakeService::hello()),
+        encoded_post("gzip", body.clone().into_bytes()),
+    )
+    .await;
+    reply.error(StatusCode::BAD_REQUEST);
+
+    // The body limit applies to the decoded body (a small gzip bomb).
+    let config = HttpConfig {
+        body_limit_bytes: 64 * 1024,
+        ..HttpConfig::default()
+    };
+    let big = vec![b' '; 1 << 20];
+    let reply = send(
+        app_with(FakeService::hello(), config),
+        encoded_post("gzip", gzip(&big)),
+    )
+    .await;
+    reply.error(StatusCode::PAYLOAD_TOO_LARGE);
+}
