@@ -121,6 +121,12 @@ pub struct ModelArgs {
     /// one that renders tools).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<std::path::PathBuf>,
+    /// Let control-token strings typed in message content (`<|im_end|>`...)
+    /// become control tokens, as the chat template's own markup does. Off:
+    /// content is encoded as plain text, so a user cannot close their turn
+    /// or forge another role's.
+    #[arg(long)]
+    pub special_tokens_in_content: bool,
     /// Turn the prompt prefix cache off (it needs paged storage).
     #[arg(long)]
     pub no_prompt_cache: bool,
@@ -240,6 +246,7 @@ impl ModelArgs {
             SwitchArg::Off => Some(false),
         };
         c.cudnn_attention = self.cudnn_attention;
+        c.special_tokens_in_content = self.special_tokens_in_content;
         c.kernel_cache_dir = match self.kernel_cache_dir.as_str() {
             "none" => None,
             "auto" => default_kernel_cache_dir(),

@@ -68,6 +68,11 @@ pub struct EngineConfig {
     pub max_kv_size: Option<usize>,
     /// A Jinja chat template file used instead of the model's own.
     pub chat_template: Option<PathBuf>,
+    /// Let special-token strings typed in message content (`<|im_end|>`...)
+    /// become control tokens, as the template's own markup does (default
+    /// false: content is encoded as plain text, so a user cannot end their
+    /// turn or forge another role's).
+    pub special_tokens_in_content: bool,
     /// Pipeline decode steps whose rows sample on the device: the next step
     /// is queued before the current step's tokens are read (default true).
     pub pipeline: bool,
@@ -107,6 +112,7 @@ impl EngineConfig {
             prefix_cache: true,
             prefix_cache_capacity: None,
             max_kv_size: None,
+            special_tokens_in_content: false,
             pipeline: true,
             warmup: None,
             cudnn_attention: false,
@@ -184,6 +190,8 @@ pub struct Engine {
     vocab_size: usize,
     /// The engine thread's options (`parallel`, admission math).
     worker: WorkerConfig,
+    /// See [`EngineConfig::special_tokens_in_content`].
+    special_tokens_in_content: bool,
     text: Arc<Text>,
     /// `None` once dropped (closing the channel stops the engine thread).
     jobs: Option<mpsc::Sender<Message>>,
@@ -337,6 +345,7 @@ impl Engine {
             context_length,
             vocab_size: vocab_size.min(text.tokenizer.vocab_size()),
             worker: plan.worker,
+            special_tokens_in_content: config.special_tokens_in_content,
             text,
             jobs: Some(jobs),
             thread: Some(thread),
@@ -384,13 +393,29 @@ impl Engine {
                             message: "this model has no chat template".into(),
                             param: Some("messages".into()),
                         })?;
-                let rendered = template
-                    .render_with_tools(messages, tools, true)
-                    .map_err(invalid)?;
-                self.text
-                    .tokenizer
-                    .encode_chat_prompt(&rendered)
-                    .map_err(invalid)
+                let tokenizer = &self.text.tokenizer;
+                let marked = if self.special_tokens_in_content {
+                    None
+                } else {
+                    mark_client_text(tokenizer, messages, tools)
+                };
+                match marked {
+                    // Nothing typed looks like a control token: the plain path.
+                    None => {
+                        let rendered = template
+                            .render_with_tools(messages, tools, true)
+                            .map_err(invalid)?;
+                        tokenizer.encode_chat_prompt(&rendered).map_err(invalid)
+                    }
+                    Some((messages, tools)) => {
+                        let rendered = template
+                            .render_with_tools(&messages, &tools, true)
+                            .map_err(invalid)?;
+                        tokenizer
+                            .encode_marked_chat_prompt(&rendered)
+                            .map_err(invalid)
+                    }
+                }
             }
         }
     }
@@ -584,6 +609,60 @@ impl Drop for Engine {
                 tracing::error!("the engine thread panicked");
             }
         }
+    }
+}
+
+/// `messages` and `tools` with every special-token string in text the
+/// client wrote (contents, names, tool-call ids and arguments, tool
+/// descriptions and schemas) marked so that it is encoded as plain text
+/// (see [`crate::tokenizer`]); `None` when there was nothing to mark.
+fn mark_client_text(
+    tok: &crate::tokenizer::TextTokenizer,
+    messages: &[crate::api::ChatMessage],
+    tools: &[ToolDefinition],
+) -> Option<(Vec<crate::api::ChatMessage>, Vec<ToolDefinition>)> {
+    let mut changed = false;
+    let mut mark = |text: &mut String| {
+        if let Some(marked) = tok.mark_special_text(text) {
+            *text = marked;
+            changed = true;
+        }
+    };
+    let mut messages = messages.to_vec();
+    for m in &mut messages {
+        m.content.iter_mut().for_each(&mut mark);
+        m.name.iter_mut().for_each(&mut mark);
+        m.tool_call_id.iter_mut().for_each(&mut mark);
+        for call in &mut m.tool_calls {
+            mark(&mut call.id);
+            mark(&mut call.name);
+            mark(&mut call.arguments);
+        }
+    }
+    let mut tools = tools.to_vec();
+    for t in &mut tools {
+        mark(&mut t.name);
+        t.description.iter_mut().for_each(&mut mark);
+        mark_json(&mut t.parameters, &mut mark);
+    }
+    changed.then_some((messages, tools))
+}
+
+/// Applies `mark` to every string of `value`, object keys included.
+fn mark_json(value: &mut serde_json::Value, mark: &mut impl FnMut(&mut String)) {
+    match value {
+        serde_json::Value::String(s) => mark(s),
+        serde_json::Value::Array(items) => items.iter_mut().for_each(|v| mark_json(v, mark)),
+        serde_json::Value::Object(map) => {
+            let entries: Vec<(String, serde_json::Value)> =
+                std::mem::take(map).into_iter().collect();
+            for (mut key, mut v) in entries {
+                mark(&mut key);
+                mark_json(&mut v, mark);
+                map.insert(key, v);
+            }
+        }
+        _ => {}
     }
 }
 

@@ -13,6 +13,15 @@
 //! - raw text adds the tokenizer's special tokens unless the text already
 //!   starts with the BOS string: [`TextTokenizer::encode_text_prompt`].
 //!
+//! Control tokens typed in message content stay text: a user who writes
+//! `<|im_end|>` must not end their turn. [`TextTokenizer::mark_special_text`]
+//! puts [`CONTENT_MARK`] before every special-token string in a piece of
+//! content before the template renders it, and
+//! [`TextTokenizer::encode_marked_chat_prompt`] then encodes only the
+//! unmarked special-token strings (the template's own markup) as control
+//! tokens, and everything between them as plain text (`transformers`'
+//! `split_special_tokens=True`).
+//!
 //! [`TextError`], the error type of all of the crate's text modules, lives
 //! here too.
 
@@ -66,12 +75,36 @@ pub enum TextError {
     TemplateRender(String),
 }
 
+/// Marks a special-token string inside message content (a private-use
+/// character, inserted before it and removed again when encoding).
+pub const CONTENT_MARK: char = '\u{E000}';
+
+/// After [`CONTENT_MARK`]: the content itself held a `CONTENT_MARK`
+/// character (kept as text), so a typed mark can never turn the template's
+/// next control token into text.
+const ESCAPED_MARK: char = '\u{E001}';
+
+/// A special added token, as the splitter needs it.
+#[derive(Debug, Clone)]
+struct SpecialToken {
+    content: String,
+    id: u32,
+    /// Whitespace before / after it is part of the match (`AddedToken`'s
+    /// `lstrip` / `rstrip`).
+    lstrip: bool,
+    rstrip: bool,
+}
+
 /// A tokenizer loaded from a model directory, plus the special-token strings
 /// the chat template needs. Cheap to share: `Send + Sync`, all methods take
 /// `&self`.
 #[derive(Debug, Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token strings encoded as plain text.
+    plain: tokenizers::Tokenizer,
+    /// The special added tokens, longest string first.
+    specials: Vec<SpecialToken>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     /// Ids of special added tokens (skipped by `decode(.., true)`), sorted.
@@ -112,8 +145,24 @@ impl TextTokenizer {
             Vec::new()
         };
         byte_fallback_ids.sort_unstable();
+        let mut specials: Vec<SpecialToken> = inner
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, token)| token.special && !token.content.is_empty())
+            .map(|(&id, token)| SpecialToken {
+                content: token.content.clone(),
+                id,
+                lstrip: token.lstrip,
+                rstrip: token.rstrip,
+            })
+            .collect();
+        specials.sort_by(|a, b| b.content.len().cmp(&a.content.len()).then(a.id.cmp(&b.id)));
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner,
+            plain,
+            specials,
             bos_token,
             eos_token,
             special_ids,
@@ -164,6 +213,101 @@ impl TextTokenizer {
     /// the model wants one; adding it again would double it.
     pub fn encode_chat_prompt(&self, rendered: &str) -> Result<Vec<u32>, TextError> {
         self.encode(rendered, false)
+    }
+
+    /// The longest special token whose string starts `text`.
+    fn special_at(&self, text: &str) -> Option<&SpecialToken> {
+        self.specials
+            .iter()
+            .find(|t| text.starts_with(t.content.as_str()))
+    }
+
+    /// `text` with [`CONTENT_MARK`] before every special-token string in
+    /// it (and a `CONTENT_MARK` typed in it escaped), or `None` when it
+    /// holds neither (the common case: nothing to do).
+    pub fn mark_special_text(&self, text: &str) -> Option<String> {
+        let mut out: Option<String> = None;
+        let mut i = 0;
+        while i < text.len() {
+            let rest = &text[i..];
+            if let Some(t) = self.special_at(rest) {
+                let o = out.get_or_insert_with(|| text[..i].to_owned());
+                o.push(CONTENT_MARK);
+                o.push_str(&t.content);
+                i += t.content.len();
+                continue;
+            }
+            let c = rest.chars().next().unwrap_or(CONTENT_MARK);
+            if c == CONTENT_MARK {
+                let o = out.get_or_insert_with(|| text[..i].to_owned());
+                o.push(CONTENT_MARK);
+                o.push(ESCAPED_MARK);
+            } else if let Some(o) = out.as_mut() {
+                o.push(c);
+            }
+            i += c.len_utf8();
+        }
+        out
+    }
+
+    /// Encodes a chat prompt rendered from content marked by
+    /// [`TextTokenizer::mark_special_text`]: a special-token string right
+    /// after [`CONTENT_MARK`] came from content and is encoded as plain
+    /// text (the mark dropped), every other one is the template's markup
+    /// and becomes its control token; the text between control tokens is
+    /// encoded with special-token strings as plain text, and an escaped
+    /// mark as the character it was. Without marks the ids equal
+    /// [`TextTokenizer::encode_chat_prompt`]'s.
+    pub fn encode_marked_chat_prompt(&self, rendered: &str) -> Result<Vec<u32>, TextError> {
+        let mut ids = Vec::new();
+        let mut text = String::new();
+        let mut i = 0;
+        while i < rendered.len() {
+            let rest = &rendered[i..];
+            if let Some(stripped) = rest.strip_prefix(CONTENT_MARK) {
+                if stripped.starts_with(ESCAPED_MARK) {
+                    text.push(CONTENT_MARK);
+                    i += CONTENT_MARK.len_utf8() + ESCAPED_MARK.len_utf8();
+                    continue;
+                }
+                if let Some(t) = self.special_at(stripped) {
+                    text.push_str(&t.content);
+                    i += CONTENT_MARK.len_utf8() + t.content.len();
+                    continue;
+                }
+            }
+            if let Some(t) = self.special_at(rest) {
+                if t.lstrip {
+                    text.truncate(text.trim_end().len());
+                }
+                self.encode_plain(&text, &mut ids)?;
+                text.clear();
+                ids.push(t.id);
+                i += t.content.len();
+                if t.rstrip {
+                    i += rendered[i..].len() - rendered[i..].trim_start().len();
+                }
+                continue;
+            }
+            let c = rest.chars().next().map_or(1, char::len_utf8);
+            text.push_str(&rest[..c]);
+            i += c;
+        }
+        self.encode_plain(&text, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// Appends the ids of `text`, special-token strings as plain text.
+    fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<(), TextError> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let enc = self
+            .plain
+            .encode_fast(text, false)
+            .map_err(|e| TextError::Encode(e.to_string()))?;
+        ids.extend_from_slice(enc.get_ids());
+        Ok(())
     }
 
     /// Encodes a raw (non-chat) prompt the way mlx-lm 0.32's
