@@ -213,7 +213,9 @@ impl Grammar {
 }
 
 /// `schema` with the module's `x-guidance` layout options (`true` becomes
-/// `{}`, the schema allowing anything).
+/// `{}`, the schema allowing anything), and every object that lists its
+/// `properties` closed to other keys unless it says otherwise
+/// ([`close_objects`]).
 fn with_layout(schema: Json) -> Result<Json, ConstraintError> {
     let mut schema = match schema {
         Json::Bool(true) => json!({}),
@@ -225,10 +227,64 @@ fn with_layout(schema: Json) -> Result<Json, ConstraintError> {
             )))
         }
     };
+    close_objects(&mut schema);
     if let Some(map) = schema.as_object_mut() {
         map.insert("x-guidance".into(), json_layout());
     }
     Ok(schema)
+}
+
+/// Treats a missing `additionalProperties` as `false` in every subschema
+/// that lists `properties` (as llama.cpp's grammar converter and xgrammar's
+/// strict mode do): a model given `{"properties": {"city": ..}}` must not
+/// invent other keys. An object schema without `properties` stays open (it
+/// asks for "any object"), and an explicit `additionalProperties`,
+/// `patternProperties` or `unevaluatedProperties` is kept as written.
+pub fn close_objects(schema: &mut Json) {
+    let Some(map) = schema.as_object_mut() else {
+        return;
+    };
+    let open_keys = [
+        "additionalProperties",
+        "patternProperties",
+        "unevaluatedProperties",
+    ];
+    if map.contains_key("properties") && !open_keys.iter().any(|k| map.contains_key(*k)) {
+        map.insert("additionalProperties".into(), Json::Bool(false));
+    }
+    // Subschemas, by the keyword that holds them.
+    for key in [
+        "properties",
+        "patternProperties",
+        "$defs",
+        "definitions",
+        "dependentSchemas",
+    ] {
+        if let Some(Json::Object(children)) = map.get_mut(key) {
+            children.values_mut().for_each(close_objects);
+        }
+    }
+    for key in ["items", "prefixItems", "anyOf", "oneOf", "allOf"] {
+        match map.get_mut(key) {
+            Some(Json::Array(children)) => children.iter_mut().for_each(close_objects),
+            Some(child) => close_objects(child),
+            None => {}
+        }
+    }
+    for key in [
+        "additionalProperties",
+        "unevaluatedProperties",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "additionalItems",
+    ] {
+        if let Some(child) = map.get_mut(key) {
+            close_objects(child);
+        }
+    }
 }
 
 /// A Lark grammar (llguidance dialect) for Hermes/Qwen tool calls.

@@ -36,7 +36,8 @@ pub struct Filtered {
 #[derive(Debug)]
 pub struct OutputFilter {
     stop: Vec<String>,
-    parse_tools: bool,
+    /// Functions whose calls are parsed out of the text (empty: no parsing).
+    tool_names: Vec<String>,
     /// Text not yet past the stop-string check.
     pending: String,
     /// Text past the stop check but held by the tool-call parser.
@@ -47,12 +48,13 @@ pub struct OutputFilter {
 }
 
 impl OutputFilter {
-    /// A filter ending at any of `stop` (empty strings are ignored) and,
-    /// with `parse_tools`, extracting tool calls.
-    pub fn new(stop: &[String], parse_tools: bool) -> Self {
+    /// A filter ending at any of `stop` (empty strings are ignored) and
+    /// extracting calls of the functions named in `tool_names` (a call of
+    /// any other name stays text: it is not a call the client can answer).
+    pub fn new(stop: &[String], tool_names: &[String]) -> Self {
         Self {
             stop: stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
-            parse_tools,
+            tool_names: tool_names.to_vec(),
             pending: String::new(),
             held: String::new(),
             in_call: false,
@@ -119,7 +121,7 @@ impl OutputFilter {
     /// whatever is still held.
     fn parse(&mut self, released: &str, last: bool) -> Filtered {
         let mut out = Filtered::default();
-        if !self.parse_tools {
+        if self.tool_names.is_empty() {
             out.text = released.to_owned();
             return out;
         }
@@ -164,10 +166,12 @@ impl OutputFilter {
     }
 
     /// Ends the call whose JSON is `body` (`closed`: by its closing tag):
-    /// a [`ToolCall`] when it parses, else its text, unchanged.
+    /// a [`ToolCall`] when it parses and names a known function, else its
+    /// text, unchanged.
     fn close_call(&mut self, out: &mut Filtered, body: &str, closed: bool) {
         self.in_call = false;
-        match parse_tool_call(body) {
+        let known = parse_tool_call(body).filter(|c| self.tool_names.contains(&c.name));
+        match known {
             Some(call) => {
                 self.calls += 1;
                 out.tool_calls.push(call);
@@ -259,7 +263,7 @@ mod tests {
 
     #[test]
     fn a_stop_string_split_across_pieces_ends_the_text_before_it() {
-        let mut f = OutputFilter::new(&["END".into()], false);
+        let mut f = OutputFilter::new(&["END".into()], &[]);
         assert_eq!(f.push("Hello E").text, "Hello ");
         assert_eq!(f.push("N").text, "");
         let last = f.push("D and more");
@@ -270,32 +274,32 @@ mod tests {
 
     #[test]
     fn held_text_that_turns_out_not_to_stop_is_sent() {
-        let mut f = OutputFilter::new(&["\n\n".into(), "###".into()], false);
+        let mut f = OutputFilter::new(&["\n\n".into(), "###".into()], &[]);
         assert_eq!(f.push("a\n").text, "a");
         assert_eq!(f.push("b#").text, "\nb");
         assert_eq!(f.push("#x").text, "##x");
         assert_eq!(f.finish().text, "");
-        let (text, _, stopped) = run(&mut OutputFilter::new(&["##".into()], false), &["1#", "2#"]);
+        let (text, _, stopped) = run(&mut OutputFilter::new(&["##".into()], &[]), &["1#", "2#"]);
         assert_eq!((text.as_str(), stopped), ("1#2#", false));
     }
 
     #[test]
     fn the_earliest_of_several_stop_strings_wins() {
         let stops = ["world".to_string(), "lo w".to_string()];
-        let (text, _, stopped) = run(&mut OutputFilter::new(&stops, false), &["hello world"]);
+        let (text, _, stopped) = run(&mut OutputFilter::new(&stops, &[]), &["hello world"]);
         assert_eq!((text.as_str(), stopped), ("hel", true));
     }
 
     #[test]
     fn multibyte_text_is_cut_on_character_boundaries() {
-        let mut f = OutputFilter::new(&["éa".into()], false);
+        let mut f = OutputFilter::new(&["éa".into()], &[]);
         assert_eq!(f.push("xyé").text, "xy");
         assert_eq!(f.push("b").text, "éb");
     }
 
     #[test]
     fn tool_calls_are_parsed_and_their_text_withheld() {
-        let mut f = OutputFilter::new(&[], true);
+        let mut f = OutputFilter::new(&[], &tools(&["get_weather", "now", "f"]));
         let pieces = [
             "Let me check.",
             "<tool_",
@@ -317,7 +321,7 @@ mod tests {
     #[test]
     fn a_call_without_a_closing_tag_is_parsed_at_the_end() {
         let (text, calls, _) = run(
-            &mut OutputFilter::new(&[], true),
+            &mut OutputFilter::new(&[], &tools(&["get_weather", "now", "f"])),
             &["<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}"],
         );
         assert_eq!(text, "");
@@ -327,17 +331,34 @@ mod tests {
     #[test]
     fn malformed_calls_and_lookalike_text_stay_text() {
         let (text, calls, _) = run(
-            &mut OutputFilter::new(&[], true),
+            &mut OutputFilter::new(&[], &tools(&["get_weather", "now", "f"])),
             &["a <tool", "_cal", "l>not json</tool_call> b <to"],
         );
         assert!(calls.is_empty());
         assert_eq!(text, "a <tool_call>not json</tool_call> b <to");
     }
 
+    fn tools(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    #[test]
+    fn calls_of_functions_not_offered_stay_text() {
+        let call = "<tool_call>{\"name\": \"rm_rf\", \"arguments\": {}}</tool_call>";
+        let (text, calls, _) = run(&mut OutputFilter::new(&[], &tools(&["now"])), &[call]);
+        assert!(calls.is_empty());
+        assert_eq!(text, call);
+        let (text, calls, _) = run(
+            &mut OutputFilter::new(&[], &tools(&["now", "rm_rf"])),
+            &[call],
+        );
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
+    }
+
     #[test]
     fn without_tool_parsing_tags_are_plain_text() {
         let (text, calls, _) = run(
-            &mut OutputFilter::new(&[], false),
+            &mut OutputFilter::new(&[], &[]),
             &["<tool_call>{\"name\": \"f\"}</tool_call>"],
         );
         assert!(calls.is_empty());

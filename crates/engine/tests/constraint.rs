@@ -472,3 +472,78 @@ fn handles_cross_threads() {
     send::<ConstrainedDecoder>();
     send_sync::<GrammarTokenizer>();
 }
+
+/// Feeds `text`'s tokens to a fresh decoder of `grammar`, then says which
+/// of `next` (strings of one token each) the grammar allows.
+fn allowed_after(
+    text: &TextTokenizer,
+    gt: &GrammarTokenizer,
+    grammar: &Grammar,
+    prefix: &str,
+    next: &[&str],
+) -> Vec<bool> {
+    let mut dec = ConstrainedDecoder::new(gt, grammar).unwrap();
+    for t in text.encode(prefix, false).unwrap() {
+        dec.accept(t).unwrap_or_else(|e| panic!("{prefix:?}: {e}"));
+    }
+    let mut logits = vec![0.0f32; gt.vocab_size()];
+    dec.mask_logits(&mut logits).unwrap();
+    next.iter()
+        .map(|s| {
+            let ids = text.encode(s, false).unwrap();
+            assert_eq!(ids.len(), 1, "{s:?} is one token");
+            logits[ids[0] as usize] == 0.0
+        })
+        .collect()
+}
+
+#[test]
+fn listed_properties_close_an_object_unless_the_schema_opens_it() {
+    // Missing `additionalProperties` counts as false (as llama.cpp and
+    // xgrammar read it): after `{"a": 1` only `}` may follow, in nested
+    // objects too; the model cannot invent keys.
+    let (text, gt) = load(&model_dir(), 0);
+    let closed = json!({
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {"c": {"type": "integer"}}}},
+        "required": ["a"]
+    });
+    let g = Grammar::JsonSchema(closed.clone());
+    assert_eq!(
+        allowed_after(&text, &gt, &g, "{\"a\": 1, \"b\": {\"c\": 2", &[",", "}"]),
+        [false, true]
+    );
+    // `a` and `b` both given: nothing else may follow.
+    assert_eq!(
+        allowed_after(&text, &gt, &g, "{\"a\": 1, \"b\": {\"c\": 2}", &[",", "}"]),
+        [false, true]
+    );
+    // Explicitly open: more keys may follow.
+    let mut open = closed.clone();
+    open["additionalProperties"] = json!(true);
+    let g = Grammar::JsonSchema(open);
+    assert_eq!(
+        allowed_after(&text, &gt, &g, "{\"a\": 1, \"b\": {\"c\": 2}", &[",", "}"]),
+        [true, true]
+    );
+    // A bare object (no properties) stays any object.
+    let g = Grammar::JsonSchema(json!({"type": "object"}));
+    assert_eq!(
+        allowed_after(&text, &gt, &g, "{\"x\": 1", &[",", "}"]),
+        [true, true]
+    );
+    // Tool parameters are closed the same way.
+    let params =
+        json!({"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]});
+    let g = Grammar::ToolCalls {
+        tools: vec![("get_time".into(), params)],
+        only: Some("get_time".into()),
+        single: true,
+    };
+    let prefix = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"";
+    // (the wrapper's own `}` follows at once, so `}}` is the closing token)
+    assert_eq!(
+        allowed_after(&text, &gt, &g, prefix, &[",", "}}"]),
+        [false, true]
+    );
+}

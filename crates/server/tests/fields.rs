@@ -459,3 +459,47 @@ async fn unknown_model_on_completions_is_a_404() {
     assert_eq!(error["code"], "model_not_found");
     assert_eq!(fake.request_count(), 0);
 }
+
+#[tokio::test]
+async fn a_tool_message_must_answer_an_earlier_call() {
+    let call = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]});
+    let cases = [
+        // No call at all, a call id nobody made, and an answer before its call.
+        (
+            vec![
+                json!({"role": "user", "content": "hi"}),
+                json!({"role": "tool", "tool_call_id": "call_1", "content": "18C"}),
+            ],
+            "messages[1].tool_call_id",
+        ),
+        (
+            vec![
+                call.clone(),
+                json!({"role": "tool", "tool_call_id": "call_2", "content": "18C"}),
+            ],
+            "messages[1].tool_call_id",
+        ),
+        (
+            vec![
+                json!({"role": "tool", "tool_call_id": "call_1", "content": "18C"}),
+                call.clone(),
+            ],
+            "messages[0].tool_call_id",
+        ),
+    ];
+    for (messages, param) in cases {
+        let fake = FakeService::hello();
+        let reply = post_json(app(fake.clone()), json!({"messages": messages})).await;
+        let error = reply.error(StatusCode::BAD_REQUEST);
+        assert_eq!(error["param"], param, "{error}");
+        assert_eq!(fake.request_count(), 0);
+    }
+    let fake = FakeService::hello();
+    let reply = post_json(
+        app(fake.clone()),
+        json!({"messages": [call, {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]}),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+}

@@ -43,7 +43,12 @@ pub(crate) struct Job {
 impl Job {
     /// A fresh output filter for one of its choices.
     fn output_filter(&self) -> OutputFilter {
-        OutputFilter::new(&self.request.stop, self.parse_tools)
+        let names: Vec<String> = if self.parse_tools {
+            self.request.tools.iter().map(|t| t.name.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        OutputFilter::new(&self.request.stop, &names)
     }
 }
 

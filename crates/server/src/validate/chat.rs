@@ -140,11 +140,34 @@ fn parse_messages(value: Value) -> Result<Vec<ChatMessage>, ValidationError> {
     if items.is_empty() {
         return Err(ValidationError::EmptyMessages);
     }
-    items
+    let messages = items
         .into_iter()
         .enumerate()
         .map(|(i, item)| parse_message(&format!("messages[{i}]"), item))
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    check_tool_call_ids(&messages)?;
+    Ok(messages)
+}
+
+/// Every `tool` message answers a call made by an earlier assistant
+/// message (its `tool_call_id` is that call's `id`).
+fn check_tool_call_ids(messages: &[ChatMessage]) -> Result<(), ValidationError> {
+    for (i, m) in messages.iter().enumerate() {
+        let Some(id) = m.tool_call_id.as_deref().filter(|_| m.role == "tool") else {
+            continue;
+        };
+        let answered = messages[..i]
+            .iter()
+            .filter(|earlier| earlier.role == "assistant")
+            .any(|earlier| earlier.tool_calls.iter().any(|call| call.id == id));
+        if !answered {
+            return Err(ValidationError::UnknownToolCallId {
+                param: format!("messages[{i}].tool_call_id"),
+                id: id.to_owned(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn parse_message(at: &str, value: Value) -> Result<ChatMessage, ValidationError> {

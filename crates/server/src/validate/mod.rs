@@ -56,6 +56,17 @@ pub enum ValidationError {
         /// The message's role.
         role: String,
     },
+    /// A `tool` message whose `tool_call_id` answers no call of an earlier
+    /// assistant message.
+    #[error(
+        "Invalid value for '{param}': '{id}' answers no tool call of an earlier assistant message"
+    )]
+    UnknownToolCallId {
+        /// The field (`messages[i].tool_call_id`).
+        param: String,
+        /// The id sent.
+        id: String,
+    },
     /// A content part whose `type` is not `text`.
     #[error("Invalid value for '{param}': '{kind}' (only 'text' parts are supported)")]
     UnsupportedContentPart {
@@ -222,6 +233,7 @@ impl ValidationError {
             | Self::Missing(param)
             | Self::UnsupportedRole { param, .. }
             | Self::MisplacedMessageField { param, .. }
+            | Self::UnknownToolCallId { param, .. }
             | Self::UnsupportedContentPart { param, .. }
             | Self::EmptyStop { param }
             | Self::UnsupportedToolType { param, .. }
