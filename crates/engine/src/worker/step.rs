@@ -324,40 +324,40 @@ impl Worker<'_> {
     }
 
     /// Gives back the positions of a failed pipelined step and of any step
-    /// queued behind it: each row's cache ends at its computed tokens again.
+    /// queued behind it.
     fn rewind_queued(&mut self, queued: &Queued) {
-        for &id in &queued.ids {
-            let Some(s) = self.running.iter().find(|s| s.id == id) else {
-                continue;
-            };
-            if let Err(e) = self.kv.truncate_tail(&s.kv, s.computed) {
-                tracing::error!(error = %e, "rewinding a failed step");
-            }
-        }
+        let seqs: Vec<usize> = queued
+            .ids
+            .iter()
+            .filter_map(|id| self.running.iter().position(|s| s.id == *id))
+            .collect();
+        self.rewind_to_computed(&seqs);
     }
 
     /// [`Worker::forward`] with panics caught; on any failure every row's
     /// cache is rewound to where it was before the step.
     fn guarded_forward(&mut self, plan: &StepPlan) -> Result<Sampled, String> {
-        let ends: Vec<usize> = plan
-            .rows
-            .iter()
-            .map(|r| self.running[r.seq].computed)
-            .collect();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.forward(plan)));
         let result =
             outcome.unwrap_or_else(|p| Err(format!("internal error: {}", panic_message(&p))));
         if result.is_err() {
-            for (r, &end) in plan.rows.iter().zip(&ends) {
-                let kv = &self.running[r.seq].kv;
-                if self.kv.end(kv).is_ok_and(|e| e > end) {
-                    if let Err(e) = self.kv.truncate_tail(kv, end) {
-                        tracing::error!(error = %e, "rewinding a failed step");
-                    }
+            let seqs: Vec<usize> = plan.rows.iter().map(|r| r.seq).collect();
+            self.rewind_to_computed(&seqs);
+        }
+        result
+    }
+
+    /// Shrinks each sequence's cache back to its computed tokens (a failed
+    /// step advanced none of them).
+    fn rewind_to_computed(&mut self, seqs: &[usize]) {
+        for &seq in seqs {
+            let s = &self.running[seq];
+            if self.kv.end(&s.kv).is_ok_and(|e| e > s.computed) {
+                if let Err(e) = self.kv.truncate_tail(&s.kv, s.computed) {
+                    tracing::error!(error = %e, "rewinding a failed step");
                 }
             }
         }
-        result
     }
 
     /// Marks `seq` failed: its client gets the error; it leaves at the end of
@@ -392,16 +392,13 @@ impl Worker<'_> {
     /// Moves sequence `seq` past `real` more computed tokens; `ahead`
     /// positions past them are reserved by a step already queued.
     fn advance(&mut self, seq: usize, real: usize, ahead: usize) -> Result<(), String> {
-        let s = &mut self.running[seq];
-        s.computed += real;
+        self.running[seq].computed += real;
+        // Full blocks become hittable as soon as they are computed (with a
+        // step queued ahead, the token at `computed` is not known before the
+        // emit: `emit_queued` donates then).
+        self.donate_known(seq)?;
+        let s = &self.running[seq];
         let kv = &mut self.kv;
-        if s.job.request.cache_prompt && ahead == 0 {
-            // Full blocks become hittable as soon as they are computed (with
-            // a step queued ahead, the token at `computed` is not known
-            // before the emit: `emit_queued` donates then).
-            kv.donate(&s.kv, &s.tokens[..s.computed])
-                .map_err(|e| e.to_string())?;
-        }
         if let Some(max) = self.config.max_kv_size {
             let len = kv.len(&s.kv).map_err(|e| e.to_string())?;
             if len > max {
