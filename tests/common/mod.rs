@@ -101,8 +101,9 @@ pub fn collect_tokens(
             GenerationEvent::Delta { token, .. } => ids.push(token),
             GenerationEvent::Finished { usage, .. } => return Ok((ids, usage)),
             GenerationEvent::Failed { message } => return Err(message),
-            GenerationEvent::ToolCall { call, .. } => {
-                return Err(format!("unexpected tool call {call:?}"))
+            other @ (GenerationEvent::ToolCallStart { .. }
+            | GenerationEvent::ToolCallArguments { .. }) => {
+                return Err(format!("unexpected tool call {other:?}"))
             }
         }
     }

@@ -9,7 +9,7 @@
 //! - [`GrammarTokenizer`]: once per model, at load (builds the trie; about a
 //!   second for a 50k vocabulary).
 //! - [`Grammar`]: what a request asks for (JSON object, JSON Schema, tool
-//!   calls).
+//!   calls after a forced reply's start).
 //! - [`ConstrainedDecoder`]: one per request; per step [`mask_logits`] before
 //!   sampling, then [`accept`] the sampled token, until [`is_finished`].
 //!
@@ -160,19 +160,18 @@ pub enum Grammar {
     /// JSON valid against this JSON Schema (OpenAI `json_schema`). Any
     /// `x-guidance` key in it is replaced by the module's layout options.
     JsonSchema(Json),
-    /// Tool calls in the Hermes/Qwen format, each
-    /// `<tool_call>\n{"name": "<fn>", "arguments": <JSON>}\n</tool_call>`
-    /// with the arguments valid against that function's parameters schema
-    /// (`Null` means any object). Calls are separated by `\n`.
+    /// Tool calls in the Hermes/Qwen format (`tool_choice: "required"`),
+    /// continuing a reply that already holds `<tool_call>\n{"name": "`
+    /// (the engine puts it in the prompt,
+    /// [`crate::output::forced_call_prefix`]): a function's name,
+    /// `", "arguments": `, arguments valid against that function's
+    /// parameters schema (`Null` means any object), then `}\n</tool_call>`.
+    /// The reply may end after any complete call (after an optional
+    /// newline) or, with `\n<tool_call>\n{"name": "`, call again.
     ToolCalls {
         /// `(name, parameters JSON Schema)` of each function.
         tools: Vec<(String, Json)>,
-        /// `Some(name)`: exactly one call, to that function (OpenAI
-        /// `tool_choice: {"function": {"name": ..}}`); `None`: one or more
-        /// calls to any of `tools` (`tool_choice: "required"`).
-        only: Option<String>,
-        /// Exactly one call even when `only` is `None`
-        /// (`parallel_tool_calls: false`).
+        /// At most one call (`parallel_tool_calls: false`).
         single: bool,
     },
 }
@@ -198,16 +197,9 @@ impl Grammar {
             Grammar::JsonSchema(schema) => Ok(TopLevelGrammar::from_json_schema(with_layout(
                 schema.clone(),
             )?)),
-            Grammar::ToolCalls {
-                tools,
-                only,
-                single,
-            } => Ok(TopLevelGrammar::from_lark(tool_calls_lark(
-                tools,
-                only.as_deref(),
-                *single,
-                special_tags,
-            )?)),
+            Grammar::ToolCalls { tools, single } => Ok(TopLevelGrammar::from_lark(
+                tool_calls_lark(tools, *single, special_tags)?,
+            )),
         }
     }
 }
@@ -287,22 +279,17 @@ pub fn close_objects(schema: &mut Json) {
     }
 }
 
-/// A Lark grammar (llguidance dialect) for Hermes/Qwen tool calls.
+/// A Lark grammar (llguidance dialect) for Hermes/Qwen tool calls after
+/// `<tool_call>\n{"name": "` (see [`Grammar::ToolCalls`]).
 fn tool_calls_lark(
     tools: &[(String, Json)],
-    only: Option<&str>,
     single: bool,
     special_tags: bool,
 ) -> Result<String, ConstraintError> {
-    let chosen: Vec<&(String, Json)> = match only {
-        Some(name) => tools.iter().filter(|(n, _)| n == name).take(1).collect(),
-        None => tools.iter().collect(),
-    };
-    if chosen.is_empty() {
-        return Err(ConstraintError::InvalidGrammar(match only {
-            Some(name) => format!("tool_choice names {name:?}, which is not among the tools"),
-            None => "tool calls required but no tools given".into(),
-        }));
+    if tools.is_empty() {
+        return Err(ConstraintError::InvalidGrammar(
+            "tool calls required but no tools given".into(),
+        ));
     }
     let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
     let (open, close) = if special_tags {
@@ -310,23 +297,25 @@ fn tool_calls_lark(
     } else {
         (lit("<tool_call>"), lit("</tool_call>"))
     };
-    let mut lark = String::from(if only.is_some() || single {
-        "start: call\n"
+    let mut lark = String::from(if single {
+        "start: call end?\n"
     } else {
-        "start: call (\"\\n\" call)*\n"
+        "start: call (next call)* end?\n"
     });
-    let alts: Vec<String> = (0..chosen.len()).map(|i| format!("call_{i}")).collect();
+    lark.push_str(&format!(
+        "next: {} {close} \"\\n\" {open} {}\n",
+        lit("}\n"),
+        lit("\n{\"name\": \""),
+    ));
+    lark.push_str(&format!("end: {} {close} \"\\n\"?\n", lit("}\n")));
+    let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
     lark.push_str(&format!("call: {}\n", alts.join(" | ")));
-    for (i, (name, params)) in chosen.iter().enumerate() {
-        let head = format!("\n{{\"name\": {}, \"arguments\": ", lit(name));
+    for (i, (name, params)) in tools.iter().enumerate() {
+        let head = format!("{name}\", \"arguments\": ");
         let schema = with_layout(params.clone())?;
         let schema = serde_json::to_string(&schema)
             .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
-        lark.push_str(&format!(
-            "call_{i}: {open} {} %json {schema} {} {close}\n",
-            lit(&head),
-            lit("}\n"),
-        ));
+        lark.push_str(&format!("call_{i}: {} %json {schema}\n", lit(&head)));
     }
     Ok(lark)
 }

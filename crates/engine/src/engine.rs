@@ -18,9 +18,10 @@ use crate::api::{
 };
 use crate::chat_template::ChatTemplate;
 use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
+use crate::output::forced_call_prefix;
 use crate::scheduler::{worst_case_blocks, SchedulerConfig};
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
-use crate::worker::{request_blocks, Job, Message, Worker, WorkerConfig};
+use crate::worker::{request_blocks, Job, Message, ToolCallOutput, Worker, WorkerConfig};
 use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, WeightMode};
@@ -377,6 +378,18 @@ impl Engine {
         prompt: &Prompt,
         tools: &[ToolDefinition],
     ) -> Result<Vec<u32>, SubmitError> {
+        self.tokenize_with_reply(prompt, tools, "")
+    }
+
+    /// [`Engine::tokenize_prompt`] with `reply` (markup of the engine's
+    /// own, such as a forced call's start) after a chat prompt's
+    /// generation prompt.
+    fn tokenize_with_reply(
+        &self,
+        prompt: &Prompt,
+        tools: &[ToolDefinition],
+        reply: &str,
+    ) -> Result<Vec<u32>, SubmitError> {
         let invalid = |e: crate::tokenizer::TextError| SubmitError::InvalidRequest {
             message: e.to_string(),
             param: Some("messages".into()),
@@ -404,13 +417,15 @@ impl Engine {
                     None => {
                         let rendered = template
                             .render_with_tools(messages, tools, true)
-                            .map_err(invalid)?;
+                            .map_err(invalid)?
+                            + reply;
                         tokenizer.encode_chat_prompt(&rendered).map_err(invalid)
                     }
                     Some((messages, tools)) => {
                         let rendered = template
                             .render_with_tools(&messages, &tools, true)
-                            .map_err(invalid)?;
+                            .map_err(invalid)?
+                            + reply;
                         tokenizer
                             .encode_marked_chat_prompt(&rendered)
                             .map_err(invalid)
@@ -489,7 +504,7 @@ impl InferenceService for Engine {
         } else {
             &request.tools
         };
-        let grammar = grammar_of(&request)?;
+        let (grammar, reply) = grammar_of(&request)?.unzip();
         let constraints = match (&grammar, &self.text.grammar) {
             (Some((grammar, param)), Some(tokens)) => (0..n)
                 .map(|_| ConstrainedDecoder::new(tokens, grammar))
@@ -503,7 +518,9 @@ impl InferenceService for Engine {
             }
             (None, _) => Vec::new(),
         };
-        let prompt = self.tokenize_prompt(&request.prompt, tools)?;
+        let reply = reply.flatten();
+        let prompt =
+            self.tokenize_with_reply(&request.prompt, tools, reply.as_deref().unwrap_or(""))?;
         if prompt.is_empty() {
             return Err(invalid("messages", "the prompt is empty".into()));
         }
@@ -550,7 +567,11 @@ impl InferenceService for Engine {
             max_tokens = lo;
         }
         request.max_tokens = max_tokens;
-        let parse_tools = chat && !tools.is_empty();
+        let tool_calls = match reply {
+            Some(prefix) => ToolCallOutput::Forced(prefix),
+            None if chat && !tools.is_empty() => ToolCallOutput::Parsed,
+            None => ToolCallOutput::Off,
+        };
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
         let job = Job {
             prompt,
@@ -558,7 +579,7 @@ impl InferenceService for Engine {
             submitted: Instant::now(),
             events,
             constraints,
-            parse_tools,
+            tool_calls,
         };
         self.send(Message::Job(Box::new(job)))?;
         Ok(stream)
@@ -666,9 +687,16 @@ fn mark_json(value: &mut serde_json::Value, mark: &mut impl FnMut(&mut String)) 
     }
 }
 
-/// The grammar a request's output must follow, and the field that asked
-/// for it: a required or named tool call, or `response_format`.
-fn grammar_of(request: &GenerationRequest) -> Result<Option<(Grammar, &'static str)>, SubmitError> {
+/// The grammar a request's output must follow with the field that asked
+/// for it (a required or named tool call, or `response_format`), and for a
+/// forced tool call the reply's start, which goes in the prompt
+/// ([`forced_call_prefix`]): the model generates only the rest of the call
+/// (for a named function, only its arguments), and the output filter builds
+/// the call from it.
+#[allow(clippy::type_complexity)]
+fn grammar_of(
+    request: &GenerationRequest,
+) -> Result<Option<((Grammar, &'static str), Option<String>)>, SubmitError> {
     let only = match &request.tool_choice {
         ToolChoice::Required => None,
         ToolChoice::Function(name) => Some(name.clone()),
@@ -678,7 +706,7 @@ fn grammar_of(request: &GenerationRequest) -> Result<Option<(Grammar, &'static s
                     ResponseFormat::JsonObject => Grammar::JsonObject,
                     ResponseFormat::JsonSchema(schema) => Grammar::JsonSchema(schema.clone()),
                 };
-                (grammar, "response_format")
+                ((grammar, "response_format"), None)
             }));
         }
     };
@@ -694,26 +722,29 @@ fn grammar_of(request: &GenerationRequest) -> Result<Option<(Grammar, &'static s
             "a required tool call cannot be combined with response_format",
         ));
     }
-    if let Some(name) = &only {
-        if !request.tools.iter().any(|t| &t.name == name) {
-            return Err(refuse(&format!(
-                "tool_choice names an unknown function `{name}`"
-            )));
+    let grammar = match &only {
+        Some(name) => {
+            let tool = request
+                .tools
+                .iter()
+                .find(|t| &t.name == name)
+                .ok_or_else(|| {
+                    refuse(&format!("tool_choice names an unknown function `{name}`"))
+                })?;
+            Grammar::JsonSchema(tool.parameters.clone())
         }
-    }
-    let tools = request
-        .tools
-        .iter()
-        .map(|t| (t.name.clone(), t.parameters.clone()))
-        .collect();
-    let single = !request.parallel_tool_calls;
-    Ok(Some((
-        Grammar::ToolCalls {
-            tools,
-            only,
-            single,
+        None => Grammar::ToolCalls {
+            tools: request
+                .tools
+                .iter()
+                .map(|t| (t.name.clone(), t.parameters.clone()))
+                .collect(),
+            single: !request.parallel_tool_calls,
         },
-        "tool_choice",
+    };
+    Ok(Some((
+        (grammar, "tool_choice"),
+        Some(forced_call_prefix(only.as_deref())),
     )))
 }
 

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::constraint::{ConstrainedDecoder, ConstraintError, Grammar, GrammarTokenizer};
+use mlxcel_engine::output::{forced_call_prefix, OutputFilter, OutputPiece};
 use mlxcel_engine::tokenizer::{eos_token_ids, TextTokenizer};
 use serde_json::{json, Value};
 
@@ -135,19 +136,31 @@ fn time_schema() -> Value {
     })
 }
 
-/// Splits `<tool_call>\n{json}\n</tool_call>` blocks joined by `\n`.
-fn tool_calls(text: &str) -> Vec<Value> {
-    text.split("\n<tool_call>")
-        .map(|block| {
-            let inner = block
-                .strip_prefix("<tool_call>")
-                .unwrap_or(block)
-                .strip_prefix('\n')
-                .and_then(|s| s.strip_suffix("\n</tool_call>"))
-                .unwrap_or_else(|| panic!("bad tool call block {block:?}"));
-            serde_json::from_str(inner).unwrap_or_else(|e| panic!("{inner:?}: {e}"))
+/// The calls of a reply to `tool_choice: "required"` whose generated part
+/// is `text`, read by the engine's own output filter after the forced
+/// prefix: `(name, arguments)` each, and any text the filter let through.
+fn tool_calls(text: &str, names: &[&str]) -> (Vec<(String, Value)>, String) {
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut filter = OutputFilter::forced(&[], &names, &forced_call_prefix(None));
+    let mut out = filter.push(text);
+    out.extend(filter.finish());
+    let mut calls: Vec<(String, String)> = Vec::new();
+    let mut other = String::new();
+    for piece in out.pieces {
+        match piece {
+            OutputPiece::CallStart { name, .. } => calls.push((name, String::new())),
+            OutputPiece::CallArguments(a) => calls.last_mut().unwrap().1.push_str(&a),
+            OutputPiece::Text(t) => other.push_str(&t),
+        }
+    }
+    let calls = calls
+        .into_iter()
+        .map(|(name, args)| {
+            let args = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            (name, args)
         })
-        .collect()
+        .collect();
+    (calls, other)
 }
 
 #[test]
@@ -203,34 +216,6 @@ fn json_schema_walks_satisfy_the_schema() {
 }
 
 #[test]
-fn named_tool_call_is_one_call_to_that_function() {
-    let (_, gt) = load(&model_dir(), 0);
-    let grammar = Grammar::ToolCalls {
-        tools: vec![
-            ("get_weather".into(), weather_schema()),
-            ("get_time".into(), time_schema()),
-        ],
-        only: Some("get_weather".into()),
-        single: false,
-    };
-    grammar.validate().unwrap();
-    for seed in 20..23 {
-        let w = walk(&gt, &grammar, seed, 100.0);
-        assert!(
-            w.text
-                .starts_with("<tool_call>\n{\"name\": \"get_weather\", "),
-            "{}",
-            w.text
-        );
-        let calls = tool_calls(&w.text);
-        assert_eq!(calls.len(), 1);
-        assert_eq!(calls[0]["name"], "get_weather");
-        check_weather_args(&calls[0]["arguments"]);
-        eprintln!("named tool seed {seed}: {}", w.text);
-    }
-}
-
-#[test]
 fn required_tool_calls_use_the_given_tools() {
     let (_, gt) = load(&model_dir(), 0);
     let grammar = Grammar::ToolCalls {
@@ -238,34 +223,52 @@ fn required_tool_calls_use_the_given_tools() {
             ("get_weather".into(), weather_schema()),
             ("get_time".into(), time_schema()),
         ],
-        only: None,
         single: false,
     };
+    grammar.validate().unwrap();
     let mut names = Vec::new();
     let mut counts = Vec::new();
     for seed in 30..36 {
         // No EOS bonus: after each call, another call and EOS are equally likely.
         let w = walk(&gt, &grammar, seed, 0.0);
-        counts.push(tool_calls(&w.text).len());
-        assert!(w.text.starts_with("<tool_call>\n"), "{}", w.text);
-        for call in tool_calls(&w.text) {
-            let args = &call["arguments"];
-            match call["name"].as_str().unwrap() {
-                "get_weather" => check_weather_args(args),
+        let (calls, other) = tool_calls(&w.text, &["get_weather", "get_time"]);
+        assert_eq!(other, "", "{}", w.text);
+        counts.push(calls.len());
+        for (name, args) in calls {
+            match name.as_str() {
+                "get_weather" => check_weather_args(&args),
                 "get_time" => {
                     assert!(args["zone"].is_string() && args.as_object().unwrap().len() == 1)
                 }
                 other => panic!("unknown tool {other}"),
             }
-            names.push(call["name"].as_str().unwrap().to_string());
+            names.push(name);
         }
         eprintln!("required tools seed {seed}: {}", w.text);
     }
     assert!(names.iter().any(|n| n == "get_weather") && names.iter().any(|n| n == "get_time"));
+    assert!(counts.iter().all(|&n| n >= 1), "{counts:?}");
     assert!(
         counts.iter().any(|&n| n > 1),
         "never more than one call: {counts:?}"
     );
+}
+
+#[test]
+fn one_call_only_without_parallel_tool_calls() {
+    let (_, gt) = load(&model_dir(), 0);
+    let grammar = Grammar::ToolCalls {
+        tools: vec![
+            ("get_weather".into(), weather_schema()),
+            ("get_time".into(), time_schema()),
+        ],
+        single: true,
+    };
+    for seed in 30..33 {
+        let w = walk(&gt, &grammar, seed, 0.0);
+        let (calls, other) = tool_calls(&w.text, &["get_weather", "get_time"]);
+        assert_eq!((calls.len(), other.as_str()), (1, ""), "{}", w.text);
+    }
 }
 
 #[test]
@@ -276,18 +279,11 @@ fn invalid_grammars_are_rejected() {
         Grammar::JsonSchema(json!({"$ref": "#/$defs/missing"})),
         Grammar::JsonSchema(json!(42)),
         Grammar::ToolCalls {
-            tools: vec![("get_time".into(), time_schema())],
-            only: Some("get_weather".into()),
-            single: false,
-        },
-        Grammar::ToolCalls {
             tools: vec![],
-            only: None,
             single: false,
         },
         Grammar::ToolCalls {
             tools: vec![("f".into(), json!({"type": "wat"}))],
-            only: None,
             single: false,
         },
     ];
@@ -369,36 +365,51 @@ fn accept_rejects_forbidden_tokens_and_keeps_state() {
 #[test]
 fn eos_is_allowed_only_where_the_grammar_can_end() {
     let (text, gt) = load(&model_dir(), 0);
-    let grammar = Grammar::ToolCalls {
-        tools: vec![("get_time".into(), time_schema())],
-        only: None,
-        single: false,
+    let id = |s: &str| {
+        let ids = text.encode(s, false).unwrap();
+        assert_eq!(ids.len(), 1, "{s:?} is one token");
+        ids[0] as usize
     };
-    let mut dec = ConstrainedDecoder::new(&gt, &grammar).unwrap();
-    let call =
-        "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>";
-    for (i, t) in text.encode(call, false).unwrap().into_iter().enumerate() {
+    for single in [false, true] {
+        let grammar = Grammar::ToolCalls {
+            tools: vec![("get_time".into(), time_schema())],
+            single,
+        };
+        let mut dec = ConstrainedDecoder::new(&gt, &grammar).unwrap();
+        // The reply after `<tool_call>\n{"name": "`.
+        let call = "get_time\", \"arguments\": {\"zone\": \"UTC\"}";
+        for (i, t) in text.encode(call, false).unwrap().into_iter().enumerate() {
+            let mut logits = vec![0.0f32; gt.vocab_size()];
+            dec.mask_logits(&mut logits).unwrap();
+            assert_eq!(
+                logits[EOS as usize],
+                f32::NEG_INFINITY,
+                "EOS allowed at step {i}"
+            );
+            assert_eq!(
+                logits[t as usize], 0.0,
+                "token {t} of the call masked at step {i}"
+            );
+            dec.accept(t).unwrap();
+        }
+        // The arguments are complete: the reply may end, or close the call.
         let mut logits = vec![0.0f32; gt.vocab_size()];
         dec.mask_logits(&mut logits).unwrap();
-        assert_eq!(
-            logits[EOS as usize],
-            f32::NEG_INFINITY,
-            "EOS allowed at step {i}"
-        );
-        assert_eq!(
-            logits[t as usize], 0.0,
-            "token {t} of the call masked at step {i}"
-        );
-        dec.accept(t).unwrap();
+        assert_eq!(logits[EOS as usize], 0.0);
+        assert_eq!(logits[id("}")], 0.0);
+        for t in text.encode("}\n</tool_call>\n", false).unwrap() {
+            dec.accept(t).unwrap();
+        }
+        // After one complete call and a newline: with one call only, the
+        // reply is complete; else it may end or call again.
+        assert_eq!(dec.is_finished(), single);
+        let mut logits = vec![0.0f32; gt.vocab_size()];
+        dec.mask_logits(&mut logits).unwrap();
+        assert_eq!(logits[EOS as usize], 0.0);
+        assert_eq!(logits[id("<")] == 0.0, !single, "single: {single}");
+        dec.accept(EOS).unwrap();
+        assert!(dec.is_finished());
     }
-    // One call is complete; another may follow, or EOS ends the list.
-    assert!(!dec.is_finished());
-    let mut logits = vec![0.0f32; gt.vocab_size()];
-    dec.mask_logits(&mut logits).unwrap();
-    assert_eq!(logits[EOS as usize], 0.0);
-    assert_eq!(logits[text.token_to_id("Ċ").unwrap() as usize], 0.0);
-    dec.accept(EOS).unwrap();
-    assert!(dec.is_finished());
 }
 
 #[test]
@@ -455,14 +466,32 @@ fn tool_tags_use_added_tokens_when_the_tokenizer_has_them() {
     assert_eq!(text.vocab_size(), 49154);
     let grammar = Grammar::ToolCalls {
         tools: vec![("get_weather".into(), weather_schema())],
-        only: Some("get_weather".into()),
         single: false,
     };
-    let w = walk(&gt, &grammar, 40, 100.0);
-    assert_eq!(w.ids.first(), Some(&49152), "{}", w.text);
-    assert_eq!(w.ids.last(), Some(&49153), "{}", w.text);
-    let calls = tool_calls(&w.text);
-    check_weather_args(&calls[0]["arguments"]);
+    // Enough noise that the walk calls twice: the second call opens with
+    // the `<tool_call>` token.
+    let w = (40..60)
+        .map(|seed| walk(&gt, &grammar, seed, 0.0))
+        .find(|w| w.ids.contains(&49152))
+        .expect("a walk with two calls");
+    let pos = |id: u32| w.ids.iter().position(|&t| t == id);
+    assert!(pos(49153) < pos(49152), "{}", w.text);
+    // No tag is spelled out in plain text.
+    let plain: Vec<u8> = w
+        .ids
+        .iter()
+        .filter(|&&t| t < 49152)
+        .flat_map(|&t| gt.token_bytes(t))
+        .collect();
+    assert!(
+        !String::from_utf8_lossy(&plain).contains("tool_call>"),
+        "{}",
+        w.text
+    );
+    let (calls, other) = tool_calls(&w.text, &["get_weather"]);
+    assert_eq!(other, "");
+    assert!(calls.len() >= 2);
+    calls.iter().for_each(|(_, args)| check_weather_args(args));
 }
 
 #[test]
@@ -537,10 +566,9 @@ fn listed_properties_close_an_object_unless_the_schema_opens_it() {
         json!({"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]});
     let g = Grammar::ToolCalls {
         tools: vec![("get_time".into(), params)],
-        only: Some("get_time".into()),
         single: true,
     };
-    let prefix = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"";
+    let prefix = "get_time\", \"arguments\": {\"zone\": \"UTC\"";
     // (the wrapper's own `}` follows at once, so `}}` is the closing token)
     assert_eq!(
         allowed_after(&text, &gt, &g, prefix, &[",", "}}"]),

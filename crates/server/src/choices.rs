@@ -5,7 +5,8 @@
 //! interleaved and tagged with their index. [`Choices`] merges them (choice
 //! `i` of prompt `p` becomes choice `p * n + i`) and turns events into
 //! [`Piece`]s: text with the logprobs of the tokens that completed it, tool
-//! calls numbered within their choice, and one finish per choice. Dropping
+//! calls (a start, then argument fragments) numbered within their choice,
+//! and one finish per choice. Dropping
 //! it drops every stream, which cancels whatever still runs.
 
 use std::future::poll_fn;
@@ -27,11 +28,20 @@ pub enum Piece {
         text: String,
         logprobs: Vec<SampledLogprobs>,
     },
-    /// A tool call of choice `index`, its `position`-th (from 0).
-    ToolCall {
+    /// Choice `index` begins its `position`-th tool call (from 0).
+    ToolCallStart {
         index: usize,
         position: usize,
-        call: ToolCall,
+        id: String,
+        name: String,
+        logprobs: Vec<SampledLogprobs>,
+    },
+    /// More arguments of choice `index`'s `position`-th tool call (JSON
+    /// text as generated; a call's arguments are the concatenation).
+    ToolCallArguments {
+        index: usize,
+        position: usize,
+        arguments: String,
         logprobs: Vec<SampledLogprobs>,
     },
     /// Choice `index` ended; `logprobs` are those not yet attached to a
@@ -123,7 +133,8 @@ impl Choices {
                 return Err(ApiError::GenerationFailed(message.clone()))
             }
             GenerationEvent::Delta { index, .. }
-            | GenerationEvent::ToolCall { index, .. }
+            | GenerationEvent::ToolCallStart { index, .. }
+            | GenerationEvent::ToolCallArguments { index, .. }
             | GenerationEvent::Finished { index, .. } => *index,
         };
         if self.finished.get(index).copied().unwrap_or(true) {
@@ -142,16 +153,32 @@ impl Choices {
                     logprobs: std::mem::take(&mut self.pending[index]),
                 }
             }
-            GenerationEvent::ToolCall { call, .. } => {
+            GenerationEvent::ToolCallStart { id, name, .. } => {
                 let position = self.tool_calls[index];
                 self.tool_calls[index] += 1;
                 if position >= self.max_tool_calls {
                     return Ok(None);
                 }
-                Piece::ToolCall {
+                Piece::ToolCallStart {
                     index,
                     position,
-                    call,
+                    id,
+                    name,
+                    logprobs: std::mem::take(&mut self.pending[index]),
+                }
+            }
+            GenerationEvent::ToolCallArguments { arguments, .. } => {
+                let Some(position) = self.tool_calls[index].checked_sub(1) else {
+                    tracing::warn!(index, "tool-call arguments before any call; ignored");
+                    return Ok(None);
+                };
+                if position >= self.max_tool_calls {
+                    return Ok(None);
+                }
+                Piece::ToolCallArguments {
+                    index,
+                    position,
+                    arguments,
                     logprobs: std::mem::take(&mut self.pending[index]),
                 }
             }
@@ -206,7 +233,8 @@ impl Choices {
 fn globalize(mut event: GenerationEvent, prompt: usize, n: usize) -> GenerationEvent {
     match &mut event {
         GenerationEvent::Delta { index, .. }
-        | GenerationEvent::ToolCall { index, .. }
+        | GenerationEvent::ToolCallStart { index, .. }
+        | GenerationEvent::ToolCallArguments { index, .. }
         | GenerationEvent::Finished { index, .. } => {
             *index = if *index < n {
                 prompt * n + *index
@@ -246,13 +274,29 @@ pub async fn collect(choices: &mut Choices) -> Result<Vec<ChoiceOutput>, ApiErro
                 outputs[index].text.push_str(&text);
                 outputs[index].logprobs.extend(logprobs);
             }
-            Piece::ToolCall {
+            Piece::ToolCallStart {
                 index,
-                call,
+                id,
+                name,
                 logprobs,
                 ..
             } => {
-                outputs[index].tool_calls.push(call);
+                outputs[index].tool_calls.push(ToolCall {
+                    id,
+                    name,
+                    arguments: String::new(),
+                });
+                outputs[index].logprobs.extend(logprobs);
+            }
+            Piece::ToolCallArguments {
+                index,
+                arguments,
+                logprobs,
+                ..
+            } => {
+                if let Some(call) = outputs[index].tool_calls.last_mut() {
+                    call.arguments.push_str(&arguments);
+                }
                 outputs[index].logprobs.extend(logprobs);
             }
             Piece::Finish {

@@ -6,7 +6,9 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine_api::{EventStream, GenerationRequest, InferenceService, Prompt, SubmitError};
+use mlxcel_engine_api::{
+    EventStream, GenerationRequest, InferenceService, Prompt, SubmitError, ToolChoice,
+};
 
 use crate::choices::{collect, Choices};
 use crate::error::ApiError;
@@ -41,6 +43,7 @@ pub async fn chat_completions(
     );
     let n = generation.n;
     let logprobs = generation.logprobs.is_some();
+    let may_call_tools = !generation.tools.is_empty() && generation.tool_choice != ToolChoice::None;
     // Rendering the template and tokenizing a (up to 4 MiB) prompt is CPU
     // work: keep it off the async workers.
     let handle = state.service_handle();
@@ -55,6 +58,7 @@ pub async fn chat_completions(
                 meta,
                 choices: n,
                 include_usage: options.include_usage,
+                opened: vec![!may_call_tools; n],
             };
             Ok(stream_response(choices, format, state.keep_alive()))
         }

@@ -27,8 +27,8 @@ use crate::openai::CompletionMeta;
 pub trait ChunkFormat: Send + 'static {
     /// The events sent before the first piece.
     fn opening(&mut self) -> Vec<Event>;
-    /// The event of `piece`, if it makes one.
-    fn piece(&mut self, piece: Piece) -> Option<Event>;
+    /// The events of `piece`, if it makes any.
+    fn piece(&mut self, piece: Piece) -> Vec<Event>;
     /// The usage event after the last finish, if the client asked for one.
     fn usage(&self, usage: Usage) -> Option<Event>;
 }
@@ -78,11 +78,7 @@ impl<F: ChunkFormat> SseState<F> {
                 return None;
             }
             match self.choices.next().await {
-                Ok(Some(piece)) => {
-                    if let Some(event) = self.format.piece(piece) {
-                        return Some(event);
-                    }
-                }
+                Ok(Some(piece)) => self.queue.extend(self.format.piece(piece)),
                 Ok(None) => {
                     self.ended = true;
                     let usage = self.choices.usage();
@@ -101,6 +97,11 @@ impl<F: ChunkFormat> SseState<F> {
 
 /// `chat.completion.chunk`s: a role chunk per choice, then content, tool
 /// call and finishing chunks as they come.
+///
+/// When the request offered tools, a choice's role chunk waits for its
+/// first piece: a choice that calls a tool opens with `content: null` and
+/// the call, as OpenAI's streams do; one that answers in text opens with
+/// `content: ""`, as without tools.
 pub struct ChatChunks {
     /// Id, time and model of every chunk.
     pub meta: CompletionMeta,
@@ -108,6 +109,10 @@ pub struct ChatChunks {
     pub choices: usize,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// Per choice: its role chunk was sent. All `false` at first when the
+    /// model may call tools (the opening then waits), else all `true`
+    /// (`opening` sends every role chunk at once).
+    pub opened: Vec<bool>,
 }
 
 impl ChatChunks {
@@ -130,57 +135,97 @@ impl ChatChunks {
             self.include_usage,
         ))
     }
+
+    /// The role chunk of choice `index`: `content: ""`, or `null` when it
+    /// opens with a tool call (and then carries `call`).
+    fn role_delta(call: Option<ToolCallDelta>) -> ChunkDelta {
+        ChunkDelta {
+            role: Some("assistant"),
+            content: Some(if call.is_some() {
+                None
+            } else {
+                Some(String::new())
+            }),
+            tool_calls: call.map(|c| vec![c]),
+        }
+    }
+
+    /// Marks choice `index` opened; true when it was not yet.
+    fn open(&mut self, index: usize) -> bool {
+        match self.opened.get_mut(index) {
+            Some(opened) if !*opened => {
+                *opened = true;
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 impl ChunkFormat for ChatChunks {
     fn opening(&mut self) -> Vec<Event> {
         (0..self.choices)
-            .map(|index| {
-                let delta = ChunkDelta {
-                    role: Some("assistant"),
-                    content: Some(String::new()),
-                    tool_calls: None,
-                };
-                self.event(index, delta, &[], None)
-            })
+            .filter(|&index| self.opened.get(index).copied().unwrap_or(true))
+            .map(|index| self.event(index, Self::role_delta(None), &[], None))
             .collect()
     }
 
-    fn piece(&mut self, piece: Piece) -> Option<Event> {
-        let event = match piece {
+    fn piece(&mut self, piece: Piece) -> Vec<Event> {
+        let (index, delta, logprobs, reason) = match piece {
             Piece::Text {
                 index,
                 text,
                 logprobs,
             } => {
                 let delta = ChunkDelta {
-                    content: Some(text),
+                    content: Some(Some(text)),
                     ..ChunkDelta::default()
                 };
-                self.event(index, delta, &logprobs, None)
+                (index, delta, logprobs, None)
             }
-            Piece::ToolCall {
+            Piece::ToolCallStart {
                 index,
                 position,
-                call,
+                id,
+                name,
+                logprobs,
+            } => {
+                let call = ToolCallDelta::start(position, id, name);
+                if self.open(index) {
+                    // The call opens the message.
+                    let delta = Self::role_delta(Some(call));
+                    return vec![self.event(index, delta, &logprobs, None)];
+                }
+                let delta = ChunkDelta {
+                    tool_calls: Some(vec![call]),
+                    ..ChunkDelta::default()
+                };
+                (index, delta, logprobs, None)
+            }
+            Piece::ToolCallArguments {
+                index,
+                position,
+                arguments,
                 logprobs,
             } => {
                 let delta = ChunkDelta {
-                    tool_calls: Some(vec![ToolCallDelta {
-                        index: position,
-                        call: call.into(),
-                    }]),
+                    tool_calls: Some(vec![ToolCallDelta::arguments(position, arguments)]),
                     ..ChunkDelta::default()
                 };
-                self.event(index, delta, &logprobs, None)
+                (index, delta, logprobs, None)
             }
             Piece::Finish {
                 index,
                 reason,
                 logprobs,
-            } => self.event(index, ChunkDelta::default(), &logprobs, Some(reason)),
+            } => (index, ChunkDelta::default(), logprobs, Some(reason)),
         };
-        Some(event)
+        let mut events = Vec::with_capacity(2);
+        if self.open(index) {
+            events.push(self.event(index, Self::role_delta(None), &[], None));
+        }
+        events.push(self.event(index, delta, &logprobs, reason));
+        events
     }
 
     fn usage(&self, usage: Usage) -> Option<Event> {
@@ -247,7 +292,7 @@ impl ChunkFormat for TextChunks {
             .collect()
     }
 
-    fn piece(&mut self, piece: Piece) -> Option<Event> {
+    fn piece(&mut self, piece: Piece) -> Vec<Event> {
         let choice = match piece {
             Piece::Text {
                 index,
@@ -269,14 +314,14 @@ impl ChunkFormat for TextChunks {
                 logprobs: self.logprobs(index, &logprobs),
                 finish_reason: Some(reason),
             },
-            Piece::ToolCall { index, call, .. } => {
+            Piece::ToolCallStart { index, .. } | Piece::ToolCallArguments { index, .. } => {
                 // Completions carry no tools; an engine that parsed a call
                 // anyway has nowhere to put it.
-                tracing::warn!(index, name = %call.name, "tool call on a text completion; dropped");
-                return None;
+                tracing::warn!(index, "tool call on a text completion; dropped");
+                return Vec::new();
             }
         };
-        Some(self.event(choice))
+        vec![self.event(choice)]
     }
 
     fn usage(&self, usage: Usage) -> Option<Event> {

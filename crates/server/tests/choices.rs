@@ -274,9 +274,13 @@ fn time_call() -> Value {
 fn tool_script() -> Vec<GenerationEvent> {
     vec![
         delta_at(0, ""),
-        tool_call_at(0, "call_abc", "get_weather", r#"{"city":"Paris"}"#),
+        tool_call_at(0, "call_abc", "get_weather"),
+        tool_args_at(0, r#"{"city":"#),
         delta_at(0, ""),
-        tool_call_at(0, "call_def", "get_time", "{}"),
+        tool_args_at(0, r#""Paris"}"#),
+        delta_at(0, ""),
+        tool_call_at(0, "call_def", "get_time"),
+        tool_args_at(0, "{}"),
         finished(FinishReason::ToolCalls),
     ]
 }
@@ -331,13 +335,58 @@ async fn parallel_tool_calls_false_keeps_the_first_call() {
         .iter()
         .map(|c| c["choices"][0]["delta"].clone())
         .collect();
+    // The message opens with the call (content null), whose arguments
+    // stream in the fragments they were generated in.
     assert_eq!(
         deltas,
         [
-            json!({"role": "assistant", "content": ""}),
-            json!({"tool_calls": [with(weather_call(), json!({"index": 0}))]}),
+            json!({"role": "assistant", "content": null, "tool_calls": [call_start(0, "call_abc", "get_weather")]}),
+            json!({"tool_calls": [call_args(0, r#"{"city":"#)]}),
+            json!({"tool_calls": [call_args(0, r#""Paris"}"#)]}),
             json!({}),
         ]
+    );
+}
+
+/// The first streamed piece of call `k`: id, type, name, empty arguments.
+fn call_start(k: usize, id: &str, name: &str) -> Value {
+    json!({"index": k, "id": id, "type": "function", "function": {"name": name, "arguments": ""}})
+}
+
+/// A streamed argument fragment of call `k`.
+fn call_args(k: usize, arguments: &str) -> Value {
+    json!({"index": k, "function": {"arguments": arguments}})
+}
+
+#[tokio::test]
+async fn streamed_text_before_a_tool_call_opens_with_empty_content() {
+    let mut script = vec![delta("Let me check.")];
+    script.extend(tool_script());
+    let body = with(tools_request(), json!({"stream": true}));
+    let chunks = sse_json(&post_json(app(FakeService::new(script)), body).await);
+    let deltas: Vec<Value> = chunks
+        .iter()
+        .map(|c| c["choices"][0]["delta"].clone())
+        .collect();
+    assert_eq!(
+        deltas[..3],
+        [
+            json!({"role": "assistant", "content": ""}),
+            json!({"content": "Let me check."}),
+            json!({"tool_calls": [call_start(0, "call_abc", "get_weather")]}),
+        ]
+    );
+    // Without tools the role chunk goes out before anything is generated.
+    let chunks = sse_json(
+        &post_json(
+            app(FakeService::new(vec![finished(FinishReason::Stop)])),
+            with(hello_request(), json!({"stream": true})),
+        )
+        .await,
+    );
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
     );
 }
 
@@ -345,27 +394,53 @@ async fn parallel_tool_calls_false_keeps_the_first_call() {
 async fn tool_calls_streamed_as_deltas_numbered_per_choice() {
     // Choice 1 calls one tool while choice 0 calls two.
     let script = vec![
-        tool_call_at(0, "call_abc", "get_weather", r#"{"city":"Paris"}"#),
-        tool_call_at(1, "call_def", "get_time", "{}"),
-        tool_call_at(0, "call_def", "get_time", "{}"),
+        tool_call_at(0, "call_abc", "get_weather"),
+        tool_call_at(1, "call_def", "get_time"),
+        tool_args_at(0, r#"{"city":"Paris"}"#),
+        tool_args_at(1, "{}"),
+        tool_call_at(0, "call_def", "get_time"),
+        tool_args_at(0, "{}"),
         finished_at(1, FinishReason::ToolCalls, usage(5)),
         finished_at(0, FinishReason::ToolCalls, usage(9)),
     ];
     let body = with(tools_request(), json!({"stream": true, "n": 2}));
-    let chunks = sse_json(&post_json(app(FakeService::new(script)), body).await);
+    let chunks = sse_json(&post_json(app(FakeService::new(script.clone())), body).await);
     let choice = |index: usize, delta: Value, finish: Value| json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}]);
-    let call = |call: Value, k: usize| json!({"tool_calls": [with(call, json!({"index": k}))]});
+    let opening = |call: Value| json!({"role": "assistant", "content": null, "tool_calls": [call]});
+    let calls = |call: Value| json!({"tool_calls": [call]});
     assert_eq!(
         chunk_choices(&chunks),
         [
-            choice(0, json!({"role": "assistant", "content": ""}), json!(null)),
-            choice(1, json!({"role": "assistant", "content": ""}), json!(null)),
-            choice(0, call(weather_call(), 0), json!(null)),
-            choice(1, call(time_call(), 0), json!(null)),
-            choice(0, call(time_call(), 1), json!(null)),
+            choice(
+                0,
+                opening(call_start(0, "call_abc", "get_weather")),
+                json!(null)
+            ),
+            choice(
+                1,
+                opening(call_start(0, "call_def", "get_time")),
+                json!(null)
+            ),
+            choice(0, calls(call_args(0, r#"{"city":"Paris"}"#)), json!(null)),
+            choice(1, calls(call_args(0, "{}")), json!(null)),
+            choice(0, calls(call_start(1, "call_def", "get_time")), json!(null)),
+            choice(0, calls(call_args(1, "{}")), json!(null)),
             choice(1, json!({}), json!("tool_calls")),
             choice(0, json!({}), json!("tool_calls")),
         ]
+    );
+    // Not streamed, the same calls, whole.
+    let body = with(tools_request(), json!({"n": 2}));
+    let reply = post_json(app(FakeService::new(script)), body).await.json();
+    let weather = json!({"id": "call_abc", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}});
+    assert_eq!(
+        reply["choices"][0]["message"]["tool_calls"],
+        json!([weather, time_call()])
+    );
+    assert_eq!(
+        reply["choices"][1]["message"]["tool_calls"],
+        json!([time_call()])
     );
 }
 

@@ -219,7 +219,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context length was reached.
     Length,
-    /// The model called tools (sent as [`GenerationEvent::ToolCall`]).
+    /// The model called tools (sent as [`GenerationEvent::ToolCallStart`]
+    /// and [`GenerationEvent::ToolCallArguments`]).
     ToolCalls,
 }
 
@@ -285,9 +286,21 @@ pub enum GenerationEvent {
         /// Set when the request asked for logprobs.
         logprobs: Option<SampledLogprobs>,
     },
-    /// A complete tool call parsed from the output of choice `index`; its
-    /// text is not sent as a `Delta`.
-    ToolCall { index: usize, call: ToolCall },
+    /// A tool call of choice `index` begins: its id (`call_...`) and the
+    /// function it calls. Its arguments follow as
+    /// [`GenerationEvent::ToolCallArguments`]; none of the call's text is
+    /// sent as a `Delta`. A token's `Delta` comes before the tool-call
+    /// events it completed.
+    ToolCallStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// More of the arguments of choice `index`'s latest tool call: JSON
+    /// text as generated. The call's arguments are the concatenation of
+    /// its fragments (valid JSON once the call is complete; a call cut by
+    /// `max_tokens` keeps what was generated).
+    ToolCallArguments { index: usize, arguments: String },
     /// Choice `index` ended normally; every piece of its text was sent
     /// before this event. The request ends when every choice has.
     Finished {

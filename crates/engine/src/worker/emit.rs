@@ -13,6 +13,7 @@ use std::time::Instant;
 use super::{Emitted, NextToken, Sampled, Worker};
 use crate::api::{FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob};
 use crate::logits::log_probs;
+use crate::output::OutputPiece;
 use crate::scheduler::StepPlan;
 
 impl Worker<'_> {
@@ -131,25 +132,29 @@ impl Worker<'_> {
         if out.stopped {
             finish = Some(FinishReason::Stop);
         } else if finish.is_some() {
-            let rest = s.filter.finish();
-            out.text.push_str(&rest.text);
-            out.tool_calls.extend(rest.tool_calls);
+            out.extend(s.filter.finish());
         }
         let index = s.index;
-        let send_delta = !is_eos || !out.text.is_empty();
+        let text = out.text();
+        let send_delta = !is_eos || !text.is_empty();
         let delta = GenerationEvent::Delta {
             index,
             token,
-            text: out.text,
+            text,
             logprobs: if is_eos { None } else { logprobs },
         };
         let mut sent = !send_delta || s.job.events.send(delta).is_ok();
-        for call in out.tool_calls {
-            sent &= s
-                .job
-                .events
-                .send(GenerationEvent::ToolCall { index, call })
-                .is_ok();
+        for piece in out.pieces {
+            let event = match piece {
+                OutputPiece::Text(_) => continue,
+                OutputPiece::CallStart { id, name } => {
+                    GenerationEvent::ToolCallStart { index, id, name }
+                }
+                OutputPiece::CallArguments(arguments) => {
+                    GenerationEvent::ToolCallArguments { index, arguments }
+                }
+            };
+            sent &= s.job.events.send(event).is_ok();
         }
         if !sent {
             tracing::info!("client went away; request cancelled");

@@ -36,19 +36,34 @@ pub(crate) struct Job {
     /// One grammar matcher per choice when the output is constrained
     /// (`response_format`, a required tool call), else empty.
     pub(crate) constraints: Vec<ConstrainedDecoder>,
-    /// Whether tool calls are parsed out of the text.
-    pub(crate) parse_tools: bool,
+    /// How tool calls are read out of the text.
+    pub(crate) tool_calls: ToolCallOutput,
+}
+
+/// How a job's output filter reads tool calls.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ToolCallOutput {
+    /// No tools offered (or `tool_choice: "none"`): text only.
+    Off,
+    /// Calls of the offered functions are parsed out of free text.
+    Parsed,
+    /// A forced reply whose start, this prefix
+    /// ([`crate::output::forced_call_prefix`]), ends the prompt.
+    Forced(String),
 }
 
 impl Job {
     /// A fresh output filter for one of its choices.
     fn output_filter(&self) -> OutputFilter {
-        let names: Vec<String> = if self.parse_tools {
-            self.request.tools.iter().map(|t| t.name.clone()).collect()
-        } else {
-            Vec::new()
-        };
-        OutputFilter::new(&self.request.stop, &names)
+        let names =
+            || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
+        match &self.tool_calls {
+            ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
+            ToolCallOutput::Parsed => OutputFilter::new(&self.request.stop, &names()),
+            ToolCallOutput::Forced(prefix) => {
+                OutputFilter::forced(&self.request.stop, &names(), prefix)
+            }
+        }
     }
 }
 

@@ -223,22 +223,68 @@ pub struct ChunkDelta {
     /// `assistant` on the first chunk only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
-    /// New text.
+    /// New text; on the first chunk `""`, or `null` when the message opens
+    /// with a tool call; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
-    /// A new tool call, whole.
+    pub content: Option<Option<String>>,
+    /// A tool call's start or more of its arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
-/// A tool call in a chunk: the call with its position in the choice.
+/// A piece of a tool call in a chunk, as OpenAI streams them: the first
+/// carries `id`, `type` and the function's `name` (with `arguments: ""`),
+/// the next ones argument fragments only.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ToolCallDelta {
     /// The call's position among its choice's calls (from 0).
     pub index: usize,
-    /// The call.
-    #[serde(flatten)]
-    pub call: ToolCallBody,
+    /// The call's id, on its first piece.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`, on its first piece.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// The function's name and argument text.
+    pub function: FunctionDelta,
+}
+
+/// The function part of a [`ToolCallDelta`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionDelta {
+    /// The function's name, on the call's first piece.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// More argument text (JSON, as generated).
+    pub arguments: String,
+}
+
+impl ToolCallDelta {
+    /// The first piece of call `position`.
+    pub fn start(position: usize, id: String, name: String) -> Self {
+        Self {
+            index: position,
+            id: Some(id),
+            kind: Some("function"),
+            function: FunctionDelta {
+                name: Some(name),
+                arguments: String::new(),
+            },
+        }
+    }
+
+    /// More arguments of call `position`.
+    pub fn arguments(position: usize, arguments: String) -> Self {
+        Self {
+            index: position,
+            id: None,
+            kind: None,
+            function: FunctionDelta {
+                name: None,
+                arguments,
+            },
+        }
+    }
 }
 
 impl<'a> ChatCompletionChunk<'a> {

@@ -9,7 +9,7 @@ use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
     CacheReset, EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest,
-    InferenceService, SampledLogprobs, SubmitError, Timings, TokenLogprob, ToolCall, Usage,
+    InferenceService, SampledLogprobs, SubmitError, Timings, TokenLogprob, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -194,7 +194,8 @@ impl InferenceService for FakeService {
 fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> {
     let index_of = |event: &GenerationEvent| match event {
         GenerationEvent::Delta { index, .. }
-        | GenerationEvent::ToolCall { index, .. }
+        | GenerationEvent::ToolCallStart { index, .. }
+        | GenerationEvent::ToolCallArguments { index, .. }
         | GenerationEvent::Finished { index, .. } => *index,
         GenerationEvent::Failed { .. } => 0,
     };
@@ -206,7 +207,8 @@ fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> 
             script.iter().cloned().map(move |mut event| {
                 match &mut event {
                     GenerationEvent::Delta { index, .. }
-                    | GenerationEvent::ToolCall { index, .. }
+                    | GenerationEvent::ToolCallStart { index, .. }
+                    | GenerationEvent::ToolCallArguments { index, .. }
                     | GenerationEvent::Finished { index, .. } => *index = choice,
                     GenerationEvent::Failed { .. } => {}
                 }
@@ -272,15 +274,20 @@ pub fn sampled(token: (u32, &str, f32), top: &[(u32, &str, f32)]) -> SampledLogp
     }
 }
 
-/// Tool call `id` of choice `index`.
-pub fn tool_call_at(index: usize, id: &str, name: &str, arguments: &str) -> GenerationEvent {
-    GenerationEvent::ToolCall {
+/// The start of tool call `id` of choice `index`.
+pub fn tool_call_at(index: usize, id: &str, name: &str) -> GenerationEvent {
+    GenerationEvent::ToolCallStart {
         index,
-        call: ToolCall {
-            id: id.to_owned(),
-            name: name.to_owned(),
-            arguments: arguments.to_owned(),
-        },
+        id: id.to_owned(),
+        name: name.to_owned(),
+    }
+}
+
+/// More arguments of choice `index`'s latest tool call.
+pub fn tool_args_at(index: usize, arguments: &str) -> GenerationEvent {
+    GenerationEvent::ToolCallArguments {
+        index,
+        arguments: arguments.to_owned(),
     }
 }
 
