@@ -119,6 +119,29 @@ fn greedy_choices_are_identical_and_match_a_single_run() {
 }
 
 #[test]
+fn min_tokens_keeps_eos_away_until_then() {
+    // "Hello" gets a short greedy answer ending in EOS; with min_tokens
+    // beyond its length EOS cannot come before, and the answer to that
+    // point is the same (greedy, EOS not the argmax elsewhere).
+    let e = engine();
+    let natural = run(&e, greedy_request(chat("Hello"), 64)).remove(0);
+    assert_eq!(natural.3, FinishReason::Stop);
+    let k = natural.4.completion_tokens + 4;
+    let mut req = greedy_request(chat("Hello"), 64);
+    req.min_tokens = k;
+    let longer = run(&e, req).remove(0);
+    let eos = e.eos_token_ids();
+    assert!(longer.4.completion_tokens >= k, "{longer:?}");
+    assert!(
+        longer.1[..k].iter().all(|t| !eos.contains(t)),
+        "EOS within the first {k} tokens: {:?}",
+        longer.1
+    );
+    let before_eos = natural.1.len() - 1;
+    assert_eq!(longer.1[..before_eos], natural.1[..before_eos]);
+}
+
+#[test]
 fn a_stop_string_ends_the_text_before_it() {
     let e = engine();
     let prompt = chat("What is the capital of France?");

@@ -149,11 +149,34 @@ impl ChatTemplate {
         tools: &[ToolDefinition],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_with_kwargs(
+            messages,
+            tools,
+            add_generation_prompt,
+            &serde_json::Map::new(),
+        )
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with extra template variables
+    /// (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). The
+    /// variables the renderer sets itself
+    /// ([`crate::api::RESERVED_TEMPLATE_VARIABLES`])
+    /// win over `kwargs`.
+    pub fn render_with_kwargs(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TextError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TextError::TemplateRender(e.to_string()))?;
-        let mut ctx: BTreeMap<&str, Value> = BTreeMap::new();
+        let mut ctx: BTreeMap<&str, Value> = kwargs
+            .iter()
+            .map(|(k, v)| (k.as_str(), Value::from_serialize(v)))
+            .collect();
         let messages: Vec<serde_json::Value> = if self.knows_tool_calls {
             messages.iter().map(hf_message).collect()
         } else {
@@ -498,6 +521,32 @@ mod tests {
 
     fn render_src(src: &str, messages: &[ChatMessage]) -> Result<String, TextError> {
         ChatTemplate::new(src, Some("<s>".into()), Some("</s>".into()))?.render(messages, true)
+    }
+
+    #[test]
+    fn kwargs_are_template_variables_below_the_renderers_own() {
+        let src = "{% if enable_thinking is false %}no-think {% endif %}{{ messages | length }} {{ add_generation_prompt }}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let kwargs = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let msgs = [msg("user", "hi")];
+        assert_eq!(
+            t.render_with_kwargs(
+                &msgs,
+                &[],
+                true,
+                &kwargs(serde_json::json!({"enable_thinking": false}))
+            )
+            .unwrap(),
+            "no-think 1 True"
+        );
+        assert_eq!(t.render(&msgs, true).unwrap(), "1 True");
+        // The renderer's variables win.
+        let forged =
+            kwargs(serde_json::json!({"messages": [1, 2, 3], "add_generation_prompt": false}));
+        assert_eq!(
+            t.render_with_kwargs(&msgs, &[], true, &forged).unwrap(),
+            "1 True"
+        );
     }
 
     #[test]

@@ -390,6 +390,18 @@ impl Engine {
         tools: &[ToolDefinition],
         reply: &str,
     ) -> Result<Vec<u32>, SubmitError> {
+        self.tokenize_request_prompt(prompt, tools, &serde_json::Map::new(), reply)
+    }
+
+    /// [`Engine::tokenize_with_reply`] with extra chat template variables
+    /// (`chat_template_kwargs`; client text, marked like the messages).
+    fn tokenize_request_prompt(
+        &self,
+        prompt: &Prompt,
+        tools: &[ToolDefinition],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        reply: &str,
+    ) -> Result<Vec<u32>, SubmitError> {
         let invalid = |e: crate::tokenizer::TextError| SubmitError::InvalidRequest {
             message: e.to_string(),
             param: Some("messages".into()),
@@ -410,20 +422,20 @@ impl Engine {
                 let marked = if self.special_tokens_in_content {
                     None
                 } else {
-                    mark_client_text(tokenizer, messages, tools)
+                    mark_client_text(tokenizer, messages, tools, kwargs)
                 };
                 match marked {
                     // Nothing typed looks like a control token: the plain path.
                     None => {
                         let rendered = template
-                            .render_with_tools(messages, tools, true)
+                            .render_with_kwargs(messages, tools, true, kwargs)
                             .map_err(invalid)?
                             + reply;
                         tokenizer.encode_chat_prompt(&rendered).map_err(invalid)
                     }
-                    Some((messages, tools)) => {
+                    Some((messages, tools, kwargs)) => {
                         let rendered = template
-                            .render_with_tools(&messages, &tools, true)
+                            .render_with_kwargs(&messages, &tools, true, &kwargs)
                             .map_err(invalid)?
                             + reply;
                         tokenizer
@@ -519,8 +531,27 @@ impl InferenceService for Engine {
             (None, _) => Vec::new(),
         };
         let reply = reply.flatten();
-        let prompt =
-            self.tokenize_with_reply(&request.prompt, tools, reply.as_deref().unwrap_or(""))?;
+        if !chat && !request.chat_template_kwargs.is_empty() {
+            return Err(invalid(
+                "chat_template_kwargs",
+                "chat_template_kwargs need a chat prompt".into(),
+            ));
+        }
+        if request.min_tokens > request.max_tokens {
+            return Err(invalid(
+                "min_tokens",
+                format!(
+                    "min_tokens ({}) is more than max_tokens ({})",
+                    request.min_tokens, request.max_tokens
+                ),
+            ));
+        }
+        let prompt = self.tokenize_request_prompt(
+            &request.prompt,
+            tools,
+            &request.chat_template_kwargs,
+            reply.as_deref().unwrap_or(""),
+        )?;
         if prompt.is_empty() {
             return Err(invalid("messages", "the prompt is empty".into()));
         }
@@ -633,15 +664,22 @@ impl Drop for Engine {
     }
 }
 
-/// `messages` and `tools` with every special-token string in text the
-/// client wrote (contents, names, tool-call ids and arguments, tool
-/// descriptions and schemas) marked so that it is encoded as plain text
+/// `messages`, `tools` and the chat template variables with every
+/// special-token string in text the client wrote (contents, names, tool-call
+/// ids and arguments, tool descriptions and schemas, variable keys and
+/// values) marked so that it is encoded as plain text
 /// (see [`crate::tokenizer`]); `None` when there was nothing to mark.
+#[allow(clippy::type_complexity)]
 fn mark_client_text(
     tok: &crate::tokenizer::TextTokenizer,
     messages: &[crate::api::ChatMessage],
     tools: &[ToolDefinition],
-) -> Option<(Vec<crate::api::ChatMessage>, Vec<ToolDefinition>)> {
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> Option<(
+    Vec<crate::api::ChatMessage>,
+    Vec<ToolDefinition>,
+    serde_json::Map<String, serde_json::Value>,
+)> {
     let mut changed = false;
     let mut mark = |text: &mut String| {
         if let Some(marked) = tok.mark_special_text(text) {
@@ -666,7 +704,16 @@ fn mark_client_text(
         t.description.iter_mut().for_each(&mut mark);
         mark_json(&mut t.parameters, &mut mark);
     }
-    changed.then_some((messages, tools))
+    let kwargs = kwargs
+        .iter()
+        .map(|(key, value)| {
+            let (mut key, mut value) = (key.clone(), value.clone());
+            mark(&mut key);
+            mark_json(&mut value, &mut mark);
+            (key, value)
+        })
+        .collect();
+    changed.then_some((messages, tools, kwargs))
 }
 
 /// Applies `mark` to every string of `value`, object keys included.

@@ -33,6 +33,11 @@ pub struct LogitsProcessor {
     counts: HashMap<u32, u32>,
     /// The last [`REPETITION_CONTEXT`] tokens, prompt included.
     recent: VecDeque<u32>,
+    /// End-of-sequence ids banned until `min_tokens` tokens were recorded.
+    eos: Vec<u32>,
+    min_tokens: usize,
+    /// Tokens recorded.
+    generated: usize,
 }
 
 impl LogitsProcessor {
@@ -47,7 +52,18 @@ impl LogitsProcessor {
             bias: bias.to_vec(),
             counts: HashMap::new(),
             recent: prompt[tail..].iter().copied().collect(),
+            eos: Vec::new(),
+            min_tokens: 0,
+            generated: 0,
         }
+    }
+
+    /// Bans the `eos` token ids until `min_tokens` tokens were generated
+    /// (vLLM's `min_tokens`).
+    pub fn with_min_tokens(mut self, min_tokens: usize, eos: &[u32]) -> Self {
+        self.min_tokens = min_tokens;
+        self.eos = eos.to_vec();
+        self
     }
 
     /// True when [`LogitsProcessor::apply`] changes nothing.
@@ -56,6 +72,7 @@ impl LogitsProcessor {
             && self.presence == 0.0
             && self.frequency == 0.0
             && self.repetition == 1.0
+            && (self.generated >= self.min_tokens || self.eos.is_empty())
     }
 
     /// Applies bias and penalties to one row of logits (ids past the row's
@@ -87,10 +104,18 @@ impl LogitsProcessor {
                 }
             }
         }
+        if self.generated < self.min_tokens {
+            for &id in &self.eos {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
     }
 
     /// Records a generated token.
     pub fn record(&mut self, token: u32) {
+        self.generated += 1;
         *self.counts.entry(token).or_insert(0) += 1;
         if self.recent.len() == REPETITION_CONTEXT {
             self.recent.pop_front();
@@ -175,6 +200,24 @@ mod tests {
         // id 1: +3 bias; id 2: -(0.5 + 2*0.25); id 3: -(0.5 + 0.25);
         // id 0 is a prompt token: untouched; id 9 is out of range.
         assert_eq!(logits, vec![1.0, 4.0, 0.0, 0.25]);
+    }
+
+    #[test]
+    fn min_tokens_bans_eos_until_enough_tokens_were_generated() {
+        let mut p =
+            LogitsProcessor::new(&params(0.0, 0.0, 1.0), &[], &[0]).with_min_tokens(2, &[3]);
+        for step in 0..3 {
+            // Device sampling must wait while the ban holds.
+            assert_eq!(p.is_noop(), step >= 2, "step {step}");
+            let mut logits = vec![1.0; 4];
+            p.apply(&mut logits);
+            let banned = if step < 2 { f32::NEG_INFINITY } else { 1.0 };
+            assert_eq!(logits, vec![1.0, 1.0, 1.0, banned], "step {step}");
+            p.record(1);
+        }
+        assert!(LogitsProcessor::new(&params(0.0, 0.0, 1.0), &[], &[0])
+            .with_min_tokens(0, &[3])
+            .is_noop());
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub async fn chat_completions(
         n = generation.n,
         max_tokens = generation.max_tokens,
         tools = generation.tools.len(),
+        prompt_cache_key = request.prompt_cache_key.as_deref().unwrap_or("-"),
         "chat completion"
     );
     let n = generation.n;

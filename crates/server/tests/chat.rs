@@ -83,6 +83,8 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
             },
             max_tokens: 512,
             ignore_eos: false,
+            min_tokens: 0,
+            chat_template_kwargs: serde_json::Map::new(),
             cache_prompt: true,
             stop: vec![],
             logit_bias: vec![],

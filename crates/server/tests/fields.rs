@@ -90,6 +90,8 @@ async fn a_full_chat_request_reaches_the_engine() {
         },
         max_tokens: 50,
         ignore_eos: false,
+        min_tokens: 0,
+        chat_template_kwargs: serde_json::Map::new(),
         cache_prompt: false,
         stop: vec!["\n\n".into(), "END".into()],
         logit_bias: vec![(7, 2.5), (50256, -100.0)],
@@ -270,7 +272,6 @@ async fn each_new_chat_rule_names_its_param() {
             "messages[0].tool_calls[0].function.arguments",
         ),
         // StopCount, EmptyStop
-        (chat(json!({"stop": []})), "stop"),
         (chat(json!({"stop": ["a", "b", "c", "d", "e"]})), "stop"),
         (chat(json!({"stop": ""})), "stop"),
         (chat(json!({"stop": ["a", ""]})), "stop[1]"),
@@ -502,4 +503,107 @@ async fn a_tool_message_must_answer_an_earlier_call() {
     )
     .await;
     assert_eq!(reply.status, StatusCode::OK);
+}
+
+/// Issue 13 item 11: what current clients and the vLLM / llama-server
+/// ecosystem send either works or is a 400 naming it.
+#[tokio::test]
+async fn ecosystem_fields_work_or_name_themselves() {
+    // Accepted and carried to the engine.
+    assert!(chat_with("stop", json!([])).await.stop.is_empty());
+    assert!(chat_with("ignore_eos", json!(true)).await.ignore_eos);
+    assert_eq!(chat_with("min_tokens", json!(3)).await.min_tokens, 3);
+    let kwargs = chat_with("chat_template_kwargs", json!({"enable_thinking": false})).await;
+    assert_eq!(
+        Value::Object(kwargs.chat_template_kwargs),
+        json!({"enable_thinking": false})
+    );
+    // Accepted, nothing stored or changed: the request is the plain one.
+    let plain = chat_with("user", json!(null)).await;
+    for (field, value) in [
+        ("metadata", json!({"team": "a", "run": "7"})),
+        ("store", json!(true)),
+        ("store", json!(false)),
+        ("prompt_cache_key", json!("session-1")),
+        ("top_k", json!(0)),
+    ] {
+        assert_eq!(
+            chat_with(field, value.clone()).await,
+            plain,
+            "{field}: {value}"
+        );
+    }
+    let streamed = |options: Value| {
+        let mut body = hello_request();
+        body["stream"] = json!(true);
+        body["stream_options"] = options;
+        body
+    };
+    for options in [
+        json!({"include_usage": true, "include_obfuscation": false}),
+        json!({"include_obfuscation": true}),
+        json!({"continuous_usage_stats": false}),
+    ] {
+        let reply = post_json(app(FakeService::hello()), streamed(options.clone())).await;
+        assert_eq!(reply.status, StatusCode::OK, "{options}");
+        assert!(!String::from_utf8_lossy(&reply.body).contains("obfuscation"));
+    }
+    // Completions take the vLLM sampling extras too.
+    let fake = FakeService::hello();
+    let body = completion(json!({"ignore_eos": true, "min_tokens": 2, "stop": []}));
+    let reply = post_completion(app(fake.clone()), body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
+    let request = fake.last_request();
+    assert!(request.ignore_eos && request.min_tokens == 2 && request.stop.is_empty());
+
+    // Refused, each naming itself.
+    let cases = [
+        (
+            chat(json!({"min_tokens": 20, "max_tokens": 10})),
+            "min_tokens",
+        ),
+        (chat(json!({"min_tokens": -1})), "min_tokens"),
+        (chat(json!({"ignore_eos": "yes"})), "ignore_eos"),
+        (chat(json!({"store": "yes"})), "store"),
+        (chat(json!({"prompt_cache_key": 7})), "prompt_cache_key"),
+        (chat(json!({"metadata": {"k": 1}})), "metadata.k"),
+        (
+            chat(json!({"metadata": {"k": "v".repeat(513)}})),
+            "metadata.k",
+        ),
+        (chat(json!({"metadata": [1]})), "metadata"),
+        (
+            chat(json!({"chat_template_kwargs": [1]})),
+            "chat_template_kwargs",
+        ),
+        (
+            chat(json!({"chat_template_kwargs": {"messages": []}})),
+            "chat_template_kwargs.messages",
+        ),
+        (
+            chat(json!({"stream": true, "stream_options": {"continuous_usage_stats": true}})),
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            chat(json!({"stream": true, "stream_options": {"include_obfuscation": 1}})),
+            "stream_options.include_obfuscation",
+        ),
+    ];
+    for (body, param) in cases {
+        assert_refused("/v1/chat/completions", body, param).await;
+    }
+    let many: serde_json::Map<String, Value> =
+        (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+    assert_refused(
+        "/v1/chat/completions",
+        chat(json!({"metadata": many})),
+        "metadata",
+    )
+    .await;
+    assert_refused(
+        "/v1/completions",
+        completion(json!({"min_tokens": 17})),
+        "min_tokens",
+    )
+    .await;
 }

@@ -105,9 +105,9 @@ fn each_rule_has_its_variant() {
             ValidationError::StreamOptionsWithoutStream,
         ),
         (
-            with("store", json!(true)),
+            with("verbosity", json!("high")),
             ValidationError::UnsupportedParameter {
-                param: "store".into(),
+                param: "verbosity".into(),
             },
         ),
         (
@@ -168,8 +168,8 @@ fn each_new_rule_has_its_variant_and_param() {
             "messages[0].tool_calls",
         ),
         (
-            parse(with("stop", json!([]))).map(drop),
-            E::StopCount(0),
+            parse(with("stop", json!(["a", "b", "c", "d", "e"]))).map(drop),
+            E::StopCount(5),
             "stop",
         ),
         (

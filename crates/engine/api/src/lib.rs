@@ -149,6 +149,17 @@ impl SamplingParams {
     }
 }
 
+/// Chat template variables the engine sets itself; a request's
+/// `chat_template_kwargs` cannot set them.
+pub const RESERVED_TEMPLATE_VARIABLES: &[&str] = &[
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "documents",
+    "bos_token",
+    "eos_token",
+];
+
 /// A validated request for the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerationRequest {
@@ -160,6 +171,15 @@ pub struct GenerationRequest {
     /// Keep generating past end-of-sequence tokens (benchmarks; vLLM's
     /// `ignore_eos`).
     pub ignore_eos: bool,
+    /// End-of-sequence tokens cannot be sampled before this many completion
+    /// tokens (vLLM's `min_tokens`; 0: no floor). Stop strings, the output
+    /// grammar and `max_tokens` still end a choice.
+    pub min_tokens: usize,
+    /// Extra variables for the chat template (vLLM's `chat_template_kwargs`,
+    /// e.g. `enable_thinking`); never one the engine sets itself
+    /// (`messages`, `tools`, `add_generation_prompt`, `documents`,
+    /// `bos_token`, `eos_token`).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Read the prompt's prefix from the prefix cache and donate the
     /// request's blocks to it (llama.cpp's `cache_prompt`; default true).
     pub cache_prompt: bool,
@@ -197,6 +217,8 @@ impl GenerationRequest {
             sampling,
             max_tokens,
             ignore_eos: false,
+            min_tokens: 0,
+            chat_template_kwargs: serde_json::Map::new(),
             cache_prompt: true,
             stop: Vec::new(),
             logit_bias: Vec::new(),

@@ -450,7 +450,8 @@ impl<'m> Worker<'m> {
                 &job.request.sampling,
                 &job.request.logit_bias,
                 &job.prompt,
-            ),
+            )
+            .with_min_tokens(job.request.min_tokens, &self.text.eos),
             constraint: first,
             detok: IncrementalDetokenizer::new(),
             filter: job.output_filter(),

@@ -21,14 +21,11 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "audio",
     "function_call",
     "functions",
-    "metadata",
     "modalities",
     "prediction",
-    "prompt_cache_key",
     "reasoning_effort",
     "safety_identifier",
     "service_tier",
-    "store",
     "verbosity",
     "web_search_options",
 ];
@@ -45,6 +42,9 @@ pub struct ValidatedChatRequest {
     pub parallel_tool_calls: bool,
     /// The client's opaque end-user id, for the logs.
     pub user: Option<String>,
+    /// `prompt_cache_key`: a routing hint for OpenAI's cache, logged only
+    /// (mlxcel's prefix cache finds shared prefixes by content).
+    pub prompt_cache_key: Option<String>,
 }
 
 impl ValidatedChatRequest {
@@ -77,6 +77,21 @@ impl ValidatedChatRequest {
             Some(value) => boolean("parallel_tool_calls", value)?,
             None => true,
         };
+        let chat_template_kwargs = match take(&mut body, "chat_template_kwargs") {
+            Some(value) => parse_template_kwargs(value)?,
+            None => Map::new(),
+        };
+        if let Some(metadata) = take(&mut body, "metadata") {
+            check_metadata(metadata)?;
+        }
+        // Nothing is stored either way (README: "API").
+        if let Some(store) = take(&mut body, "store") {
+            boolean("store", store)?;
+        }
+        let prompt_cache_key = take(&mut body, "prompt_cache_key")
+            .map(|key| string("prompt_cache_key", key))
+            .transpose()?;
+        shared.check_min_tokens(max_tokens)?;
         reject_leftovers(body, UNSUPPORTED_FIELDS, "")?;
         Ok(Self {
             generation: GenerationRequest {
@@ -85,13 +100,55 @@ impl ValidatedChatRequest {
                 tools,
                 tool_choice,
                 parallel_tool_calls,
+                chat_template_kwargs,
                 ..shared.request(Prompt::Chat(messages), max_tokens)
             },
             stream: shared.stream,
             parallel_tool_calls,
             user: shared.user,
+            prompt_cache_key,
         })
     }
+}
+
+/// `chat_template_kwargs`: an object of extra template variables, none of
+/// them one the server sets itself.
+fn parse_template_kwargs(value: Value) -> Result<Map<String, Value>, ValidationError> {
+    let kwargs = object("chat_template_kwargs", value)?;
+    let reserved = mlxcel_engine_api::RESERVED_TEMPLATE_VARIABLES;
+    match kwargs.keys().find(|k| reserved.contains(&k.as_str())) {
+        Some(key) => Err(ValidationError::ReservedTemplateVariable(key.clone())),
+        None => Ok(kwargs),
+    }
+}
+
+/// `metadata`: at most 16 string pairs, keys of at most 64 characters and
+/// values of at most 512 (OpenAI's limits). Accepted and not stored.
+fn check_metadata(value: Value) -> Result<(), ValidationError> {
+    let map = object("metadata", value)?;
+    if map.len() > 16 {
+        return Err(ValidationError::MetadataLimit {
+            param: "metadata".into(),
+            limit: "at most 16 key-value pairs",
+        });
+    }
+    for (key, value) in map {
+        let param = format!("metadata.{key}");
+        let value = string(&param, value)?;
+        if key.chars().count() > 64 {
+            return Err(ValidationError::MetadataLimit {
+                param,
+                limit: "keys are at most 64 characters",
+            });
+        }
+        if value.chars().count() > 512 {
+            return Err(ValidationError::MetadataLimit {
+                param,
+                limit: "values are at most 512 characters",
+            });
+        }
+    }
+    Ok(())
 }
 
 fn parse_max_tokens(body: &mut Map<String, Value>) -> Result<Option<usize>, ValidationError> {

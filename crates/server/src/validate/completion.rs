@@ -68,6 +68,7 @@ impl ValidatedCompletionRequest {
                 });
             }
         }
+        shared.check_min_tokens(max_tokens)?;
         reject_leftovers(body, UNSUPPORTED_FIELDS, "")?;
         let generations = prompts
             .into_iter()

@@ -216,6 +216,26 @@ pub enum ValidationError {
         /// The field.
         param: String,
     },
+    /// `min_tokens` above the request's `max_tokens`.
+    #[error("Invalid value for 'min_tokens': {min_tokens} (more than max_tokens, {max_tokens})")]
+    MinTokensAboveMax {
+        /// The value sent.
+        min_tokens: usize,
+        /// The request's token budget.
+        max_tokens: usize,
+    },
+    /// A `metadata` map beyond OpenAI's limits (16 pairs, keys of at most
+    /// 64 characters, values of at most 512).
+    #[error("Invalid value for '{param}': {limit}")]
+    MetadataLimit {
+        /// `metadata` or `metadata.<key>`.
+        param: String,
+        /// The limit broken.
+        limit: &'static str,
+    },
+    /// A `chat_template_kwargs` key the server sets itself.
+    #[error("Invalid key in 'chat_template_kwargs': '{0}' is set by the server")]
+    ReservedTemplateVariable(String),
     /// A field that is not part of the request.
     #[error("Unrecognized request argument supplied: '{param}'")]
     UnrecognizedParameter {
@@ -241,7 +261,12 @@ impl ValidationError {
             | Self::EmptyPrompt { param }
             | Self::TokenIdOutOfRange { param, .. }
             | Self::UnsupportedParameter { param }
+            | Self::MetadataLimit { param, .. }
             | Self::UnrecognizedParameter { param } => param.as_str(),
+            Self::MinTokensAboveMax { .. } => "min_tokens",
+            Self::ReservedTemplateVariable(key) => {
+                return Some(format!("chat_template_kwargs.{key}"))
+            }
             Self::EmptyMessages => "messages",
             Self::MaxTokensTooSmall { param, .. } | Self::PenaltyOutOfRange { param, .. } => param,
             Self::ConflictingMaxTokens { .. } => "max_tokens",
@@ -268,6 +293,11 @@ impl ValidationError {
 }
 
 /// How a streamed answer is sent.
+///
+/// `include_obfuscation` (OpenAI) is accepted with either value: chunks
+/// never carry an `obfuscation` padding field (the server is meant for
+/// trusted networks; TLS terminators in front of it can pad).
+/// `continuous_usage_stats` (vLLM) is accepted when false; true is a 400.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` (and `usage: null` on the others).

@@ -25,6 +25,8 @@ pub(super) struct SharedParams {
     pub stream: Option<StreamOptions>,
     pub user: Option<String>,
     pub cache_prompt: bool,
+    pub ignore_eos: bool,
+    pub min_tokens: usize,
 }
 
 impl SharedParams {
@@ -55,6 +57,20 @@ impl SharedParams {
             Some(v) => boolean("cache_prompt", v)?,
             None => true,
         };
+        let ignore_eos = match take(body, "ignore_eos") {
+            Some(v) => boolean("ignore_eos", v)?,
+            None => false,
+        };
+        let min_tokens = match take(body, "min_tokens") {
+            Some(v) => {
+                let value = integer("min_tokens", v)?;
+                usize::try_from(value).map_err(|_| ValidationError::WrongType {
+                    param: "min_tokens".into(),
+                    expected: "a non-negative integer",
+                })?
+            }
+            None => 0,
+        };
         Ok(Self {
             sampling,
             stop,
@@ -63,7 +79,20 @@ impl SharedParams {
             stream,
             user,
             cache_prompt,
+            ignore_eos,
+            min_tokens,
         })
+    }
+
+    /// Refuses a `min_tokens` above the request's `max_tokens`.
+    pub fn check_min_tokens(&self, max_tokens: usize) -> Result<(), ValidationError> {
+        if self.min_tokens > max_tokens {
+            return Err(ValidationError::MinTokensAboveMax {
+                min_tokens: self.min_tokens,
+                max_tokens,
+            });
+        }
+        Ok(())
     }
 
     /// A request of `prompt` with these settings (no logprobs, no tools,
@@ -74,6 +103,8 @@ impl SharedParams {
             logit_bias: self.logit_bias.clone(),
             n: self.n,
             cache_prompt: self.cache_prompt,
+            ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
             ..GenerationRequest::new(prompt, self.sampling, max_tokens)
         }
     }
@@ -148,7 +179,8 @@ fn parse_sampling(body: &mut Map<String, Value>) -> Result<SamplingParams, Valid
     Ok(sampling)
 }
 
-/// A string, or an array of 1 to 4 strings; none may be empty.
+/// A string, or an array of up to 4 strings (`[]`: none, as `null`); none
+/// may be empty.
 fn parse_stop(value: Value) -> Result<Vec<String>, ValidationError> {
     let items = match value {
         Value::String(stop) if stop.is_empty() => {
@@ -160,7 +192,7 @@ fn parse_stop(value: Value) -> Result<Vec<String>, ValidationError> {
         Value::Array(items) => items,
         _ => return Err(wrong_type("stop", "a string or an array of strings")),
     };
-    if items.is_empty() || items.len() > MAX_STOP {
+    if items.len() > MAX_STOP {
         return Err(ValidationError::StopCount(items.len()));
     }
     items
@@ -216,6 +248,17 @@ fn parse_stream(body: &mut Map<String, Value>) -> Result<Option<StreamOptions>, 
         Some(value) => boolean("stream_options.include_usage", value)?,
         None => false,
     };
+    // Never padded, whatever the client prefers (see `StreamOptions`).
+    if let Some(value) = take(&mut options, "include_obfuscation") {
+        boolean("stream_options.include_obfuscation", value)?;
+    }
+    if let Some(value) = take(&mut options, "continuous_usage_stats") {
+        if boolean("stream_options.continuous_usage_stats", value)? {
+            return Err(ValidationError::UnsupportedParameter {
+                param: "stream_options.continuous_usage_stats".into(),
+            });
+        }
+    }
     reject_leftovers(options, &[], "stream_options.")?;
     Ok(Some(StreamOptions { include_usage }))
 }
