@@ -514,6 +514,13 @@ fn server_answers_like_the_goldens() {
     );
     check_error(&r, 400, Some("messages"));
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    // The engine's refusals name the route's own fields (issue 13 item
+    // 13): an empty completions prompt is `prompt`, not `messages`.
+    let r = post_json(port, "/v1/completions", &json!({"prompt": ""}));
+    check_error(&r, 400, Some("prompt"));
+    let r = post_json(port, "/v1/completions", &json!({"prompt": ["hi", long]}));
+    check_error(&r, 400, Some("prompt[1]"));
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
     check_non_streaming(port, &paris);
 }
 

@@ -13,8 +13,8 @@
 //! next step.
 
 use crate::api::{
-    CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, ResponseFormat,
-    SubmitError, ToolChoice, ToolDefinition,
+    CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, RequestField,
+    ResponseFormat, SubmitError, ToolChoice, ToolDefinition,
 };
 use crate::chat_template::ChatTemplate;
 use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
@@ -404,7 +404,7 @@ impl Engine {
     ) -> Result<Vec<u32>, SubmitError> {
         let invalid = |e: crate::tokenizer::TextError| SubmitError::InvalidRequest {
             message: e.to_string(),
-            param: Some("messages".into()),
+            field: Some(RequestField::Prompt),
         };
         match prompt {
             Prompt::Tokens(ids) => Ok(ids.clone()),
@@ -416,7 +416,7 @@ impl Engine {
                         .as_ref()
                         .ok_or_else(|| SubmitError::InvalidRequest {
                             message: "this model has no chat template".into(),
-                            param: Some("messages".into()),
+                            field: Some(RequestField::Prompt),
                         })?;
                 let tokenizer = &self.text.tokenizer;
                 let marked = if self.special_tokens_in_content {
@@ -454,7 +454,7 @@ impl Engine {
         match tokens.iter().find(|&&t| t as usize >= vocab) {
             Some(bad) => Err(SubmitError::InvalidRequest {
                 message: format!("token id {bad} is outside the vocabulary ({vocab})"),
-                param: Some("prompt".into()),
+                field: Some(RequestField::Prompt),
             }),
             None => Ok(()),
         }
@@ -479,14 +479,14 @@ impl InferenceService for Engine {
         &self,
         mut request: GenerationRequest,
     ) -> Result<crate::api::EventStream, SubmitError> {
-        let invalid = |param: &str, message: String| SubmitError::InvalidRequest {
+        let invalid = |field: RequestField, message: String| SubmitError::InvalidRequest {
             message,
-            param: Some(param.into()),
+            field: Some(field),
         };
         let n = request.n.max(1);
         if n > self.worker.parallel {
             return Err(invalid(
-                "n",
+                RequestField::N,
                 format!(
                     "n = {n} is more than the {} sequences this server runs at once (--parallel)",
                     self.worker.parallel
@@ -499,7 +499,7 @@ impl InferenceService for Engine {
             .find(|(id, _)| *id as usize >= self.vocab_size)
         {
             return Err(invalid(
-                "logit_bias",
+                RequestField::LogitBias,
                 format!(
                     "token id {bad} is outside the vocabulary ({})",
                     self.vocab_size
@@ -508,7 +508,10 @@ impl InferenceService for Engine {
         }
         let chat = matches!(request.prompt, Prompt::Chat(_));
         if !chat && !request.tools.is_empty() {
-            return Err(invalid("tools", "tools need a chat prompt".into()));
+            return Err(invalid(
+                RequestField::Tools,
+                "tools need a chat prompt".into(),
+            ));
         }
         // `tool_choice: none` hides the tools from the model.
         let tools: &[ToolDefinition] = if request.tool_choice == ToolChoice::None {
@@ -521,10 +524,10 @@ impl InferenceService for Engine {
             (Some((grammar, param)), Some(tokens)) => (0..n)
                 .map(|_| ConstrainedDecoder::new(tokens, grammar))
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| invalid(param, e.to_string()))?,
+                .map_err(|e| invalid(*param, e.to_string()))?,
             (Some((_, param)), None) => {
                 return Err(invalid(
-                    param,
+                    *param,
                     "constrained output is not available for this model's tokenizer".into(),
                 ))
             }
@@ -533,13 +536,13 @@ impl InferenceService for Engine {
         let reply = reply.flatten();
         if !chat && !request.chat_template_kwargs.is_empty() {
             return Err(invalid(
-                "chat_template_kwargs",
+                RequestField::ChatTemplateKwargs,
                 "chat_template_kwargs need a chat prompt".into(),
             ));
         }
         if request.min_tokens > request.max_tokens {
             return Err(invalid(
-                "min_tokens",
+                RequestField::MinTokens,
                 format!(
                     "min_tokens ({}) is more than max_tokens ({})",
                     request.min_tokens, request.max_tokens
@@ -553,7 +556,7 @@ impl InferenceService for Engine {
             reply.as_deref().unwrap_or(""),
         )?;
         if prompt.is_empty() {
-            return Err(invalid("messages", "the prompt is empty".into()));
+            return Err(invalid(RequestField::Prompt, "the prompt is empty".into()));
         }
         self.check_token_ids(&prompt)?;
         // A request must fit the model's context and, to its last token,
@@ -623,7 +626,7 @@ impl InferenceService for Engine {
             .decode(tokens, false)
             .map_err(|e| SubmitError::InvalidRequest {
                 message: e.to_string(),
-                param: Some("prompt".into()),
+                field: Some(RequestField::Prompt),
             })
     }
 
@@ -743,7 +746,7 @@ fn mark_json(value: &mut serde_json::Value, mark: &mut impl FnMut(&mut String)) 
 #[allow(clippy::type_complexity)]
 fn grammar_of(
     request: &GenerationRequest,
-) -> Result<Option<((Grammar, &'static str), Option<String>)>, SubmitError> {
+) -> Result<Option<((Grammar, RequestField), Option<String>)>, SubmitError> {
     let only = match &request.tool_choice {
         ToolChoice::Required => None,
         ToolChoice::Function(name) => Some(name.clone()),
@@ -753,13 +756,13 @@ fn grammar_of(
                     ResponseFormat::JsonObject => Grammar::JsonObject,
                     ResponseFormat::JsonSchema(schema) => Grammar::JsonSchema(schema.clone()),
                 };
-                ((grammar, "response_format"), None)
+                ((grammar, RequestField::ResponseFormat), None)
             }));
         }
     };
     let refuse = |message: &str| SubmitError::InvalidRequest {
         message: message.into(),
-        param: Some("tool_choice".into()),
+        field: Some(RequestField::ToolChoice),
     };
     if request.tools.is_empty() {
         return Err(refuse("tool_choice requires tools"));
@@ -790,7 +793,7 @@ fn grammar_of(
         },
     };
     Ok(Some((
-        (grammar, "tool_choice"),
+        (grammar, RequestField::ToolChoice),
         Some(forced_call_prefix(only.as_deref())),
     )))
 }

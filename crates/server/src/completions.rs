@@ -11,7 +11,7 @@ use mlxcel_engine_api::{
 };
 
 use crate::choices::{collect, Choices};
-use crate::error::ApiError;
+use crate::error::{ApiError, Route};
 use crate::extract::JsonBody;
 use crate::openai::chat::ChatCompletion;
 use crate::openai::completion::{LegacyLogprobs, TextChoice, TextCompletion};
@@ -50,7 +50,8 @@ pub async fn chat_completions(
     let handle = state.service_handle();
     let events = tokio::task::spawn_blocking(move || handle.submit(generation))
         .await
-        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))??;
+        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))?
+        .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
     let events = state.metrics().instrument(events, arrived);
     let mut choices = Choices::new(vec![events], n, request.parallel_tool_calls);
     match request.stream {
@@ -99,7 +100,7 @@ pub async fn completions(
         tokio::task::spawn_blocking(move || submit_prompts(handle, generations, echo))
             .await
             .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))?
-            .map_err(|e| ApiError::from_submit(e, "prompt"))?;
+            .map_err(|(prompt, e)| ApiError::from_submit(e, Route::Completions { prompt }))?;
     let streams = streams
         .into_iter()
         .map(|events| state.metrics().instrument(events, arrived))
@@ -135,24 +136,29 @@ pub async fn completions(
 
 /// Submits every prompt, in order, and returns the text each echoes (empty
 /// without `echo`) with its event stream. All or none: if one submit fails,
-/// the streams already made are dropped, which cancels their requests.
+/// the streams already made are dropped, which cancels their requests. The
+/// error carries the index of the prompt at fault when there are several.
 fn submit_prompts(
     service: Arc<dyn InferenceService>,
     generations: Vec<GenerationRequest>,
     echo: bool,
-) -> Result<(Vec<String>, Vec<EventStream>), SubmitError> {
+) -> Result<(Vec<String>, Vec<EventStream>), (Option<usize>, SubmitError)> {
+    let several = generations.len() > 1;
+    let at = |i: usize| move |e: SubmitError| (several.then_some(i), e);
     let echoes = generations
         .iter()
-        .map(|generation| match &generation.prompt {
+        .enumerate()
+        .map(|(i, generation)| match &generation.prompt {
             _ if !echo => Ok(String::new()),
             Prompt::Text(text) => Ok(text.clone()),
-            Prompt::Tokens(tokens) => service.detokenize(tokens),
+            Prompt::Tokens(tokens) => service.detokenize(tokens).map_err(at(i)),
             Prompt::Chat(_) => Ok(String::new()),
         })
         .collect::<Result<Vec<_>, _>>()?;
     let streams = generations
         .into_iter()
-        .map(|generation| service.submit(generation))
+        .enumerate()
+        .map(|(i, generation)| service.submit(generation).map_err(at(i)))
         .collect::<Result<Vec<_>, _>>()?;
     Ok((echoes, streams))
 }

@@ -9,7 +9,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine_api::SubmitError;
+use mlxcel_engine_api::{RequestField, SubmitError};
 use serde::Serialize;
 
 use crate::validate::ValidationError;
@@ -89,8 +89,8 @@ pub enum ApiError {
     ContextLengthExceeded {
         /// The engine's explanation.
         message: String,
-        /// The field holding the prompt (`messages` or `prompt`).
-        param: &'static str,
+        /// The field holding the prompt (`messages`, `prompt`, `prompt[i]`).
+        param: String,
     },
     /// The engine is gone or shutting down.
     #[error("The engine is unavailable: {0}")]
@@ -161,7 +161,7 @@ impl ApiError {
             Self::Validation(err) => err.param(),
             Self::EngineRejected { param, .. } => param.clone(),
             Self::UnknownModel(_) => Some("model".to_owned()),
-            Self::ContextLengthExceeded { param, .. } => Some((*param).to_owned()),
+            Self::ContextLengthExceeded { param, .. } => Some(param.clone()),
             _ => None,
         }
     }
@@ -199,27 +199,43 @@ impl ApiError {
     }
 }
 
-impl ApiError {
-    /// The engine's refusal of a request whose prompt is in the field
-    /// `prompt_param` (`messages` or `prompt`).
-    pub fn from_submit(err: SubmitError, prompt_param: &'static str) -> Self {
-        match err {
-            SubmitError::InvalidRequest { message, param } => {
-                Self::EngineRejected { message, param }
-            }
-            SubmitError::ContextLengthExceeded { .. } => Self::ContextLengthExceeded {
-                message: err.to_string(),
-                param: prompt_param,
-            },
-            SubmitError::Unavailable(reason) => Self::Unavailable(reason),
+/// The route a request came through, which decides what its fields are
+/// called in error bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `/v1/chat/completions`: OpenAI's chat names.
+    Chat,
+    /// `/v1/completions`; `prompt` is the index of the prompt submitted
+    /// when the request had several (`prompt[i]`).
+    Completions { prompt: Option<usize> },
+}
+
+impl Route {
+    /// What this route calls `field`.
+    pub fn param(self, field: RequestField) -> String {
+        match (self, field) {
+            (Self::Completions { prompt: Some(i) }, RequestField::Prompt) => format!("prompt[{i}]"),
+            (Self::Completions { .. }, RequestField::Prompt) => "prompt".to_owned(),
+            (_, field) => field.chat_name().to_owned(),
         }
     }
 }
 
-impl From<SubmitError> for ApiError {
-    /// A refusal of a chat request (the prompt is in `messages`).
-    fn from(err: SubmitError) -> Self {
-        Self::from_submit(err, "messages")
+impl ApiError {
+    /// The engine's refusal of a request that came through `route`, its
+    /// field named as that route names it.
+    pub fn from_submit(err: SubmitError, route: Route) -> Self {
+        match err {
+            SubmitError::InvalidRequest { message, field } => Self::EngineRejected {
+                message,
+                param: field.map(|f| route.param(f)),
+            },
+            SubmitError::ContextLengthExceeded { .. } => Self::ContextLengthExceeded {
+                message: err.to_string(),
+                param: route.param(RequestField::Prompt),
+            },
+            SubmitError::Unavailable(reason) => Self::Unavailable(reason),
+        }
     }
 }
 

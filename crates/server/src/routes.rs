@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, Route};
 use crate::openai::{ModelCard, ModelList};
 use crate::AppState;
 
@@ -118,7 +118,8 @@ pub async fn cache_reset(State(state): State<AppState>) -> Result<Response, ApiE
     let handle = state.service_handle();
     let reset = tokio::task::spawn_blocking(move || handle.reset_prefix_cache())
         .await
-        .map_err(|e| ApiError::Internal(format!("resetting the cache: {e}")))??;
+        .map_err(|e| ApiError::Internal(format!("resetting the cache: {e}")))?
+        .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
     let stats = state.service().stats();
     Ok(Json(json!({
         "object": "cache.reset",

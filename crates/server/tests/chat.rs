@@ -5,8 +5,8 @@ mod common;
 use axum::http::StatusCode;
 use common::*;
 use mlxcel_engine_api::{
-    ChatMessage, FinishReason, GenerationEvent, GenerationRequest, Prompt, SamplingParams,
-    SubmitError, ToolChoice,
+    ChatMessage, FinishReason, GenerationEvent, GenerationRequest, Prompt, RequestField,
+    SamplingParams, SubmitError, ToolChoice,
 };
 use mlxcel_http::openai::unix_now;
 use serde_json::json;
@@ -248,7 +248,7 @@ async fn a_stream_that_ends_without_finishing_is_a_500() {
 async fn engine_refusal_is_a_400_naming_its_param() {
     let fake = FakeService::refusing(SubmitError::InvalidRequest {
         message: "prompt is longer than the context (5000 > 4096)".into(),
-        param: Some("messages".into()),
+        field: Some(RequestField::Prompt),
     });
     let error = post_json(app(fake), hello_request())
         .await

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use common::*;
-use mlxcel_engine_api::{FinishReason, GenerationEvent, Prompt, SubmitError, Usage};
+use mlxcel_engine_api::{FinishReason, GenerationEvent, Prompt, RequestField, SubmitError, Usage};
 use serde_json::{json, Value};
 
 fn usage(prompt_tokens: usize, completion_tokens: usize) -> Usage {
@@ -233,7 +233,8 @@ async fn echo_of_an_unknown_token_is_refused_before_any_submit() {
     let error = post_completion(app(fake.clone()), body)
         .await
         .error(StatusCode::BAD_REQUEST);
-    assert_eq!(error["param"], "prompt");
+    // The second prompt holds the unknown token.
+    assert_eq!(error["param"], "prompt[1]");
     assert_eq!(fake.request_count(), 0);
 }
 
@@ -354,6 +355,65 @@ async fn a_prompt_longer_than_the_context_names_prompt() {
         .error(StatusCode::BAD_REQUEST);
     assert_eq!(error["code"], "context_length_exceeded");
     assert_eq!(error["param"], "prompt");
+}
+
+/// Issue 13 item 13: the engine's typed refusals are named as this route
+/// names its fields: the prompt is `prompt` (or `prompt[i]` of several),
+/// never chat's `messages`.
+#[tokio::test]
+async fn engine_refusals_name_the_completion_fields() {
+    let refusal = |field| SubmitError::InvalidRequest {
+        message: "refused".into(),
+        field: Some(field),
+    };
+    let cases = [
+        (json!({"prompt": "x"}), RequestField::Prompt, "prompt"),
+        (
+            json!({"prompt": [[1], [2]]}),
+            RequestField::Prompt,
+            "prompt[0]",
+        ),
+        (
+            json!({"prompt": "x"}),
+            RequestField::LogitBias,
+            "logit_bias",
+        ),
+        (json!({"prompt": "x"}), RequestField::N, "n"),
+    ];
+    for (body, field, param) in cases {
+        let fake = FakeService::refusing(refusal(field));
+        let error = post_completion(app(fake), body.clone())
+            .await
+            .error(StatusCode::BAD_REQUEST);
+        assert_eq!(error["param"], param, "{body} {field:?}");
+    }
+    // The second of three prompts is refused: it is the one named.
+    let fake = FakeService::refusing_after(1, refusal(RequestField::Prompt));
+    let error = post_completion(app(fake), json!({"prompt": ["a", "b", "c"]}))
+        .await
+        .error(StatusCode::BAD_REQUEST);
+    assert_eq!(error["param"], "prompt[1]");
+    // A context overflow of one of several prompts, likewise.
+    let fake = FakeService::refusing_after(
+        2,
+        SubmitError::ContextLengthExceeded {
+            prompt_tokens: 5000,
+            context_length: 4096,
+        },
+    );
+    let error = post_completion(app(fake), json!({"prompt": ["a", "b", "c"]}))
+        .await
+        .error(StatusCode::BAD_REQUEST);
+    assert_eq!(
+        (error["param"].as_str(), error["code"].as_str()),
+        (Some("prompt[2]"), Some("context_length_exceeded"))
+    );
+    // The same refusal on chat names `messages`.
+    let fake = FakeService::refusing(refusal(RequestField::Prompt));
+    let error = post_json(app(fake), hello_request())
+        .await
+        .error(StatusCode::BAD_REQUEST);
+    assert_eq!(error["param"], "messages");
 }
 
 #[tokio::test]

@@ -336,18 +336,60 @@ pub enum GenerationEvent {
     Failed { message: String },
 }
 
+/// The part of a [`GenerationRequest`] a refusal is about. The engine
+/// does not know which API a request came through; each front end names
+/// the field in its own terms (the prompt is `messages` in chat, `prompt`
+/// in completions, `input` in the Responses API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestField {
+    /// The prompt: its messages, text or token ids (an empty prompt, a token
+    /// id outside the vocabulary, a template that refuses the messages).
+    Prompt,
+    /// The number of choices.
+    N,
+    /// The logit bias.
+    LogitBias,
+    /// The tools offered.
+    Tools,
+    /// The tool choice.
+    ToolChoice,
+    /// The output format (`response_format`).
+    ResponseFormat,
+    /// The floor on completion tokens.
+    MinTokens,
+    /// The extra chat template variables.
+    ChatTemplateKwargs,
+}
+
+impl RequestField {
+    /// The field's name in OpenAI's Chat Completions API.
+    pub fn chat_name(self) -> &'static str {
+        match self {
+            Self::Prompt => "messages",
+            Self::N => "n",
+            Self::LogitBias => "logit_bias",
+            Self::Tools => "tools",
+            Self::ToolChoice => "tool_choice",
+            Self::ResponseFormat => "response_format",
+            Self::MinTokens => "min_tokens",
+            Self::ChatTemplateKwargs => "chat_template_kwargs",
+        }
+    }
+}
+
 /// The receiving end of a request's events.
 pub type EventStream = tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>;
 
 /// Why a request was refused before it ran.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SubmitError {
-    /// The request cannot be served as asked (HTTP 400). `param` names the
-    /// offending field where there is one.
+    /// The request cannot be served as asked (HTTP 400). `field` is the
+    /// part of the request at fault where there is one; the front end names
+    /// it in its own API's terms.
     #[error("{message}")]
     InvalidRequest {
         message: String,
-        param: Option<String>,
+        field: Option<RequestField>,
     },
     /// The prompt does not fit the model's context (HTTP 400, OpenAI code
     /// `context_length_exceeded`).

@@ -9,7 +9,7 @@ use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
     CacheReset, EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest,
-    InferenceService, SampledLogprobs, SubmitError, Timings, TokenLogprob, Usage,
+    InferenceService, RequestField, SampledLogprobs, SubmitError, Timings, TokenLogprob, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -140,7 +140,7 @@ impl InferenceService for FakeService {
                 } else {
                     Err(SubmitError::InvalidRequest {
                         message: format!("token {t} is outside the vocabulary"),
-                        param: Some("prompt".into()),
+                        field: Some(RequestField::Prompt),
                     })
                 }
             })
