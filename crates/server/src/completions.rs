@@ -134,6 +134,9 @@ pub async fn completions(
     }
 }
 
+/// A prompt's refusal: the index of the prompt when there were several.
+type PromptRefusal = (Option<usize>, SubmitError);
+
 /// Submits every prompt, in order, and returns the text each echoes (empty
 /// without `echo`) with its event stream. All or none: if one submit fails,
 /// the streams already made are dropped, which cancels their requests. The
@@ -142,7 +145,7 @@ fn submit_prompts(
     service: Arc<dyn InferenceService>,
     generations: Vec<GenerationRequest>,
     echo: bool,
-) -> Result<(Vec<String>, Vec<EventStream>), (Option<usize>, SubmitError)> {
+) -> Result<(Vec<String>, Vec<EventStream>), PromptRefusal> {
     let several = generations.len() > 1;
     let at = |i: usize| move |e: SubmitError| (several.then_some(i), e);
     let echoes = generations
