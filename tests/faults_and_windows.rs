@@ -216,6 +216,7 @@ fn run_row(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]
         let rows = [StepRow {
             tokens,
             logits_at: Some(n - 1),
+            scored: 0,
         }];
         model
             .forward(&rows, &mut rec, AttentionPath::BatchedDecode)

@@ -32,7 +32,8 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
                 return (ids, text, reason, usage.completion_tokens)
             }
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
-            other @ (GenerationEvent::ToolCallStart { .. }
+            other @ (GenerationEvent::PromptLogprobs { .. }
+            | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }

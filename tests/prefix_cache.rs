@@ -43,6 +43,7 @@ fn prefill(model: &dyn Model, kv: &mut KvCache, prompt: &[u32], cache: bool) -> 
             &[SeqProgress {
                 known: prompt.len(),
                 computed,
+                scored: false,
             }],
             config,
         );
@@ -60,6 +61,7 @@ fn prefill(model: &dyn Model, kv: &mut KvCache, prompt: &[u32], cache: bool) -> 
             let rows = [StepRow {
                 tokens,
                 logits_at: row.sample.then(|| row.real - 1),
+                scored: 0,
             }];
             model
                 .forward(&rows, &mut view, AttentionPath::PerRow)
@@ -286,7 +288,8 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
             GenerationEvent::Delta { text: t, .. } => text.push_str(&t),
             GenerationEvent::Finished { usage, .. } => return (text, usage),
             GenerationEvent::Failed { message } => panic!("failed: {message}"),
-            other @ (GenerationEvent::ToolCallStart { .. }
+            other @ (GenerationEvent::PromptLogprobs { .. }
+            | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }

@@ -45,7 +45,8 @@ fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
                 usage,
                 ..
             } => out[index].3 = Some((reason, usage)),
-            other @ (GenerationEvent::ToolCallStart { .. }
+            other @ (GenerationEvent::PromptLogprobs { .. }
+            | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }
@@ -139,6 +140,78 @@ fn min_tokens_keeps_eos_away_until_then() {
     );
     let before_eos = natural.1.len() - 1;
     assert_eq!(longer.1[..before_eos], natural.1[..before_eos]);
+}
+
+#[test]
+fn prompt_logprobs_of_generated_tokens_equal_their_sampled_logprobs() {
+    // A 300-token prompt P and its greedy continuation C with logprobs;
+    // then P + C scored as a prompt: the prompt logprobs of C's tokens are
+    // the logprobs they were sampled with (prefill in 128-token scored
+    // chunks against decode), and the whole prompt is computed although
+    // its prefix is cached.
+    let e = engine();
+    let text: String = (0..80).map(|i| format!("{i} apples, ")).collect();
+    let prompt: Vec<u32> = e
+        .tokenize_prompt(&Prompt::Text(text), &[])
+        .unwrap()
+        .into_iter()
+        .take(300)
+        .collect();
+    assert_eq!(prompt.len(), 300);
+    let mut req = greedy_request(Prompt::Tokens(prompt.clone()), 8);
+    req.logprobs = Some(0);
+    let generated = run(&e, req).remove(0);
+    let eos = e.eos_token_ids();
+    let completion: Vec<u32> = generated
+        .1
+        .iter()
+        .copied()
+        .take_while(|t| !eos.contains(t))
+        .collect();
+    assert!(completion.len() >= 4, "{generated:?}");
+    let scored_prompt: Vec<u32> = prompt.iter().chain(&completion).copied().collect();
+    let mut req = greedy_request(Prompt::Tokens(scored_prompt.clone()), 1);
+    req.prompt_logprobs = Some(2);
+    let mut stream = e.submit(req).expect("submit");
+    let mut got = None;
+    let mut usage = None;
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::PromptLogprobs {
+                first, logprobs, ..
+            } => {
+                assert!(got.is_none(), "prompt logprobs sent twice");
+                got = Some((first, logprobs));
+            }
+            GenerationEvent::Delta { .. } => {
+                assert!(got.is_some(), "a delta before the prompt logprobs")
+            }
+            GenerationEvent::Finished { usage: u, .. } => {
+                usage = Some(u);
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let (first, logprobs) = got.expect("prompt logprobs");
+    assert_eq!(usage.expect("finished").cached_tokens, 0);
+    assert_eq!(first.id, scored_prompt[0]);
+    assert_eq!(logprobs.len(), scored_prompt.len() - 1);
+    for (entry, &token) in logprobs.iter().zip(&scored_prompt[1..]) {
+        assert_eq!(entry.token.id, token);
+        assert_eq!(entry.top.len(), 2);
+        assert!(entry.top[0].logprob >= entry.token.logprob - 1e-6);
+    }
+    for (k, &sampled) in generated.2.iter().take(completion.len()).enumerate() {
+        let scored = &logprobs[prompt.len() - 1 + k];
+        assert!(
+            (scored.token.logprob - sampled).abs() < 1e-3,
+            "token {k}: scored {} vs sampled {sampled}",
+            scored.token.logprob
+        );
+        // Greedy: the sampled token was the most likely.
+        assert_eq!(scored.top[0].id, completion[k]);
+    }
 }
 
 #[test]

@@ -267,9 +267,10 @@ fn generate_once(
                 Some(GenerationEvent::Failed { message }) => {
                     anyhow::bail!("generation failed: {message}")
                 }
-                // No tools are offered, so none are parsed.
+                // No tools are offered nor prompt logprobs asked for.
                 Some(
-                    GenerationEvent::ToolCallStart { .. }
+                    GenerationEvent::PromptLogprobs { .. }
+                    | GenerationEvent::ToolCallStart { .. }
                     | GenerationEvent::ToolCallArguments { .. },
                 ) => {}
                 None => anyhow::bail!("the engine stopped before the request finished"),

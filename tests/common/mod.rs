@@ -101,7 +101,8 @@ pub fn collect_tokens(
             GenerationEvent::Delta { token, .. } => ids.push(token),
             GenerationEvent::Finished { usage, .. } => return Ok((ids, usage)),
             GenerationEvent::Failed { message } => return Err(message),
-            other @ (GenerationEvent::ToolCallStart { .. }
+            other @ (GenerationEvent::PromptLogprobs { .. }
+            | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {
                 return Err(format!("unexpected tool call {other:?}"))
             }

@@ -48,6 +48,8 @@ class MlxcelServer:
     """The served model id (``GET /v1/models``)."""
     log_path: Path
     """The server's stderr log."""
+    model_dir: Path
+    """The checkpoint it serves (for peers such as mlx_lm to load)."""
 
     def headers(self) -> dict[str, str]:
         """The ``Authorization`` header the server requires."""
@@ -150,7 +152,9 @@ def mlxcel_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlxcelSe
         _wait_for_health(base_url, deadline)
         headers = {"Authorization": f"Bearer {api_key}"}
         served = _get_json(f"{base_url}/v1/models", headers)["data"][0]["id"]
-        yield MlxcelServer(base_url=base_url, api_key=api_key, model=served, log_path=log_path)
+        yield MlxcelServer(
+            base_url=base_url, api_key=api_key, model=served, log_path=log_path, model_dir=model
+        )
     finally:
         _stop(process)
 

@@ -362,3 +362,44 @@ def test_unknown_model_and_bad_key(client, mlxcel_server):
     with pytest.raises(openai.AuthenticationError) as e:
         bad.models.list()
     assert e.value.status_code == 401
+
+
+# --- prompt logprobs (echo with logprobs) against mlx_lm -------------------
+
+
+def test_echoed_prompt_logprobs_match_mlx_lm(client, model, mlxcel_server):
+    """`echo` with `logprobs` on /v1/completions returns the prompt's
+    logprobs (issue 13 item 12), and they are mlx_lm's: the same checkpoint
+    run by mlx_lm's own model class over the same token ids, log-softmaxed.
+    The prompt is 300 tokens, so it is scored in several 128-token chunks."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    mlx_model, tokenizer = load(str(mlxcel_server.model_dir))
+    text = " ".join(f"{i} apples and {i + 1} pears," for i in range(40))
+    ids = tokenizer.encode(text)[:300]
+    assert len(ids) == 300
+    logits = mlx_model(mx.array([ids]))[0].astype(mx.float32)
+    want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = [want[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+    def check(lp, what):
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, what
+        got = lp.token_logprobs[1 : len(ids)]
+        worst = max(abs(a - b) for a, b in zip(got, want))
+        print(f"{what}: max |logprob - mlx_lm| over {len(got)} prompt tokens = {worst:.2e}")
+        assert worst < 5e-3, what
+        for tok, lpv, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert len(top) <= 1 and all(v >= lpv - 1e-5 for v in top.values())
+        assert len(lp.tokens) == len(ids) + 2  # the prompt, then 2 completion tokens
+
+    r = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    check(r.choices[0].logprobs, "not streamed")
+    chunks = list(
+        client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True)
+    )
+    # The first chunk is the echoed prompt with its logprobs.
+    first = chunks[0].choices[0]
+    assert first.text == r.choices[0].text[: len(first.text)] and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) == len(ids)
+    assert first.logprobs.token_logprobs == r.choices[0].logprobs.token_logprobs[: len(ids)]

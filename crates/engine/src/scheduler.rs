@@ -29,7 +29,15 @@ pub struct SeqProgress {
     pub known: usize,
     /// Tokens whose K/V is in the cache.
     pub computed: usize,
+    /// Whether its prompt is scored (prompt logprobs): its chunks are at
+    /// most [`SCORED_CHUNK`] tokens, as each token's logits row is read back.
+    pub scored: bool,
 }
+
+/// Largest prefill chunk of a scored prompt: every token's `[vocab]`
+/// logits row of a chunk is read back at once (128 rows of a 152k
+/// vocabulary are 78 MB of float32).
+pub const SCORED_CHUNK: usize = 128;
 
 /// One row of a planned step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +94,14 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
         if s.known <= s.computed + 1 {
             continue;
         }
+        // A scored prompt's chunks divide the grid's (the cap is a power
+        // of two, as chunk sizes are in practice; either way they end on a
+        // multiple of the cap).
+        let chunk = if s.scored {
+            chunk.min(SCORED_CHUNK)
+        } else {
+            chunk
+        };
         let end = s.known.min((s.computed / chunk + 1) * chunk);
         let real = end - s.computed;
         if any_prefill && real > budget {
@@ -127,7 +143,35 @@ mod tests {
     }
 
     fn p(known: usize, computed: usize) -> SeqProgress {
-        SeqProgress { known, computed }
+        SeqProgress {
+            known,
+            computed,
+            scored: false,
+        }
+    }
+
+    #[test]
+    fn scored_prompts_run_in_small_chunks() {
+        let scored = SeqProgress {
+            scored: true,
+            ..p(300, 0)
+        };
+        let plan = plan_step(&[scored, p(300, 0)], cfg(512, 0));
+        assert_eq!(
+            plan.rows,
+            vec![
+                row(0, SCORED_CHUNK, SCORED_CHUNK, false),
+                row(1, 300, 300, true)
+            ]
+        );
+        let plan = plan_step(
+            &[SeqProgress {
+                computed: 256,
+                ..scored
+            }],
+            cfg(512, 0),
+        );
+        assert_eq!(plan.rows, vec![row(0, 44, 44, true)]);
     }
 
     fn row(seq: usize, real: usize, padded: usize, sample: bool) -> PlannedRow {

@@ -58,8 +58,9 @@ pub trait Model: Send {
 
     /// Builds one step's graph over `rows` (row `r`'s tokens at the
     /// positions `kv.new_positions(r)`, already reserved in the cache) and
-    /// returns its float32 next-token logits `[rows with logits_at, vocab]`,
-    /// in row order, **not evaluated**: the caller evaluates them together
+    /// returns its float32 next-token logits `[wanted positions, vocab]`
+    /// (per row in row order: its `scored` tokens, then its `logits_at`;
+    /// see [`Step::logit_indices`]), **not evaluated**: the caller evaluates them together
     /// with `kv.storage()` (the K/V of every token, pad tokens too, are
     /// written through `kv`), synchronously or with `async_eval`. The caller
     /// rewinds pads and, on error, the whole step.

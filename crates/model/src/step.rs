@@ -18,6 +18,10 @@ pub struct StepRow<'a> {
     /// Index in `tokens` of the token whose next-token logits are wanted
     /// (the last real one), or `None` (a prefill chunk before the last).
     pub logits_at: Option<usize>,
+    /// Leading real tokens whose next-token logits are wanted too, to score
+    /// the prompt (prompt logprobs): `tokens[..scored]`, all before
+    /// `logits_at`; 0 for none.
+    pub scored: usize,
 }
 
 /// How the step's attention reads the cache.
@@ -77,13 +81,15 @@ impl Step {
         let mut positions = Vec::new();
         for (r, row) in rows.iter().enumerate() {
             let pos = kv.new_positions(r);
-            let bad_logits = row.logits_at.is_some_and(|i| i >= row.tokens.len());
+            let bad_logits = row.logits_at.is_some_and(|i| i >= row.tokens.len())
+                || row.scored > row.logits_at.unwrap_or(row.tokens.len());
             if pos.len() != row.tokens.len() || row.tokens.is_empty() || bad_logits {
                 return Err(ModelError::Cache(format!(
-                    "row {r}: {} tokens, {} positions reserved, logits at {:?}",
+                    "row {r}: {} tokens, {} positions reserved, logits at {:?}, {} scored",
                     row.tokens.len(),
                     pos.len(),
-                    row.logits_at
+                    row.logits_at,
+                    row.scored
                 )));
             }
             spans.push(positions.len()..positions.len() + pos.len());
@@ -109,11 +115,16 @@ impl Step {
         })
     }
 
-    /// Packed indices of the tokens whose logits are wanted, in row order.
+    /// Packed indices of the tokens whose logits are wanted, in row order:
+    /// each row's scored tokens, then its `logits_at`.
     pub fn logit_indices(&self, rows: &[StepRow<'_>]) -> Vec<i32> {
         rows.iter()
             .zip(&self.rows)
-            .filter_map(|(row, span)| row.logits_at.map(|i| (span.start + i) as i32))
+            .flat_map(|(row, span)| {
+                (0..row.scored)
+                    .chain(row.logits_at)
+                    .map(move |i| (span.start + i) as i32)
+            })
             .collect()
     }
 }

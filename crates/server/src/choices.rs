@@ -13,7 +13,7 @@ use std::future::poll_fn;
 use std::task::Poll;
 
 use mlxcel_engine_api::{
-    EventStream, FinishReason, GenerationEvent, SampledLogprobs, ToolCall, Usage,
+    EventStream, FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob, ToolCall, Usage,
 };
 
 use crate::error::ApiError;
@@ -42,6 +42,13 @@ pub enum Piece {
         index: usize,
         position: usize,
         arguments: String,
+        logprobs: Vec<SampledLogprobs>,
+    },
+    /// The log-probabilities of prompt `prompt`'s tokens (shared by its
+    /// choices): its first token, then every later one given those before.
+    PromptLogprobs {
+        prompt: usize,
+        first: TokenLogprob,
         logprobs: Vec<SampledLogprobs>,
     },
     /// Choice `index` ended; `logprobs` are those not yet attached to a
@@ -133,6 +140,7 @@ impl Choices {
                 return Err(ApiError::GenerationFailed(message.clone()))
             }
             GenerationEvent::Delta { index, .. }
+            | GenerationEvent::PromptLogprobs { index, .. }
             | GenerationEvent::ToolCallStart { index, .. }
             | GenerationEvent::ToolCallArguments { index, .. }
             | GenerationEvent::Finished { index, .. } => *index,
@@ -153,6 +161,13 @@ impl Choices {
                     logprobs: std::mem::take(&mut self.pending[index]),
                 }
             }
+            GenerationEvent::PromptLogprobs {
+                first, logprobs, ..
+            } => Piece::PromptLogprobs {
+                prompt: index / self.n,
+                first,
+                logprobs,
+            },
             GenerationEvent::ToolCallStart { id, name, .. } => {
                 let position = self.tool_calls[index];
                 self.tool_calls[index] += 1;
@@ -233,6 +248,7 @@ impl Choices {
 fn globalize(mut event: GenerationEvent, prompt: usize, n: usize) -> GenerationEvent {
     match &mut event {
         GenerationEvent::Delta { index, .. }
+        | GenerationEvent::PromptLogprobs { index, .. }
         | GenerationEvent::ToolCallStart { index, .. }
         | GenerationEvent::ToolCallArguments { index, .. }
         | GenerationEvent::Finished { index, .. } => {
@@ -256,6 +272,9 @@ pub struct ChoiceOutput {
     pub logprobs: Vec<SampledLogprobs>,
     /// Tool calls, in order (only the first without parallel tool calls).
     pub tool_calls: Vec<ToolCall>,
+    /// The prompt's log-probabilities (requests with prompt logprobs):
+    /// its first token, then every later one.
+    pub prompt_logprobs: Option<(TokenLogprob, Vec<SampledLogprobs>)>,
     /// Why it ended.
     pub finish_reason: Option<FinishReason>,
 }
@@ -273,6 +292,16 @@ pub async fn collect(choices: &mut Choices) -> Result<Vec<ChoiceOutput>, ApiErro
             } => {
                 outputs[index].text.push_str(&text);
                 outputs[index].logprobs.extend(logprobs);
+            }
+            Piece::PromptLogprobs {
+                prompt,
+                first,
+                logprobs,
+            } => {
+                let n = choices.n;
+                for output in outputs.iter_mut().skip(prompt * n).take(n) {
+                    output.prompt_logprobs = Some((first.clone(), logprobs.clone()));
+                }
             }
             Piece::ToolCallStart {
                 index,

@@ -108,7 +108,7 @@ pub async fn completions(
     let mut choices = Choices::new(streams, n, true);
     match request.stream {
         Some(options) => {
-            let format = TextChunks::new(meta, echoes, n, options.include_usage);
+            let format = TextChunks::new(meta, echoes, n, options.include_usage, logprobs);
             Ok(stream_response(choices, format, state.keep_alive()))
         }
         None => {
@@ -118,12 +118,20 @@ pub async fn completions(
                 .enumerate()
                 .map(|(index, output)| {
                     let echo = &echoes[index / n];
+                    // Completion tokens start after the echoed text.
                     let mut offset = echo.chars().count();
+                    let logprobs = logprobs.then(|| match &output.prompt_logprobs {
+                        Some((first, rest)) => {
+                            let mut all = LegacyLogprobs::prompt(first, rest);
+                            all.extend(&output.logprobs, &mut offset);
+                            all
+                        }
+                        None => LegacyLogprobs::new(&output.logprobs, &mut offset),
+                    });
                     TextChoice {
                         index,
                         text: format!("{echo}{}", output.text),
-                        logprobs: logprobs
-                            .then(|| LegacyLogprobs::new(&output.logprobs, &mut offset)),
+                        logprobs,
                         finish_reason: output.finish_reason,
                     }
                 })

@@ -316,9 +316,9 @@ impl Metrics {
                 }
                 None
             }
-            GenerationEvent::ToolCallStart { .. } | GenerationEvent::ToolCallArguments { .. } => {
-                None
-            }
+            GenerationEvent::PromptLogprobs { .. }
+            | GenerationEvent::ToolCallStart { .. }
+            | GenerationEvent::ToolCallArguments { .. } => None,
             GenerationEvent::Finished { usage, .. } => {
                 // Every choice reports the prompt they share: count it once.
                 if !seen.prompt_counted {

@@ -219,6 +219,8 @@ impl ChunkFormat for ChatChunks {
                 reason,
                 logprobs,
             } => (index, ChunkDelta::default(), logprobs, Some(reason)),
+            // Chat requests never ask for the prompt's logprobs.
+            Piece::PromptLogprobs { .. } => return Vec::new(),
         };
         let mut events = Vec::with_capacity(2);
         if self.open(index) {
@@ -235,7 +237,9 @@ impl ChunkFormat for ChatChunks {
 }
 
 /// `text_completion` chunks: with `echo`, each choice's prompt first, then
-/// text and finishing chunks as they come.
+/// text and finishing chunks as they come. With `echo` and `logprobs` the
+/// prompt's chunk waits for the prompt's logprobs (sent once its prefill is
+/// done) and carries them.
 pub struct TextChunks {
     /// Id, time and model of every chunk.
     meta: CompletionMeta,
@@ -246,21 +250,33 @@ pub struct TextChunks {
     n: usize,
     /// Per choice: characters of its text so far (for `text_offset`).
     offsets: Vec<usize>,
+    /// The echo chunks wait for the prompt's logprobs.
+    echo_logprobs: bool,
 }
 
 impl TextChunks {
     /// The chunks of an answer to `echoes.len()` prompts with `n` choices
-    /// each; `echoes[p]` is prompt `p`'s text, or empty without `echo`.
-    pub fn new(meta: CompletionMeta, echoes: Vec<String>, n: usize, include_usage: bool) -> Self {
+    /// each; `echoes[p]` is prompt `p`'s text, or empty without `echo`;
+    /// `logprobs`: the request asked for logprobs (with `echo`, the
+    /// prompt's too).
+    pub fn new(
+        meta: CompletionMeta,
+        echoes: Vec<String>,
+        n: usize,
+        include_usage: bool,
+        logprobs: bool,
+    ) -> Self {
         let offsets = (0..echoes.len() * n)
             .map(|index| echoes[index / n].chars().count())
             .collect();
+        let echo_logprobs = logprobs && echoes.iter().any(|e| !e.is_empty());
         Self {
             meta,
             include_usage,
             echoes,
             n,
             offsets,
+            echo_logprobs,
         }
     }
 
@@ -279,6 +295,9 @@ impl TextChunks {
 
 impl ChunkFormat for TextChunks {
     fn opening(&mut self) -> Vec<Event> {
+        if self.echo_logprobs {
+            return Vec::new();
+        }
         (0..self.offsets.len())
             .filter(|index| !self.echoes[index / self.n].is_empty())
             .map(|index| {
@@ -314,6 +333,27 @@ impl ChunkFormat for TextChunks {
                 logprobs: self.logprobs(index, &logprobs),
                 finish_reason: Some(reason),
             },
+            Piece::PromptLogprobs {
+                prompt,
+                first,
+                logprobs,
+            } => {
+                if !self.echo_logprobs {
+                    return Vec::new();
+                }
+                let echo = self.echoes.get(prompt).cloned().unwrap_or_default();
+                let entries = LegacyLogprobs::prompt(&first, &logprobs);
+                return (prompt * self.n..(prompt + 1) * self.n)
+                    .map(|index| {
+                        self.event(TextChoice {
+                            index,
+                            text: echo.clone(),
+                            logprobs: Some(entries.clone()),
+                            finish_reason: None,
+                        })
+                    })
+                    .collect();
+            }
             Piece::ToolCallStart { index, .. } | Piece::ToolCallArguments { index, .. } => {
                 // Completions carry no tools; an engine that parsed a call
                 // anyway has nowhere to put it.

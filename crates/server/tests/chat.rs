@@ -89,6 +89,7 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
             stop: vec![],
             logit_bias: vec![],
             logprobs: None,
+            prompt_logprobs: None,
             n: 1,
             response_format: None,
             tools: vec![],

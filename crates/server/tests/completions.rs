@@ -226,6 +226,56 @@ async fn echo_streams_the_prompt_first() {
     );
 }
 
+/// Issue 13 item 12: `echo` with `logprobs` asks the engine for the
+/// prompt's logprobs and returns them before the completion's: the first
+/// prompt token with `null`s, streamed in the echo chunk (which waits for
+/// them) or whole.
+#[tokio::test]
+async fn echo_with_logprobs_returns_the_prompts_logprobs() {
+    let script = vec![
+        GenerationEvent::PromptLogprobs {
+            index: 0,
+            first: token_lp(5, "t5", 0.0),
+            logprobs: vec![sampled((6, "t6", -1.5), &[(6, "t6", -1.5), (1, "x", -2.0)])],
+        },
+        delta_lp(0, 1, "Hi", sampled((1, "Hi", -0.25), &[(1, "Hi", -0.25)])),
+        finished(FinishReason::Length),
+    ];
+    let body = json!({"prompt": [5, 6], "echo": true, "logprobs": 1, "max_tokens": 1});
+    let fake = FakeService::new(script.clone());
+    let reply = post_completion(app(fake.clone()), body.clone()).await;
+    assert_eq!(fake.last_request().prompt_logprobs, Some(1));
+    let choice = &reply.json()["choices"][0];
+    assert_eq!(choice["text"], "t5t6Hi");
+    assert_eq!(
+        choice["logprobs"],
+        json!({
+            "tokens": ["t5", "t6", "Hi"],
+            "token_logprobs": [null, -1.5, -0.25],
+            "top_logprobs": [null, {"t6": -1.5, "x": -2.0}, {"Hi": -0.25}],
+            "text_offset": [0, 2, 4],
+        })
+    );
+    // Streamed: the echo chunk carries the prompt's entries.
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let chunks = sse_json(&post_completion(app(FakeService::new(script)), streamed).await);
+    assert_eq!(chunks[0]["choices"][0]["text"], "t5t6");
+    assert_eq!(
+        chunks[0]["choices"][0]["logprobs"]["token_logprobs"],
+        json!([null, -1.5])
+    );
+    assert_eq!(chunks[1]["choices"][0]["text"], "Hi");
+    assert_eq!(
+        chunks[1]["choices"][0]["logprobs"]["text_offset"],
+        json!([4])
+    );
+    // Without echo no prompt logprobs are asked for.
+    let fake = FakeService::hello();
+    post_completion(app(fake.clone()), json!({"prompt": "x", "logprobs": 1})).await;
+    assert_eq!(fake.last_request().prompt_logprobs, None);
+}
+
 #[tokio::test]
 async fn echo_of_an_unknown_token_is_refused_before_any_submit() {
     let fake = FakeService::hello();

@@ -96,6 +96,7 @@ async fn a_full_chat_request_reaches_the_engine() {
         stop: vec!["\n\n".into(), "END".into()],
         logit_bias: vec![(7, 2.5), (50256, -100.0)],
         logprobs: Some(3),
+        prompt_logprobs: None,
         n: 3,
         response_format: Some(ResponseFormat::JsonSchema(
             json!({"type": "object", "properties": {"t": {"type": "number"}}}),
@@ -418,8 +419,6 @@ async fn each_completion_rule_names_its_param() {
         (completion(json!({"logprobs": 6})), "logprobs"),
         (completion(json!({"logprobs": -1})), "logprobs"),
         (completion(json!({"logprobs": true})), "logprobs"),
-        // EchoWithLogprobs
-        (completion(json!({"echo": true, "logprobs": 0})), "echo"),
         (completion(json!({"echo": "yes"})), "echo"),
         // BestOfNotN
         (completion(json!({"best_of": 2})), "best_of"),

@@ -280,11 +280,6 @@ fn each_new_rule_has_its_variant_and_param() {
             "logprobs",
         ),
         (
-            completion(json!({"logprobs": 1, "echo": true})).map(drop),
-            E::EchoWithLogprobs,
-            "echo",
-        ),
-        (
             completion(json!({"n": 3, "best_of": 4})).map(drop),
             E::BestOfNotN { best_of: 4, n: 3 },
             "best_of",

@@ -192,6 +192,13 @@ pub struct GenerationRequest {
     /// `Some(k)`: report each sampled token's log-probability and the `k`
     /// (0..=20) most likely alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: report the log-probability of every prompt token after
+    /// the first, given the tokens before it, with the `k` most likely
+    /// alternatives (vLLM's `prompt_logprobs`; OpenAI completions' `echo`
+    /// with `logprobs`). The model's own distribution: no logit bias,
+    /// penalties or grammar. The whole prompt is computed (the prefix cache
+    /// is not read for it), in chunks of at most 128 tokens.
+    pub prompt_logprobs: Option<usize>,
     /// Choices generated from the one prompt (>= 1); they share the
     /// prompt's KV blocks.
     pub n: usize,
@@ -223,6 +230,7 @@ impl GenerationRequest {
             stop: Vec::new(),
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             n: 1,
             response_format: None,
             tools: Vec::new(),
@@ -307,6 +315,16 @@ pub enum GenerationEvent {
         text: String,
         /// Set when the request asked for logprobs.
         logprobs: Option<SampledLogprobs>,
+    },
+    /// The prompt's log-probabilities (requests with `prompt_logprobs`):
+    /// the first token, then one entry per prompt token after it. Sent once, on
+    /// choice 0, before its first `Delta`; every choice shares the prompt.
+    PromptLogprobs {
+        index: usize,
+        /// The first prompt token (id, text, bytes); it has no context, so
+        /// its `logprob` is 0 and means nothing (OpenAI shows `null`).
+        first: TokenLogprob,
+        logprobs: Vec<SampledLogprobs>,
     },
     /// A tool call of choice `index` begins: its id (`call_...`) and the
     /// function it calls. Its arguments follow as

@@ -188,7 +188,7 @@ impl Worker<'_> {
 
 impl crate::Text {
     /// `logprob` of token `id`, with its text and exact bytes.
-    fn token_logprob(&self, id: u32, logprob: f32) -> TokenLogprob {
+    pub(super) fn token_logprob(&self, id: u32, logprob: f32) -> TokenLogprob {
         let bytes = self.token_bytes(id);
         TokenLogprob {
             id,

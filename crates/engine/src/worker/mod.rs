@@ -122,7 +122,25 @@ struct Sequence {
     usage: Usage,
     timings: Timings,
     first_token_at: Option<Instant>,
+    /// Prompt logprobs found so far (requests with `prompt_logprobs`),
+    /// sent once the prompt is computed.
+    prompt_logprobs: Vec<crate::api::SampledLogprobs>,
     span: tracing::Span,
+}
+
+impl Sequence {
+    /// How many of the `real` tokens a row runs from `computed` on are
+    /// scored (their next token is a prompt token): none unless the
+    /// request wants prompt logprobs.
+    fn scored_in_row(&self, real: usize) -> usize {
+        if self.job.request.prompt_logprobs.is_none() {
+            return 0;
+        }
+        let last_scored = self.job.prompt.len().saturating_sub(1);
+        (self.computed + real)
+            .min(last_scored)
+            .saturating_sub(self.computed)
+    }
 }
 
 impl Sequence {
@@ -153,16 +171,21 @@ struct Sampled {
     on_device: Vec<bool>,
     tokens: Vec<u32>,
     logits: Vec<f32>,
+    /// Logits rows `[scored tokens, vocab]` of the step's scored prompt
+    /// tokens, in row order (empty when none).
+    scored: Vec<f32>,
 }
 
 impl Sampled {
     /// `tokens` are the device rows' tokens and `logits` the other rows'
-    /// logits rows concatenated, both in row order.
-    fn new(on_device: &[bool], tokens: Vec<u32>, logits: Vec<f32>) -> Self {
+    /// logits rows concatenated, both in row order; `scored` the scored
+    /// tokens' logits rows.
+    fn new(on_device: &[bool], tokens: Vec<u32>, logits: Vec<f32>, scored: Vec<f32>) -> Self {
         Sampled {
             on_device: on_device.to_vec(),
             tokens,
             logits,
+            scored,
         }
     }
 
@@ -412,7 +435,8 @@ impl<'m> Worker<'m> {
         mut job: Job,
         worst_blocks: usize,
     ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
-        let (kv, cached) = if job.request.cache_prompt {
+        // A scored prompt is computed whole: cached tokens have no logits.
+        let (kv, cached) = if job.request.cache_prompt && job.request.prompt_logprobs.is_none() {
             match self.kv.new_sequence_for_prompt(&job.prompt) {
                 Ok(found) => found,
                 Err(e) => return Err((job, e)),
@@ -462,6 +486,7 @@ impl<'m> Worker<'m> {
             },
             timings: Timings::default(),
             first_token_at: None,
+            prompt_logprobs: Vec::new(),
             span,
             index: 0,
             forks,
@@ -508,6 +533,7 @@ impl<'m> Worker<'m> {
                 usage: parent.usage,
                 timings: parent.timings,
                 first_token_at: None,
+                prompt_logprobs: Vec::new(),
                 span,
             };
             children.push(child);

@@ -17,7 +17,8 @@ use mlxcel_model::profile::{self, ProfileMode};
 use mlxcel_model::{AttentionPath, StepRow};
 
 use super::{NextToken, Sampled, Worker};
-use crate::api::GenerationEvent;
+use crate::api::{GenerationEvent, SampledLogprobs};
+use crate::logits::log_probs;
 use crate::scheduler::{plan_step, PlannedRow, SeqProgress, StepPlan};
 
 /// A decode step queued on the device whose tokens are not read yet.
@@ -113,6 +114,7 @@ impl Worker<'_> {
             .map(|s| SeqProgress {
                 known: s.tokens.len(),
                 computed: s.computed,
+                scored: s.job.request.prompt_logprobs.is_some(),
             })
             .collect();
         plan_step(&progress, self.config.scheduler)
@@ -242,6 +244,7 @@ impl Worker<'_> {
             .map(|t| StepRow {
                 tokens: t,
                 logits_at: Some(0),
+                scored: 0,
             })
             .collect();
         let path = self.attention_path();
@@ -380,6 +383,7 @@ impl Worker<'_> {
     /// then sampling and streaming. A failure here fails only its row.
     fn after_forward(&mut self, plan: &StepPlan, sampled: &Sampled) {
         self.count(plan);
+        self.score_prompts(plan, sampled);
         for r in &plan.rows {
             if let Err(message) = self.advance(r.seq, r.real, 0) {
                 tracing::error!(error = %message, "row failed after its forward");
@@ -387,6 +391,56 @@ impl Worker<'_> {
             }
         }
         self.sample_and_emit(plan, sampled);
+    }
+
+    /// Turns the step's scored logits rows into prompt logprobs (before the
+    /// rows advance: row `r` scored the tokens from `computed` on); a
+    /// sequence whose prompt is now computed sends them.
+    fn score_prompts(&mut self, plan: &StepPlan, sampled: &Sampled) {
+        let text = self.text;
+        let total: usize = plan
+            .rows
+            .iter()
+            .map(|r| self.running[r.seq].scored_in_row(r.real))
+            .sum();
+        let vocab = sampled.scored.len().checked_div(total).unwrap_or(0);
+        let mut at = 0;
+        for r in &plan.rows {
+            let s = &mut self.running[r.seq];
+            let scored = s.scored_in_row(r.real);
+            if scored > 0 {
+                let k = s.job.request.prompt_logprobs.unwrap_or(0);
+                for j in 0..scored {
+                    let Some(row) = sampled.scored.get((at + j) * vocab..(at + j + 1) * vocab)
+                    else {
+                        break;
+                    };
+                    let Some(&token) = s.job.prompt.get(s.computed + j + 1) else {
+                        break;
+                    };
+                    let (logprob, top) = log_probs(row, token, k);
+                    s.prompt_logprobs.push(SampledLogprobs {
+                        token: text.token_logprob(token, logprob),
+                        top: top
+                            .into_iter()
+                            .map(|(id, lp)| text.token_logprob(id, lp))
+                            .collect(),
+                    });
+                }
+                at += scored;
+            }
+            // The prompt's last chunk (not a later decode row).
+            let prompt_done = r.sample && s.computed < s.job.prompt.len();
+            if prompt_done && s.job.request.prompt_logprobs.is_some() {
+                let logprobs = std::mem::take(&mut s.prompt_logprobs);
+                let first = text.token_logprob(s.job.prompt.first().copied().unwrap_or(0), 0.0);
+                let _ = s.job.events.send(GenerationEvent::PromptLogprobs {
+                    index: s.index,
+                    first,
+                    logprobs,
+                });
+            }
+        }
     }
 
     /// Moves sequence `seq` past `real` more computed tokens; `ahead`
@@ -484,8 +538,21 @@ impl Worker<'_> {
             .map(|(r, t)| StepRow {
                 tokens: t,
                 logits_at: r.sample.then(|| r.real - 1),
+                scored: self.running[r.seq].scored_in_row(r.real),
             })
             .collect();
+        // Where each sampling row's logits row is, and the scored ones.
+        let mut sample_at = Vec::new();
+        let mut scored_at = Vec::new();
+        let mut next = 0i32;
+        for row in &rows {
+            scored_at.extend(next..next + row.scored as i32);
+            next += row.scored as i32;
+            if row.logits_at.is_some() {
+                sample_at.push(next);
+                next += 1;
+            }
+        }
         // Which sampling rows are sampled on the device.
         let on_device: Vec<bool> = plan
             .rows
@@ -509,7 +576,14 @@ impl Worker<'_> {
                     self.model
                         .build_step(&rows, None, &mut view, path)
                         .map_err(|e| e.to_string())
-                        .and_then(|logits| sample_rows(&logits, &on_device, view.storage()))
+                        .and_then(|logits| {
+                            let wanted = LogitRows {
+                                sample_at: &sample_at,
+                                on_device: &on_device,
+                                scored_at: &scored_at,
+                            };
+                            sample_rows(&logits, wanted, view.storage())
+                        })
                 }
             }
         };
@@ -553,50 +627,74 @@ impl Worker<'_> {
     }
 }
 
-/// Evaluates a step (its logits `[sampling rows, vocab]` and the cache
-/// `storage`) with the rows marked in `on_device` reduced to their greedy
-/// token on the device, and reads back only those tokens and the other
-/// rows' logits: one device round trip.
+/// Which rows of a step's logits are what.
+struct LogitRows<'a> {
+    /// The logits row of each sampling row, in row order.
+    sample_at: &'a [i32],
+    /// Per sampling row: sampled on the device.
+    on_device: &'a [bool],
+    /// The logits rows of scored prompt tokens, in row order.
+    scored_at: &'a [i32],
+}
+
+/// Evaluates a step (its logits `[wanted positions, vocab]` and the cache
+/// `storage`) with the sampling rows marked on the device reduced to their
+/// greedy token there, and reads back only those tokens, the other
+/// sampling rows' logits and the scored rows' logits: one device round
+/// trip.
 fn sample_rows(
     logits: &Array,
-    on_device: &[bool],
+    rows: LogitRows<'_>,
     storage: Vec<&Array>,
 ) -> Result<Sampled, String> {
-    let pick = |want: bool| -> Result<Option<Array>, mlxcel_mlx::Error> {
-        let idx: Vec<i32> = (0..on_device.len() as i32)
-            .filter(|&i| on_device[i as usize] == want)
-            .collect();
+    let total = rows.sample_at.len() + rows.scored_at.len();
+    let take = |idx: &[i32]| -> Result<Option<Array>, mlxcel_mlx::Error> {
         if idx.is_empty() {
             return Ok(None);
         }
-        if idx.len() == on_device.len() {
+        if idx.len() == total && idx.iter().enumerate().all(|(i, &r)| r == i as i32) {
             return Ok(Some(logits.clone()));
         }
-        let idx = Array::from_i32(&idx, &[idx.len() as i32])?;
+        let idx = Array::from_i32(idx, &[idx.len() as i32])?;
         Ok(Some(logits.take(&idx, 0)?))
     };
+    let pick = |want: bool| -> Vec<i32> {
+        rows.sample_at
+            .iter()
+            .zip(rows.on_device)
+            .filter(|(_, &d)| d == want)
+            .map(|(&r, _)| r)
+            .collect()
+    };
     let run = || -> Result<Sampled, mlxcel_mlx::Error> {
-        let tokens = match pick(true)? {
+        let tokens = match take(&pick(true))? {
             Some(l) => Some(l.argmax(-1, false)?.astype(Dtype::Uint32)?),
             None => None,
         };
-        let host = pick(false)?;
-        let mut outputs: Vec<&Array> = tokens.iter().chain(host.iter()).collect();
+        let host = take(&pick(false))?;
+        let scored = take(rows.scored_at)?;
+        let mut outputs: Vec<&Array> = tokens
+            .iter()
+            .chain(host.iter())
+            .chain(scored.iter())
+            .collect();
         outputs.extend(storage);
         profile::region("model.eval", || mlxcel_mlx::eval(&outputs))?;
-        let (device_tokens, logits) = profile::region("engine.logits_to_host", || {
+        let (device_tokens, logits, scored) = profile::region("engine.logits_to_host", || {
+            let floats = |a: &Option<Array>| match a {
+                Some(a) => a.to_vec_f32(),
+                None => Ok(Vec::new()),
+            };
             Ok::<_, mlxcel_mlx::Error>((
                 match &tokens {
                     Some(t) => t.to_vec_u32()?,
                     None => Vec::new(),
                 },
-                match &host {
-                    Some(h) => h.to_vec_f32()?,
-                    None => Vec::new(),
-                },
+                floats(&host)?,
+                floats(&scored)?,
             ))
         })?;
-        Ok(Sampled::new(on_device, device_tokens, logits))
+        Ok(Sampled::new(rows.on_device, device_tokens, logits, scored))
     };
     run().map_err(|e| e.to_string())
 }

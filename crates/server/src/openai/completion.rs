@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use mlxcel_engine_api::{FinishReason, SampledLogprobs, Usage};
+use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob, Usage};
 use serde::Serialize;
 
 use super::{CompletionMeta, UsageBody};
@@ -72,10 +72,12 @@ pub struct TextChoice {
 pub struct LegacyLogprobs {
     /// Each token's text.
     pub tokens: Vec<String>,
-    /// Each token's log-probability.
-    pub token_logprobs: Vec<f32>,
-    /// Each position's most likely tokens, text to log-probability.
-    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    /// Each token's log-probability; `null` for an echoed prompt's first
+    /// token, which has no context.
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Each position's most likely tokens, text to log-probability; `null`
+    /// where `token_logprobs` is.
+    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
     /// Where each token starts in the choice's text, in characters.
     pub text_offset: Vec<usize>,
 }
@@ -85,9 +87,29 @@ impl LegacyLogprobs {
     /// `*offset` of the choice's text; `*offset` moves past the last.
     pub fn new(tokens: &[SampledLogprobs], offset: &mut usize) -> Self {
         let mut logprobs = Self::default();
+        logprobs.extend(tokens, offset);
+        logprobs
+    }
+
+    /// The entries of an echoed prompt (`echo` with `logprobs`): its first
+    /// token with `null`s, then `rest`; offsets from the text's start.
+    pub fn prompt(first: &TokenLogprob, rest: &[SampledLogprobs]) -> Self {
+        let mut logprobs = Self {
+            tokens: vec![first.text.clone()],
+            token_logprobs: vec![None],
+            top_logprobs: vec![None],
+            text_offset: vec![0],
+        };
+        let mut offset = first.text.chars().count();
+        logprobs.extend(rest, &mut offset);
+        logprobs
+    }
+
+    /// Appends the entries of `tokens`, the first at character `*offset`.
+    pub fn extend(&mut self, tokens: &[SampledLogprobs], offset: &mut usize) {
         for sampled in tokens {
-            logprobs.tokens.push(sampled.token.text.clone());
-            logprobs.token_logprobs.push(sampled.token.logprob);
+            self.tokens.push(sampled.token.text.clone());
+            self.token_logprobs.push(Some(sampled.token.logprob));
             let mut top = BTreeMap::new();
             for alternative in &sampled.top {
                 // Distinct tokens can share a text (bytes shown as U+FFFD):
@@ -95,10 +117,9 @@ impl LegacyLogprobs {
                 top.entry(alternative.text.clone())
                     .or_insert(alternative.logprob);
             }
-            logprobs.top_logprobs.push(top);
-            logprobs.text_offset.push(*offset);
+            self.top_logprobs.push(Some(top));
+            self.text_offset.push(*offset);
             *offset += sampled.token.text.chars().count();
         }
-        logprobs
     }
 }

@@ -56,9 +56,6 @@ impl ValidatedCompletionRequest {
             Some(value) => boolean("echo", value)?,
             None => false,
         };
-        if echo && logprobs.is_some() {
-            return Err(ValidationError::EchoWithLogprobs);
-        }
         if let Some(best_of) = take(&mut body, "best_of") {
             let best_of = integer("best_of", best_of)?;
             if best_of != shared.n as i128 {
@@ -74,6 +71,8 @@ impl ValidatedCompletionRequest {
             .into_iter()
             .map(|prompt| GenerationRequest {
                 logprobs,
+                // `echo` returns the prompt: with `logprobs`, its logprobs too.
+                prompt_logprobs: logprobs.filter(|_| echo),
                 ..shared.request(prompt, max_tokens)
             })
             .collect();

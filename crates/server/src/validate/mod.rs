@@ -146,9 +146,6 @@ pub enum ValidationError {
     /// Completions `logprobs` outside 0..=5.
     #[error("Invalid value for 'logprobs': {0} (must be between 0 and 5)")]
     LogprobsOutOfRange(i128),
-    /// Completions `echo` together with `logprobs`.
-    #[error("'echo' cannot be combined with 'logprobs'")]
-    EchoWithLogprobs,
     /// `n` outside 1..=16.
     #[error("Invalid value for 'n': {0} (must be between 1 and 16)")]
     NOutOfRange(i128),
@@ -279,7 +276,6 @@ impl ValidationError {
             Self::LogitBiasKey(_) | Self::LogitBiasOutOfRange { .. } => "logit_bias",
             Self::TopLogprobsOutOfRange(_) | Self::TopLogprobsWithoutLogprobs => "top_logprobs",
             Self::LogprobsOutOfRange(_) => "logprobs",
-            Self::EchoWithLogprobs => "echo",
             Self::NOutOfRange(_) => "n",
             Self::BestOfNotN { .. } => "best_of",
             Self::StreamOptionsWithoutStream => "stream_options",

@@ -194,6 +194,7 @@ impl InferenceService for FakeService {
 fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> {
     let index_of = |event: &GenerationEvent| match event {
         GenerationEvent::Delta { index, .. }
+        | GenerationEvent::PromptLogprobs { index, .. }
         | GenerationEvent::ToolCallStart { index, .. }
         | GenerationEvent::ToolCallArguments { index, .. }
         | GenerationEvent::Finished { index, .. } => *index,
@@ -207,6 +208,7 @@ fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> 
             script.iter().cloned().map(move |mut event| {
                 match &mut event {
                     GenerationEvent::Delta { index, .. }
+                    | GenerationEvent::PromptLogprobs { index, .. }
                     | GenerationEvent::ToolCallStart { index, .. }
                     | GenerationEvent::ToolCallArguments { index, .. }
                     | GenerationEvent::Finished { index, .. } => *index = choice,
