@@ -18,6 +18,9 @@
 #    accepts openai 2.x; 0.21 and later need openai>=3).
 # 4. Verifies the GGUF's sha256.
 # 5. scripts/prepare_model.py -> models/SmolLM2-135M-Instruct (4-bit, g32, float32).
+# 6. scripts/make_tiny_models.py -> target/tiny-models (tiny random-weight
+#    checkpoints of every family, with mlx_lm's greedy output, for
+#    tests/family_parity.rs).
 #
 # When everything is in place it prints one line and exits (well under 5 s).
 set -euo pipefail
@@ -195,6 +198,20 @@ if ! "$PY" "$REPO/scripts/prepare_model.py" --check --gguf "$GGUF"; then
   did_work=1
   log "preparing models/SmolLM2-135M-Instruct"
   "$PY" "$REPO/scripts/prepare_model.py" --gguf "$GGUF"
+fi
+
+# --- 6. tiny family checkpoints (tests/family_parity.rs) --------------------
+# Random-weight checkpoints written by mlx_lm's model classes, with mlx_lm's
+# greedy output; remade whenever the script changes (a few seconds).
+TINY="$REPO/target/tiny-models"
+tiny_sha="$(sha256sum "$REPO/scripts/make_tiny_models.py" 2>/dev/null || shasum -a 256 "$REPO/scripts/make_tiny_models.py")"
+tiny_sha="${tiny_sha%% *}"
+if [[ "$(cat "$TINY/.script-sha256" 2>/dev/null)" != "$tiny_sha" ]]; then
+  did_work=1
+  log "writing tiny family checkpoints to target/tiny-models (mlx_lm)"
+  rm -rf "$TINY"
+  "$PY" "$REPO/scripts/make_tiny_models.py" "$TINY"
+  echo "$tiny_sha" > "$TINY/.script-sha256"
 fi
 
 if (( did_work )); then

@@ -360,7 +360,7 @@ pub fn init_logging() {
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let engine_config = args.model.engine_config(args.alias.clone())?;
     let context_length =
-        mlxcel_model::read_config(&engine_config.model_dir)?.max_position_embeddings;
+        mlxcel_engine::loader::read_config(&engine_config.model_dir)?.max_position_embeddings;
     let slot = Arc::new(ServiceSlot::new(engine_config.model_id(), context_length));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

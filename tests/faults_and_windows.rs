@@ -16,7 +16,7 @@ use mlxcel_kv::{
     AttentionKv, KvCache, KvCacheConfig, KvError, KvSequence, RowReserve, StorageBackend,
 };
 use mlxcel_mlx::{Array, Dtype};
-use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, StepRow, WeightMode};
+use mlxcel_model::{AttentionPath, LoadOptions, Model, StepRow, WeightMode};
 
 fn config() -> EngineConfig {
     let mut c = EngineConfig::new(model_dir());
@@ -230,7 +230,7 @@ fn run_row(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]
 #[test]
 fn after_a_front_trim_masks_use_the_live_key_count() {
     let dir = model_dir();
-    let config = ModelConfig::from_model_dir(&dir).expect("config");
+    let config = mlxcel_engine::loader::read_config(&dir).expect("config");
     let layers = config.num_hidden_layers;
     let options = LoadOptions {
         dtype: Dtype::Float32,

@@ -10,7 +10,7 @@ use mlxcel_engine::scheduler::{plan_step, SchedulerConfig, SeqProgress};
 use mlxcel_engine::{Engine, EngineConfig};
 use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, RowReserve, StorageBackend};
 use mlxcel_mlx::Dtype;
-use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, StepRow, WeightMode};
+use mlxcel_model::{AttentionPath, LoadOptions, Model, StepRow, WeightMode};
 
 /// Prompt lengths around block (32) multiples, as the issue asks.
 const LENGTHS: &[usize] = &[31, 32, 33, 64, 65, 200];
@@ -91,7 +91,7 @@ fn argmax(v: &[f32]) -> usize {
 #[test]
 fn warm_logits_match_cold_logits() {
     let dir = model_dir();
-    let config = ModelConfig::from_model_dir(&dir).expect("config");
+    let config = mlxcel_engine::loader::read_config(&dir).expect("config");
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,

@@ -24,7 +24,7 @@ use crate::tokenizer::{eos_token_ids, TextTokenizer};
 use crate::worker::{request_blocks, Job, Message, ToolCallOutput, Worker, WorkerConfig};
 use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
-use mlxcel_model::{AttentionPath, LoadOptions, Model, ModelConfig, WeightMode};
+use mlxcel_model::{AttentionPath, LoadOptions, Model, WeightMode};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
@@ -230,7 +230,7 @@ impl Engine {
     pub fn start(mut config: EngineConfig) -> Result<Engine, EngineError> {
         let started = Instant::now();
         let dir = config.model_dir.clone();
-        let model_config = ModelConfig::from_model_dir(&dir)?;
+        let model_config = crate::loader::read_config(&dir)?;
         let tokenizer = TextTokenizer::from_model_dir(&dir)?;
         let template = match &config.chat_template {
             Some(path) => Some(ChatTemplate::from_file(path, &dir)?),

@@ -2,11 +2,54 @@
 //! attention layer that talks to the KV view. The mask is built here, from
 //! the number of live keys the view returns (docs/architecture.md invariant 3).
 
-use crate::layers::{Linear, LoadContext};
+use crate::layers::{Linear, LoadContext, RmsNorm};
 use crate::profile::mark;
-use crate::rope::Rope;
+use crate::rope::{Rope, RopeSpec};
 use crate::step::Step;
 use crate::{ModelConfig, ModelError};
+
+/// What one layer's attention is: head counts, projections' biases, q/k
+/// norms, RoPE, window and query scale. Families build one per layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionSpec {
+    /// Query heads.
+    pub heads: usize,
+    /// K/V heads (grouped-query attention when fewer than `heads`).
+    pub kv_heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Biases on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    pub o_bias: bool,
+    /// RMSNorm over each query and key head before RoPE, with this epsilon
+    /// (Qwen3: `{path}.q_norm`, `{path}.k_norm`, weights `[head_dim]`).
+    pub qk_norm: Option<f32>,
+    pub rope: RopeSpec,
+    /// Sliding window in keys (a query sees at most this many, itself
+    /// included); `None` for global attention.
+    pub window: Option<usize>,
+    /// Query scale (`head_dim^-0.5` unless the family says otherwise).
+    pub scale: f32,
+}
+
+impl AttentionSpec {
+    /// Llama's attention as `config` describes it: `attention_bias` on all
+    /// four projections, no q/k norms, the model's RoPE and window.
+    pub fn from_config(config: &ModelConfig) -> Self {
+        AttentionSpec {
+            heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            qkv_bias: config.attention_bias,
+            o_bias: config.attention_bias,
+            qk_norm: None,
+            rope: RopeSpec::from_config(config),
+            window: config.sliding_window,
+            scale: (config.head_dim as f32).powf(-0.5),
+        }
+    }
+}
 use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{scaled_dot_product_attention, Array, AttentionMask, Dtype};
 
@@ -17,6 +60,9 @@ pub struct Attention {
     pub k_proj: Linear,
     pub v_proj: Linear,
     pub o_proj: Linear,
+    /// Per-head RMSNorms of queries and keys (before RoPE).
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
     rope: Rope,
     heads: i32,
     kv_heads: i32,
@@ -30,24 +76,32 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Loads `{path}.{q,k,v,o}_proj`.
+    /// Loads `{path}.{q,k,v,o}_proj` (and `{path}.{q,k}_norm`) as `spec`
+    /// describes.
     pub fn load(
         ctx: &mut LoadContext<'_>,
         path: &str,
-        config: &ModelConfig,
+        spec: &AttentionSpec,
     ) -> Result<Self, ModelError> {
+        let norm = |ctx: &mut LoadContext<'_>, name: &str| {
+            spec.qk_norm
+                .map(|eps| RmsNorm::load(ctx, &format!("{path}.{name}"), eps))
+                .transpose()
+        };
         Ok(Attention {
-            q_proj: Linear::load(ctx, &format!("{path}.q_proj"), config.qkv_bias)?,
-            k_proj: Linear::load(ctx, &format!("{path}.k_proj"), config.qkv_bias)?,
-            v_proj: Linear::load(ctx, &format!("{path}.v_proj"), config.qkv_bias)?,
-            o_proj: Linear::load(ctx, &format!("{path}.o_proj"), config.o_bias)?,
-            rope: Rope::new(config)?,
-            heads: config.num_attention_heads as i32,
-            kv_heads: config.num_key_value_heads as i32,
-            head_dim: config.head_dim as i32,
-            scale: (config.head_dim as f32).powf(-0.5),
-            scale_array: Array::from_f32(&[(config.head_dim as f32).powf(-0.5)], &[1])?,
-            window: config.sliding_window,
+            q_proj: Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
+            k_proj: Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?,
+            v_proj: Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?,
+            o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?,
+            q_norm: norm(ctx, "q_norm")?,
+            k_norm: norm(ctx, "k_norm")?,
+            rope: Rope::new(&spec.rope)?,
+            heads: spec.heads as i32,
+            kv_heads: spec.kv_heads as i32,
+            head_dim: spec.head_dim as i32,
+            scale: spec.scale,
+            scale_array: Array::from_f32(&[spec.scale], &[1])?,
+            window: spec.window,
         })
     }
 
@@ -69,6 +123,10 @@ impl Attention {
         let k = self.k_proj.forward(x)?.reshape(&[t, kvh, 1, d])?;
         let v = self.v_proj.forward(x)?.reshape(&[t, kvh, d])?;
         mark("attn.qkv_proj", &[&q, &k, &v])?;
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            _ => (q, k),
+        };
         let q = self.rope.apply_at(&q, &step.positions)?;
         let k = self.rope.apply_at(&k, &step.positions)?;
         mark("attn.rope", &[&q, &k])?;
@@ -182,10 +240,12 @@ impl Attention {
 
     /// Every tensor of the layer.
     pub fn arrays(&self) -> Vec<&Array> {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+        let mut v: Vec<&Array> = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
             .into_iter()
             .flat_map(Linear::arrays)
-            .collect()
+            .collect();
+        v.extend(self.q_norm.iter().chain(&self.k_norm).map(|n| &n.weight));
+        v
     }
 }
 

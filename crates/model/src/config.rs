@@ -121,10 +121,13 @@ fn default_rope_theta() -> f32 {
     10000.0
 }
 
-/// The model hyper-parameters mlxcel uses, with family defaults applied.
+/// The hyper-parameters every family shares, read from `config.json` the
+/// same way for all of them (no `model_type` branches here: a family
+/// adjusts what it reads differently, and reads its own keys from `raw`;
+/// see the `mlxcel-models` registry).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
-    /// `llama` or `qwen2` (the families of `mlxcel-llama`).
+    /// The checkpoint's family key (`llama`, `qwen2`, `qwen3`, ...).
     pub model_type: String,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
@@ -139,18 +142,20 @@ pub struct ModelConfig {
     pub rope_traditional: bool,
     pub rope_scaling: RopeScaling,
     pub tie_word_embeddings: bool,
-    /// Biases on q/k/v projections (qwen2: always).
-    pub qkv_bias: bool,
-    /// Bias on the output projection.
-    pub o_bias: bool,
+    /// `attention_bias`: biases on the q/k/v and output projections (a
+    /// family may decide otherwise: Qwen2 always has q/k/v biases).
+    pub attention_bias: bool,
     pub mlp_bias: bool,
     /// Context length in tokens (`max_position_embeddings`).
     pub max_position_embeddings: usize,
     /// Checkpoint dtype name (`torch_dtype`), e.g. `float16`.
     pub torch_dtype: Option<String>,
-    /// Sliding attention window in tokens, when the model uses one.
+    /// Sliding attention window in tokens, when the model uses one
+    /// (`sliding_window`, unless `use_sliding_window` is false).
     pub sliding_window: Option<usize>,
     pub quantization: Quantization,
+    /// The whole `config.json`, for the keys only one family reads.
+    pub raw: serde_json::Value,
 }
 
 impl ModelConfig {
@@ -167,10 +172,10 @@ impl ModelConfig {
 
     /// Parses the text of a `config.json`.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let raw: RawConfig =
+        let json: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ModelError::Config(e.to_string()))?;
-        let is_qwen2 = raw.model_type == "qwen2";
-        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let raw: RawConfig =
+            serde_json::from_value(json.clone()).map_err(|e| ModelError::Config(e.to_string()))?;
         let heads = raw.num_attention_heads;
         if heads == 0 || !raw.hidden_size.is_multiple_of(heads) && raw.head_dim.is_none() {
             return Err(ModelError::Config(
@@ -184,9 +189,8 @@ impl ModelConfig {
             ));
         }
         let sliding_window = match (raw.sliding_window, raw.use_sliding_window) {
-            (Some(w), Some(true)) => Some(w),
-            (Some(w), None) if !is_qwen2 => Some(w),
-            _ => None,
+            (Some(_), Some(false)) => None,
+            (w, _) => w,
         };
         Ok(ModelConfig {
             rope_scaling: parse_rope_scaling(raw.rope_scaling.as_ref())?,
@@ -199,8 +203,7 @@ impl ModelConfig {
             head_dim: raw.head_dim.unwrap_or(raw.hidden_size / heads),
             num_key_value_heads: kv_heads,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(true),
-            qkv_bias: is_qwen2 || attention_bias,
-            o_bias: !is_qwen2 && attention_bias,
+            attention_bias: raw.attention_bias.unwrap_or(false),
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             model_type: raw.model_type,
             hidden_size: raw.hidden_size,
@@ -214,6 +217,7 @@ impl ModelConfig {
             mlp_bias: raw.mlp_bias,
             torch_dtype: raw.torch_dtype,
             sliding_window,
+            raw: json,
         })
     }
 }
@@ -262,7 +266,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.head_dim, 64);
         assert_eq!(c.num_key_value_heads, 3);
-        assert!(c.tie_word_embeddings && !c.qkv_bias && !c.o_bias);
+        assert!(c.tie_word_embeddings && !c.attention_bias);
         let q = &c.quantization;
         assert_eq!(
             q.for_module("model.layers.0.mlp.up_proj"),
@@ -282,7 +286,7 @@ mod tests {
     }
 
     #[test]
-    fn qwen2_defaults_and_errors() {
+    fn defaults_and_errors() {
         let c = ModelConfig::from_json_str(
             r#"{"model_type":"qwen2","hidden_size":896,"num_hidden_layers":24,
             "intermediate_size":4864,"num_attention_heads":14,"num_key_value_heads":2,
@@ -290,11 +294,9 @@ mod tests {
             "sliding_window":32768,"use_sliding_window":false,"eos_token_id":[151645,151643]}"#,
         )
         .unwrap();
-        assert!(
-            c.qkv_bias && !c.o_bias && c.tie_word_embeddings,
-            "mlx_lm ties by default"
-        );
-        assert_eq!(c.sliding_window, None);
+        assert!(c.tie_word_embeddings, "mlx_lm ties by default");
+        assert_eq!(c.sliding_window, None, "use_sliding_window: false");
+        assert_eq!(c.raw["use_sliding_window"], false);
         let bad = ModelConfig::from_json_str(r#"{"model_type":"llama"}"#);
         assert!(matches!(bad, Err(ModelError::Config(_))));
         let rope = ModelConfig::from_json_str(

@@ -1,7 +1,7 @@
 //! The model layer of mlxcel: the [`Model`] trait, `config.json` parsing,
 //! weight loading (MLX-format safetensors, quantized or not), and the shared
 //! layers (linear, embedding, RMSNorm, RoPE, gated MLP, and the one attention
-//! layer that talks to the KV view). Families (`crates/models/*`) are wiring.
+//! layer that talks to the KV view). Families (`crates/models`) are wiring.
 
 pub mod attention;
 pub mod config;
@@ -18,7 +18,6 @@ pub use weights::Weights;
 
 use mlxcel_kv::{AttentionKv, KvLayout};
 use mlxcel_mlx::{Array, Dtype};
-use std::path::Path;
 
 /// Errors of model loading and forward passes.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -126,9 +125,4 @@ pub fn auto_dtype(config: &ModelConfig, gpu: bool) -> Dtype {
         .as_deref()
         .and_then(Dtype::parse_float)
         .unwrap_or(Dtype::Float16)
-}
-
-/// Reads `config.json` of a model directory (a convenience for front ends).
-pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
-    ModelConfig::from_model_dir(dir)
 }

@@ -18,18 +18,43 @@ pub struct Rope {
     freqs: Option<Array>,
 }
 
+/// What a RoPE is: rotated features per head, base, layout and scaling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeSpec {
+    /// Rotated features of each head (the head size, or less for partial
+    /// rotary).
+    pub dims: usize,
+    /// `rope_theta`.
+    pub base: f32,
+    /// Rotate interleaved pairs (GPT-J layout) instead of halves.
+    pub traditional: bool,
+    pub scaling: RopeScaling,
+}
+
+impl RopeSpec {
+    /// The whole head rotated, as `config` says.
+    pub fn from_config(config: &ModelConfig) -> Self {
+        RopeSpec {
+            dims: config.head_dim,
+            base: config.rope_theta,
+            traditional: config.rope_traditional,
+            scaling: config.rope_scaling.clone(),
+        }
+    }
+}
+
 impl Rope {
-    /// From the model config.
-    pub fn new(config: &ModelConfig) -> Result<Self, ModelError> {
-        let dims = config.head_dim as i32;
+    /// The RoPE `spec` describes.
+    pub fn new(spec: &RopeSpec) -> Result<Self, ModelError> {
+        let dims = spec.dims as i32;
         let mut rope = Rope {
             dims,
-            traditional: config.rope_traditional,
-            base: config.rope_theta,
+            traditional: spec.traditional,
+            base: spec.base,
             scale: 1.0,
             freqs: None,
         };
-        match config.rope_scaling {
+        match spec.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => rope.scale = 1.0 / factor,
             RopeScaling::Llama3 {
@@ -44,7 +69,7 @@ impl Rope {
                 let freqs: Vec<f32> = (0..half)
                     .map(|i| {
                         // Wavelength-dependent period, as a multiple of the base period.
-                        let f = config.rope_theta.powf((2 * i) as f32 / dims as f32);
+                        let f = spec.base.powf((2 * i) as f32 / dims as f32);
                         let wavelen = 2.0 * std::f32::consts::PI * f;
                         if wavelen > low_wavelen {
                             f * factor

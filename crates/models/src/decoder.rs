@@ -1,22 +1,65 @@
-//! The Llama family: Llama 2/3 (Touvron et al. 2023), SmolLM, Mistral (with
-//! its sliding window, kept by the engine's KV window and the attention
-//! mask), and Qwen2 (same wiring plus q/k/v biases).
+//! The pre-norm decoder stack most families share: token embedding, layers
+//! of (RMSNorm, attention, residual, RMSNorm, gated MLP, residual), final
+//! RMSNorm and the LM head (tied or not). A family describes each layer's
+//! attention ([`AttentionSpec`]) and loads a [`Decoder`]; the forward, its
+//! tail (final norm, head at the wanted positions) and the weight walk are
+//! written once here.
 //!
 //! Reference implementations: Meta's `llama/model.py`, mlx_lm's
-//! `mlx_lm/models/llama.py` and `qwen2.py`. Weight paths mirror the
-//! checkpoint's names (`model.layers.{i}.self_attn.q_proj`, ...).
+//! `mlx_lm/models/llama.py`, `qwen2.py`, `qwen3.py`. Weight paths are the
+//! checkpoint's (`model.layers.{i}.self_attn.q_proj`, ...).
 
 use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
-use mlxcel_model::attention::Attention;
+use mlxcel_model::attention::{Attention, AttentionSpec};
 use mlxcel_model::layers::{Embedding, Linear, LoadContext, Mlp, RmsNorm};
 use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
     AttentionPath, LoadOptions, Model, ModelConfig, ModelError, Step, StepRow, Weights,
 };
 
-/// `model_type`s this family serves.
-pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2"];
+/// What a family's decoder is, beyond the shared config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderSpec {
+    /// Each layer's attention, in order (one per `num_hidden_layers`).
+    pub layers: Vec<AttentionSpec>,
+    /// Embeddings are multiplied by this (Granite's
+    /// `embedding_multiplier`); 1 for most families.
+    pub embedding_scale: f32,
+    /// Each residual branch (attention, MLP) is multiplied by this before
+    /// it is added (Granite's `residual_multiplier`); 1 for most families.
+    pub residual_scale: f32,
+    /// Logits are divided by this (Granite's `logits_scaling`); 1 for most.
+    pub logits_divisor: f32,
+}
+
+impl DecoderSpec {
+    /// Every layer with `attention`, no multipliers.
+    pub fn uniform(attention: AttentionSpec, layers: usize) -> Self {
+        DecoderSpec {
+            layers: vec![attention; layers],
+            embedding_scale: 1.0,
+            residual_scale: 1.0,
+            logits_divisor: 1.0,
+        }
+    }
+}
+
+/// `v` as a scalar array of `dtype`, or `None` when it is 1 (no op).
+fn factor(v: f32, dtype: Dtype) -> Result<Option<Array>, ModelError> {
+    if v == 1.0 {
+        return Ok(None);
+    }
+    Ok(Some(Array::scalar(v)?.astype(dtype)?))
+}
+
+/// `x * factor`, or `x` without one.
+fn scaled(x: Array, factor: &Option<Array>) -> Result<Array, ModelError> {
+    Ok(match factor {
+        Some(f) => x.multiply(f)?,
+        None => x,
+    })
+}
 
 /// One transformer layer: pre-norm attention and pre-norm MLP, each residual.
 struct DecoderLayer {
@@ -27,14 +70,19 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(ctx: &mut LoadContext<'_>, path: &str, c: &ModelConfig) -> Result<Self, ModelError> {
+    fn load(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        c: &ModelConfig,
+        attention: &AttentionSpec,
+    ) -> Result<Self, ModelError> {
         Ok(DecoderLayer {
             input_layernorm: RmsNorm::load(
                 ctx,
                 &format!("{path}.input_layernorm"),
                 c.rms_norm_eps,
             )?,
-            self_attn: Attention::load(ctx, &format!("{path}.self_attn"), c)?,
+            self_attn: Attention::load(ctx, &format!("{path}.self_attn"), attention)?,
             post_attention_layernorm: RmsNorm::load(
                 ctx,
                 &format!("{path}.post_attention_layernorm"),
@@ -50,13 +98,15 @@ impl DecoderLayer {
         index: usize,
         kv: &mut dyn AttentionKv,
         step: &Step,
+        residual_scale: &Option<Array>,
     ) -> Result<Array, ModelError> {
         let h = self.input_layernorm.forward(x)?;
         mark("norm", &[&h])?;
-        let h = x.add(&self.self_attn.forward(&h, index, kv, step)?)?;
+        let a = scaled(self.self_attn.forward(&h, index, kv, step)?, residual_scale)?;
+        let h = x.add(&a)?;
         let n = self.post_attention_layernorm.forward(&h)?;
         mark("norm", &[&n])?;
-        let m = self.mlp.forward(&n)?;
+        let m = scaled(self.mlp.forward(&n)?, residual_scale)?;
         let out = h.add(&m)?;
         mark("mlp", &[&out])?;
         Ok(out)
@@ -75,8 +125,8 @@ impl DecoderLayer {
     }
 }
 
-/// A Llama-family causal LM.
-pub struct LlamaModel {
+/// A pre-norm decoder causal LM.
+pub struct Decoder {
     config: ModelConfig,
     dtype: Dtype,
     embed_tokens: Embedding,
@@ -84,22 +134,31 @@ pub struct LlamaModel {
     norm: RmsNorm,
     /// `None` when tied to `embed_tokens`.
     lm_head: Option<Linear>,
+    /// [`DecoderSpec`]'s multipliers (`None` for 1).
+    embedding_scale: Option<Array>,
+    residual_scale: Option<Array>,
+    /// `1 / logits_divisor`, float32.
+    logits_scale: Option<Array>,
 }
 
-impl LlamaModel {
-    /// Loads the model from an opened checkpoint and evaluates its weights.
+impl Decoder {
+    /// Loads the model `spec` describes from an opened checkpoint and
+    /// evaluates its weights, layer by layer.
     ///
     /// # Errors
-    /// Missing tensors, shape errors, unsupported config features.
+    /// A spec without one attention per layer, missing tensors, shape
+    /// errors.
     pub fn load(
         config: ModelConfig,
+        spec: &DecoderSpec,
         weights: &mut Weights,
         options: LoadOptions,
     ) -> Result<Self, ModelError> {
-        if !MODEL_TYPES.contains(&config.model_type.as_str()) {
-            return Err(ModelError::Unsupported(format!(
-                "model_type {} in the llama family",
-                config.model_type
+        if spec.layers.len() != config.num_hidden_layers {
+            return Err(ModelError::Config(format!(
+                "{} attention specs for {} layers",
+                spec.layers.len(),
+                config.num_hidden_layers
             )));
         }
         let mut ctx = LoadContext {
@@ -111,7 +170,8 @@ impl LlamaModel {
         let embed_tokens = Embedding::load(&mut ctx, "model.embed_tokens")?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
-            let layer = DecoderLayer::load(&mut ctx, &format!("model.layers.{i}"), &config)?;
+            let path = format!("model.layers.{i}");
+            let layer = DecoderLayer::load(&mut ctx, &path, &config, &spec.layers[i])?;
             // Materialize layer by layer so load shows progress and peaks low.
             mlxcel_mlx::eval(&layer.arrays())?;
             tracing::debug!(layer = i, of = config.num_hidden_layers, "layer loaded");
@@ -137,7 +197,10 @@ impl LlamaModel {
         if !unused.is_empty() {
             tracing::warn!(count = unused.len(), first = %unused[0], "unused tensors in checkpoint");
         }
-        Ok(LlamaModel {
+        Ok(Decoder {
+            embedding_scale: factor(spec.embedding_scale, options.dtype)?,
+            residual_scale: factor(spec.residual_scale, options.dtype)?,
+            logits_scale: factor(1.0 / spec.logits_divisor, Dtype::Float32)?,
             dtype: options.dtype,
             config,
             embed_tokens,
@@ -148,7 +211,7 @@ impl LlamaModel {
     }
 }
 
-impl Model for LlamaModel {
+impl Model for Decoder {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -174,10 +237,10 @@ impl Model for LlamaModel {
                 Array::from_u32(&tokens, &[1, step.tokens as i32])?
             }
         };
-        let mut h = self.embed_tokens.forward(&ids)?;
+        let mut h = scaled(self.embed_tokens.forward(&ids)?, &self.embedding_scale)?;
         mark("embed", &[&h, &step.positions])?;
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h, i, kv, &step)?;
+            h = layer.forward(&h, i, kv, &step, &self.residual_scale)?;
         }
         // Only the wanted positions go through the final norm and the head.
         let wanted = step.logit_indices(rows);
@@ -198,6 +261,7 @@ impl Model for LlamaModel {
         let logits = logits
             .reshape(&[wanted.len() as i32, -1])?
             .astype(Dtype::Float32)?;
+        let logits = scaled(logits, &self.logits_scale)?;
         mark("head", &[&logits])?;
         if profile::mode() == profile::ProfileMode::Steps {
             profile::record("model.build", built);

@@ -1,0 +1,109 @@
+//! mlxcel's model families and the registry that picks one for a
+//! checkpoint.
+//!
+//! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
+//! `granite.rs`): the
+//! `model_type`s it serves, what it reads from `config.json` beyond the
+//! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`), and
+//! how it builds each layer from the shared layers of `mlxcel-model`. The
+//! engine depends on this registry only: [`read_config`] and
+//! [`load_model`]. Adding a family: docs/adding-a-family.md.
+
+pub mod decoder;
+mod granite;
+mod llama;
+mod qwen2;
+mod qwen3;
+
+use std::path::Path;
+
+use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
+
+/// One family: its `model_type`s, how it adjusts the shared config, and how
+/// it loads.
+pub struct Family {
+    /// A short name for logs and errors.
+    pub name: &'static str,
+    /// The `config.json` `model_type`s it serves.
+    pub model_types: &'static [&'static str],
+    /// Applies the family's reading of `config.json` to the shared config
+    /// (defaults and keys it reads differently).
+    pub configure: fn(&mut ModelConfig) -> Result<(), ModelError>,
+    /// Loads the model from an opened checkpoint.
+    pub load: LoadFn,
+}
+
+/// How a family loads its model from an opened checkpoint.
+pub type LoadFn =
+    fn(ModelConfig, &mut Weights, LoadOptions) -> Result<Box<dyn Model>, ModelError>;
+
+/// Every family mlxcel serves.
+pub const FAMILIES: &[&Family] = &[
+    &llama::FAMILY,
+    &qwen2::FAMILY,
+    &qwen3::FAMILY,
+    &granite::FAMILY,
+];
+
+/// The family serving `model_type`.
+///
+/// # Errors
+/// [`ModelError::Unsupported`] naming the `model_type` and the supported
+/// ones.
+pub fn family(model_type: &str) -> Result<&'static Family, ModelError> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.model_types.contains(&model_type))
+        .ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "model_type {model_type} (supported: {})",
+                supported().join(", ")
+            ))
+        })
+}
+
+/// Every `model_type` served, in registry order.
+pub fn supported() -> Vec<&'static str> {
+    FAMILIES
+        .iter()
+        .flat_map(|f| f.model_types.iter().copied())
+        .collect()
+}
+
+/// Reads `dir/config.json` as its family reads it.
+///
+/// # Errors
+/// Missing or malformed `config.json`, an unsupported `model_type`, or a
+/// family's refusal of the config.
+pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
+    let mut config = ModelConfig::from_model_dir(dir)?;
+    (family(&config.model_type)?.configure)(&mut config)?;
+    Ok(config)
+}
+
+/// Loads the model in `dir` (its config from [`read_config`]) with its
+/// family.
+///
+/// # Errors
+/// An unsupported `model_type`, or any loading error of the family.
+pub fn load_model(
+    dir: &Path,
+    config: ModelConfig,
+    options: LoadOptions,
+) -> Result<Box<dyn Model>, ModelError> {
+    let family = family(&config.model_type)?;
+    let mut weights = Weights::open(dir)?;
+    tracing::info!(family = family.name, model_type = %config.model_type, "loading model");
+    (family.load)(config, &mut weights, options)
+}
+
+/// The family's own `config.json` keys, deserialized from `config.raw`.
+fn own_keys<T: serde::de::DeserializeOwned>(config: &ModelConfig) -> Result<T, ModelError> {
+    serde_json::from_value(config.raw.clone()).map_err(|e| ModelError::Config(e.to_string()))
+}
+
+/// Nothing to adjust.
+fn keep(_: &mut ModelConfig) -> Result<(), ModelError> {
+    Ok(())
+}

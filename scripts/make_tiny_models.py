@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Tiny random-weight checkpoints of every family mlxcel serves, with mlx_lm's
+greedy output on them: the reference of the family parity test
+(tests/family_parity.rs).
+
+    .venv/bin/python scripts/make_tiny_models.py [OUT_DIR]   (default target/tiny-models)
+
+For each family, mlx_lm's own model class (``mlx_lm.models.<module>``) is
+built from a small ``config.json`` (2 layers, hidden size 64, a 256-token
+vocabulary, float32), its weights are left at MLX's random initialisation
+under a fixed seed, scaled up so that logits are well separated, and saved
+as ``model.safetensors``. ``golden.json`` then holds a fixed prompt of token
+ids, the last-position logits of the prompt, and 16 greedy tokens, both from
+mlx_lm's model with its KV cache (``make_prompt_cache``), as ``mlx_lm
+generate`` runs it. No tokenizer is involved: the test feeds token ids.
+
+Idempotent: a family whose directory already holds a golden made by this
+version of the script is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+VERSION = 1
+VOCAB = 256
+GREEDY_TOKENS = 16
+PROMPT = [(i * 37 + 11) % VOCAB for i in range(40)]
+
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+}
+
+# name -> (mlx_lm module, config overrides)
+FAMILIES = {
+    "llama": ("llama", {"model_type": "llama", "tie_word_embeddings": False}),
+    "llama3_rope": (
+        "llama",
+        {
+            "model_type": "llama",
+            "tie_word_embeddings": True,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "qwen2": ("qwen2", {"model_type": "qwen2", "tie_word_embeddings": True}),
+    "qwen3": (
+        "qwen3",
+        {"model_type": "qwen3", "head_dim": 32, "tie_word_embeddings": False},
+    ),
+    "granite": (
+        "granite",
+        {
+            "model_type": "granite",
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "embedding_multiplier": 2.0,
+            "attention_multiplier": 0.2,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 1.5,
+        },
+    ),
+}
+
+
+def build(module: str, config: dict):
+    models = importlib.import_module(f"mlx_lm.models.{module}")
+    args = models.ModelArgs.from_dict(config)
+    model = models.Model(args)
+    # MLX's default init gives near-uniform logits on a 2-layer model; a
+    # larger scale separates them, so greedy tokens are not decided by
+    # rounding.
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy(model) -> tuple[list[float], list[int]]:
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([PROMPT]), cache=cache)[0, -1].astype(mx.float32)
+    first = logits.tolist()
+    tokens = []
+    token = int(mx.argmax(logits).item())
+    for _ in range(GREEDY_TOKENS):
+        tokens.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        token = int(mx.argmax(logits).item())
+    return first, tokens
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "target/tiny-models")
+    for name, (module, overrides) in FAMILIES.items():
+        d = out / name
+        golden = d / "golden.json"
+        if golden.is_file() and json.loads(golden.read_text()).get("version") == VERSION:
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        mx.random.seed(7)
+        config = {**BASE, **overrides}
+        model = build(module, config)
+        weights = dict(tree_flatten(model.parameters()))
+        mx.save_safetensors(str(d / "model.safetensors"), weights)
+        (d / "config.json").write_text(json.dumps(config, indent=2))
+        logits, tokens = greedy(model)
+        golden.write_text(
+            json.dumps(
+                {
+                    "version": VERSION,
+                    "mlx_lm_module": module,
+                    "prompt": PROMPT,
+                    "last_logits": logits,
+                    "greedy": tokens,
+                }
+            )
+        )
+        print(f"[tiny-models] {name}: greedy {tokens}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+//! Every model family against mlx_lm, on tiny random-weight checkpoints that
+//! mlx_lm's own model classes wrote (`scripts/make_tiny_models.py`, run by
+//! `scripts/setup.sh` into `target/tiny-models`, or `MLXCEL_TINY_MODELS`):
+//! the prompt's last-position logits (max absolute difference printed and
+//! bounded) and 16 greedy tokens (identical), through the registry, with
+//! both KV storages. A missing checkpoint is a failure, never a skip.
+
+use std::path::PathBuf;
+
+use mlxcel_engine::loader::{load_model, read_config};
+use mlxcel_kv::{KvCache, KvCacheConfig, KvSequence, RowReserve, StorageBackend};
+use mlxcel_mlx::Dtype;
+use mlxcel_model::{AttentionPath, LoadOptions, Model, StepRow, WeightMode};
+use serde_json::Value;
+
+fn tiny_models() -> PathBuf {
+    std::env::var_os("MLXCEL_TINY_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models"))
+}
+
+/// Runs `tokens` as one row; the logits of its last token.
+fn step(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]) -> Vec<f32> {
+    let n = tokens.len();
+    let reservation = kv
+        .reserve_step(&[RowReserve {
+            seq,
+            real: n,
+            padded: n,
+        }])
+        .expect("reserve");
+    let logits = {
+        let mut view = kv.step(&[(seq, n)]).expect("view");
+        let rows = [StepRow {
+            tokens,
+            logits_at: Some(n - 1),
+            scored: 0,
+        }];
+        model
+            .forward(&rows, &mut view, AttentionPath::PerRow)
+            .expect("forward")
+    };
+    kv.complete_step(reservation, true).expect("complete");
+    logits.to_vec_f32().expect("logits")
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap() as u32
+}
+
+fn check_family(name: &str) {
+    let dir = tiny_models().join(name);
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("golden.json")).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}; run scripts/setup.sh (scripts/make_tiny_models.py)",
+                dir.display()
+            )
+        }),
+    )
+    .unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        golden[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, want) = (ids("prompt"), ids("greedy"));
+    let want_logits: Vec<f32> = golden["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+    let config = read_config(&dir).expect("config");
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+    };
+    let model = load_model(&dir, config, options).expect("load");
+    for backend in [StorageBackend::Dense, StorageBackend::Paged] {
+        let mut kv = KvCache::new(KvCacheConfig {
+            layout: model.kv_layout(),
+            block_size: 16,
+            num_blocks: 16,
+            backend,
+            prefix: None,
+        })
+        .expect("kv");
+        let seq = kv.new_sequence();
+        let logits = step(model.as_ref(), &mut kv, &seq, &prompt);
+        assert_eq!(logits.len(), want_logits.len());
+        let diff = logits
+            .iter()
+            .zip(&want_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!("{name} ({backend}): max |logit - mlx_lm| = {diff:.2e}");
+        assert!(diff < 1e-3, "{name}: logits differ by {diff}");
+        let mut got = Vec::new();
+        let mut token = argmax(&logits);
+        for _ in 0..want.len() {
+            got.push(token);
+            token = argmax(&step(model.as_ref(), &mut kv, &seq, &[token]));
+        }
+        assert_eq!(got, want, "{name} ({backend}): greedy tokens");
+    }
+}
+
+#[test]
+fn llama_matches_mlx_lm() {
+    check_family("llama");
+}
+
+#[test]
+fn llama3_rope_scaling_matches_mlx_lm() {
+    check_family("llama3_rope");
+}
+
+#[test]
+fn qwen2_matches_mlx_lm() {
+    check_family("qwen2");
+}
+
+#[test]
+fn qwen3_matches_mlx_lm() {
+    check_family("qwen3");
+}
+
+#[test]
+fn granite_matches_mlx_lm() {
+    check_family("granite");
+}
