@@ -26,10 +26,11 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-VERSION = 1
+VERSION = 2
 VOCAB = 256
 GREEDY_TOKENS = 16
 PROMPT = [(i * 37 + 11) % VOCAB for i in range(40)]
@@ -83,6 +84,21 @@ FAMILIES = {
             "logits_scaling": 1.5,
         },
     ),
+    # Fused qkv_proj and gate_up_proj, RoPE over 3/4 of each head.
+    "phi3": (
+        "phi3",
+        {"model_type": "phi3", "tie_word_embeddings": False, "partial_rotary_factor": 0.75},
+    ),
+    # The same, 4-bit (group 32): fused quantized matrices split at load.
+    "phi3_q4": (
+        "phi3",
+        {
+            "model_type": "phi3",
+            "tie_word_embeddings": False,
+            "partial_rotary_factor": 0.75,
+            "quantization": {"group_size": 32, "bits": 4},
+        },
+    ),
 }
 
 
@@ -94,6 +110,9 @@ def build(module: str, config: dict):
     # larger scale separates them, so greedy tokens are not decided by
     # rounding.
     model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    if "quantization" in config:
+        q = config["quantization"]
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
     mx.eval(model.parameters())
     return model
 

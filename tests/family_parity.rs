@@ -75,11 +75,23 @@ fn check_family(name: &str) {
         .map(|v| v.as_f64().unwrap() as f32)
         .collect();
     let config = read_config(&dir).expect("config");
-    let options = LoadOptions {
-        dtype: Dtype::Float32,
-        weight_mode: WeightMode::Dequantized,
+    // Quantized checkpoints run both ways: dequantized at load (the CPU
+    // default) and kept quantized.
+    let modes: &[WeightMode] = match config.raw.get("quantization") {
+        Some(_) => &[WeightMode::Dequantized, WeightMode::Quantized],
+        None => &[WeightMode::Dequantized],
     };
-    let model = load_model(&dir, config, options).expect("load");
+    for &weight_mode in modes {
+        let options = LoadOptions {
+            dtype: Dtype::Float32,
+            weight_mode,
+        };
+        let model = load_model(&dir, config.clone(), options).expect("load");
+        check_model(name, model.as_ref(), &prompt, &want, &want_logits);
+    }
+}
+
+fn check_model(name: &str, model: &dyn Model, prompt: &[u32], want: &[u32], want_logits: &[f32]) {
     for backend in [StorageBackend::Dense, StorageBackend::Paged] {
         let mut kv = KvCache::new(KvCacheConfig {
             layout: model.kv_layout(),
@@ -90,11 +102,11 @@ fn check_family(name: &str) {
         })
         .expect("kv");
         let seq = kv.new_sequence();
-        let logits = step(model.as_ref(), &mut kv, &seq, &prompt);
+        let logits = step(model, &mut kv, &seq, prompt);
         assert_eq!(logits.len(), want_logits.len());
         let diff = logits
             .iter()
-            .zip(&want_logits)
+            .zip(want_logits)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
         eprintln!("{name} ({backend}): max |logit - mlx_lm| = {diff:.2e}");
@@ -103,7 +115,7 @@ fn check_family(name: &str) {
         let mut token = argmax(&logits);
         for _ in 0..want.len() {
             got.push(token);
-            token = argmax(&step(model.as_ref(), &mut kv, &seq, &[token]));
+            token = argmax(&step(model, &mut kv, &seq, &[token]));
         }
         assert_eq!(got, want, "{name} ({backend}): greedy tokens");
     }
@@ -132,4 +144,14 @@ fn qwen3_matches_mlx_lm() {
 #[test]
 fn granite_matches_mlx_lm() {
     check_family("granite");
+}
+
+#[test]
+fn phi3_matches_mlx_lm() {
+    check_family("phi3");
+}
+
+#[test]
+fn quantized_phi3_matches_mlx_lm() {
+    check_family("phi3_q4");
 }

@@ -31,6 +31,9 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
     /// Query scale (`head_dim^-0.5` unless the family says otherwise).
     pub scale: f32,
+    /// The q, k and v projections are one fused `{path}.qkv_proj` (q rows,
+    /// then k, then v; Phi-3), split at load.
+    pub fused_qkv: bool,
 }
 
 impl AttentionSpec {
@@ -47,6 +50,7 @@ impl AttentionSpec {
             rope: RopeSpec::from_config(config),
             window: config.sliding_window,
             scale: (config.head_dim as f32).powf(-0.5),
+            fused_qkv: false,
         }
     }
 }
@@ -88,10 +92,29 @@ impl Attention {
                 .map(|eps| RmsNorm::load(ctx, &format!("{path}.{name}"), eps))
                 .transpose()
         };
+        let (q_proj, k_proj, v_proj) = if spec.fused_qkv {
+            let (q, kv) = (spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
+            let parts = Linear::load_split(
+                ctx,
+                &format!("{path}.qkv_proj"),
+                spec.qkv_bias,
+                &[q, kv, kv],
+            )?;
+            match <[Linear; 3]>::try_from(parts) {
+                Ok([q, k, v]) => (q, k, v),
+                Err(_) => return Err(ModelError::Weights(format!("{path}.qkv_proj: no split"))),
+            }
+        } else {
+            (
+                Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
+                Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?,
+                Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?,
+            )
+        };
         Ok(Attention {
-            q_proj: Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
-            k_proj: Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?,
-            v_proj: Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?,
+            q_proj,
+            k_proj,
+            v_proj,
             o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?,
             q_norm: norm(ctx, "q_norm")?,
             k_norm: norm(ctx, "k_norm")?,

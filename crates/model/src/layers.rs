@@ -1,5 +1,5 @@
-//! Shared layers: linear (dense or affine-quantized), embedding, RMSNorm, the
-//! gated SiLU MLP. Each has `load(ctx, path)` with `path` mirroring the
+//! Shared layers: linear (dense or affine-quantized, fused ones split at
+//! load), embedding, RMSNorm, the gated SiLU MLP. Each has `load(ctx, path)` with `path` mirroring the
 //! checkpoint's tensor names, and `forward`.
 
 use crate::{config::QuantSpec, ModelError, Weights};
@@ -161,6 +161,61 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
+    /// Loads the fused linear `path` (`{path}.weight`, quantized or not,
+    /// and its bias) as one linear per part, splitting its output rows in
+    /// `sizes` (Phi-3's `qkv_proj` into q, k and v; `gate_up_proj` into
+    /// gate and up). Quantized matrices split along rows as they are:
+    /// packing and groups run along the input axis.
+    ///
+    /// # Errors
+    /// Missing tensors, or `sizes` that do not add up to the output rows.
+    pub fn load_split(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        bias: bool,
+        sizes: &[usize],
+    ) -> Result<Vec<Self>, ModelError> {
+        let fused = Self::load(ctx, path, bias)?;
+        let rows_of = |a: &Array| a.shape().first().copied().unwrap_or(0) as usize;
+        let total = match &fused.weight {
+            Matrix::Dense(w) => rows_of(w),
+            Matrix::Quantized(q) => rows_of(&q.weight),
+        };
+        if sizes.iter().sum::<usize>() != total {
+            return Err(ModelError::Weights(format!(
+                "{path}: {total} output rows do not split into {sizes:?}"
+            )));
+        }
+        let rows = |a: &Array, start: usize, len: usize| -> Result<Array, ModelError> {
+            let mut stop = a.shape();
+            let mut begin = vec![0; stop.len()];
+            begin[0] = start as i32;
+            stop[0] = (start + len) as i32;
+            Ok(a.slice(&begin, &stop)?.contiguous()?)
+        };
+        let mut parts = Vec::with_capacity(sizes.len());
+        let mut start = 0;
+        for &len in sizes {
+            let weight = match &fused.weight {
+                Matrix::Dense(w) => Matrix::Dense(rows(w, start, len)?),
+                Matrix::Quantized(q) => Matrix::Quantized(QuantizedMatrix {
+                    weight: rows(&q.weight, start, len)?,
+                    scales: rows(&q.scales, start, len)?,
+                    biases: rows(&q.biases, start, len)?,
+                    spec: q.spec,
+                }),
+            };
+            let bias = fused
+                .bias
+                .as_ref()
+                .map(|b| rows(b, start, len))
+                .transpose()?;
+            parts.push(Linear { weight, bias });
+            start += len;
+        }
+        Ok(parts)
+    }
+
     /// `[..., in] -> [..., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
         let y = self.weight.apply(x)?;
@@ -250,6 +305,34 @@ impl Mlp {
             up_proj: Linear::load(ctx, &format!("{path}.up_proj"), bias)?,
             down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?,
         })
+    }
+
+    /// Loads a fused `{path}.gate_up_proj` (gate rows, then up rows) and
+    /// `{path}.down_proj` (Phi-3).
+    pub fn load_fused(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        bias: bool,
+        intermediate: usize,
+    ) -> Result<Self, ModelError> {
+        let mut gate_up = Linear::load_split(
+            ctx,
+            &format!("{path}.gate_up_proj"),
+            bias,
+            &[intermediate, intermediate],
+        )?;
+        let up_proj = gate_up.pop();
+        let gate_proj = gate_up.pop();
+        match (gate_proj, up_proj) {
+            (Some(gate_proj), Some(up_proj)) => Ok(Mlp {
+                gate_proj,
+                up_proj,
+                down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?,
+            }),
+            _ => Err(ModelError::Weights(format!(
+                "{path}.gate_up_proj: no split"
+            ))),
+        }
     }
 
     /// `[..., hidden] -> [..., hidden]`.

@@ -31,6 +31,9 @@ pub struct DecoderSpec {
     pub residual_scale: f32,
     /// Logits are divided by this (Granite's `logits_scaling`); 1 for most.
     pub logits_divisor: f32,
+    /// The MLP's gate and up projections are one fused `gate_up_proj`
+    /// (Phi-3).
+    pub fused_gate_up: bool,
 }
 
 impl DecoderSpec {
@@ -41,6 +44,7 @@ impl DecoderSpec {
             embedding_scale: 1.0,
             residual_scale: 1.0,
             logits_divisor: 1.0,
+            fused_gate_up: false,
         }
     }
 }
@@ -75,6 +79,7 @@ impl DecoderLayer {
         path: &str,
         c: &ModelConfig,
         attention: &AttentionSpec,
+        fused_gate_up: bool,
     ) -> Result<Self, ModelError> {
         Ok(DecoderLayer {
             input_layernorm: RmsNorm::load(
@@ -88,7 +93,11 @@ impl DecoderLayer {
                 &format!("{path}.post_attention_layernorm"),
                 c.rms_norm_eps,
             )?,
-            mlp: Mlp::load(ctx, &format!("{path}.mlp"), c.mlp_bias)?,
+            mlp: if fused_gate_up {
+                Mlp::load_fused(ctx, &format!("{path}.mlp"), c.mlp_bias, c.intermediate_size)?
+            } else {
+                Mlp::load(ctx, &format!("{path}.mlp"), c.mlp_bias)?
+            },
         })
     }
 
@@ -171,7 +180,13 @@ impl Decoder {
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let path = format!("model.layers.{i}");
-            let layer = DecoderLayer::load(&mut ctx, &path, &config, &spec.layers[i])?;
+            let layer = DecoderLayer::load(
+                &mut ctx,
+                &path,
+                &config,
+                &spec.layers[i],
+                spec.fused_gate_up,
+            )?;
             // Materialize layer by layer so load shows progress and peaks low.
             mlxcel_mlx::eval(&layer.arrays())?;
             tracing::debug!(layer = i, of = config.num_hidden_layers, "layer loaded");

@@ -2,7 +2,7 @@
 //! checkpoint.
 //!
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
-//! `granite.rs`): the
+//! `granite.rs`, `phi3.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
 //! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`), and
 //! how it builds each layer from the shared layers of `mlxcel-model`. The
@@ -12,6 +12,7 @@
 pub mod decoder;
 mod granite;
 mod llama;
+mod phi3;
 mod qwen2;
 mod qwen3;
 
@@ -34,8 +35,7 @@ pub struct Family {
 }
 
 /// How a family loads its model from an opened checkpoint.
-pub type LoadFn =
-    fn(ModelConfig, &mut Weights, LoadOptions) -> Result<Box<dyn Model>, ModelError>;
+pub type LoadFn = fn(ModelConfig, &mut Weights, LoadOptions) -> Result<Box<dyn Model>, ModelError>;
 
 /// Every family mlxcel serves.
 pub const FAMILIES: &[&Family] = &[
@@ -43,6 +43,7 @@ pub const FAMILIES: &[&Family] = &[
     &qwen2::FAMILY,
     &qwen3::FAMILY,
     &granite::FAMILY,
+    &phi3::FAMILY,
 ];
 
 /// The family serving `model_type`.
