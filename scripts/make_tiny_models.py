@@ -89,7 +89,12 @@ FAMILIES = {
         "phi3",
         {"model_type": "phi3", "tie_word_embeddings": False, "partial_rotary_factor": 0.75},
     ),
-    # The same, 4-bit (group 32): fused quantized matrices split at load.
+    # Norms after each branch; q/k norms over the whole projection.
+    "olmo2": (
+        "olmo2",
+        {"model_type": "olmo2", "tie_word_embeddings": False, "attention_bias": False},
+    ),
+    # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
     "phi3_q4": (
         "phi3",
         {

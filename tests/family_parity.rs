@@ -155,3 +155,8 @@ fn phi3_matches_mlx_lm() {
 fn quantized_phi3_matches_mlx_lm() {
     check_family("phi3_q4");
 }
+
+#[test]
+fn olmo2_matches_mlx_lm() {
+    check_family("olmo2");
+}

@@ -22,9 +22,9 @@ pub struct AttentionSpec {
     pub qkv_bias: bool,
     /// Bias on the output projection.
     pub o_bias: bool,
-    /// RMSNorm over each query and key head before RoPE, with this epsilon
-    /// (Qwen3: `{path}.q_norm`, `{path}.k_norm`, weights `[head_dim]`).
-    pub qk_norm: Option<f32>,
+    /// RMSNorms of queries and keys before RoPE (`{path}.q_norm`,
+    /// `{path}.k_norm`).
+    pub qk_norm: Option<QkNorm>,
     pub rope: RopeSpec,
     /// Sliding window in keys (a query sees at most this many, itself
     /// included); `None` for global attention.
@@ -34,6 +34,15 @@ pub struct AttentionSpec {
     /// The q, k and v projections are one fused `{path}.qkv_proj` (q rows,
     /// then k, then v; Phi-3), split at load.
     pub fused_qkv: bool,
+}
+
+/// Where a family normalizes queries and keys.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QkNorm {
+    pub eps: f32,
+    /// Over each head (`[head_dim]` weights, Qwen3), or over the whole
+    /// projection (`[heads * head_dim]` weights, OLMo 2).
+    pub per_head: bool,
 }
 
 impl AttentionSpec {
@@ -67,6 +76,9 @@ pub struct Attention {
     /// Per-head RMSNorms of queries and keys (before RoPE).
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
+    /// Whether `q_norm`/`k_norm` run over each head (else over the whole
+    /// projection).
+    qk_norm_per_head: bool,
     rope: Rope,
     heads: i32,
     kv_heads: i32,
@@ -89,7 +101,7 @@ impl Attention {
     ) -> Result<Self, ModelError> {
         let norm = |ctx: &mut LoadContext<'_>, name: &str| {
             spec.qk_norm
-                .map(|eps| RmsNorm::load(ctx, &format!("{path}.{name}"), eps))
+                .map(|n| RmsNorm::load(ctx, &format!("{path}.{name}"), n.eps))
                 .transpose()
         };
         let (q_proj, k_proj, v_proj) = if spec.fused_qkv {
@@ -118,6 +130,7 @@ impl Attention {
             o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?,
             q_norm: norm(ctx, "q_norm")?,
             k_norm: norm(ctx, "k_norm")?,
+            qk_norm_per_head: spec.qk_norm.is_some_and(|n| n.per_head),
             rope: Rope::new(&spec.rope)?,
             heads: spec.heads as i32,
             kv_heads: spec.kv_heads as i32,
@@ -142,12 +155,16 @@ impl Attention {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         // Packed per token: [tokens, heads, 1, head_dim], rotated at each
         // token's own absolute position.
-        let q = self.q_proj.forward(x)?.reshape(&[t, h, 1, d])?;
-        let k = self.k_proj.forward(x)?.reshape(&[t, kvh, 1, d])?;
+        let (mut q, mut k) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?);
+        if let (Some(qn), Some(kn), false) = (&self.q_norm, &self.k_norm, self.qk_norm_per_head) {
+            (q, k) = (qn.forward(&q)?, kn.forward(&k)?);
+        }
+        let q = q.reshape(&[t, h, 1, d])?;
+        let k = k.reshape(&[t, kvh, 1, d])?;
         let v = self.v_proj.forward(x)?.reshape(&[t, kvh, d])?;
         mark("attn.qkv_proj", &[&q, &k, &v])?;
-        let (q, k) = match (&self.q_norm, &self.k_norm) {
-            (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+        let (q, k) = match (&self.q_norm, &self.k_norm, self.qk_norm_per_head) {
+            (Some(qn), Some(kn), true) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
         let q = self.rope.apply_at(&q, &step.positions)?;

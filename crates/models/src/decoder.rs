@@ -1,5 +1,6 @@
-//! The pre-norm decoder stack most families share: token embedding, layers
-//! of (RMSNorm, attention, residual, RMSNorm, gated MLP, residual), final
+//! The decoder stack most families share: token embedding, layers of
+//! (RMSNorm, attention, residual, RMSNorm, gated MLP, residual; the norms
+//! before or after each branch), final
 //! RMSNorm and the LM head (tied or not). A family describes each layer's
 //! attention ([`AttentionSpec`]) and loads a [`Decoder`]; the forward, its
 //! tail (final norm, head at the wanted positions) and the weight walk are
@@ -34,6 +35,21 @@ pub struct DecoderSpec {
     /// The MLP's gate and up projections are one fused `gate_up_proj`
     /// (Phi-3).
     pub fused_gate_up: bool,
+    /// Where each layer normalizes.
+    pub norms: NormPlacement,
+}
+
+/// Where a layer's RMSNorms sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NormPlacement {
+    /// Before attention (`input_layernorm`) and before the MLP
+    /// (`post_attention_layernorm`): Llama.
+    #[default]
+    Pre,
+    /// After attention (`post_attention_layernorm`) and after the MLP
+    /// (`post_feedforward_layernorm`), on the branch before the residual
+    /// add: OLMo 2.
+    Post,
 }
 
 impl DecoderSpec {
@@ -45,6 +61,7 @@ impl DecoderSpec {
             residual_scale: 1.0,
             logits_divisor: 1.0,
             fused_gate_up: false,
+            norms: NormPlacement::Pre,
         }
     }
 }
@@ -67,10 +84,13 @@ fn scaled(x: Array, factor: &Option<Array>) -> Result<Array, ModelError> {
 
 /// One transformer layer: pre-norm attention and pre-norm MLP, each residual.
 struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    /// The norm before attention (pre-norm), or after it (post-norm).
+    attn_norm: RmsNorm,
     self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
+    /// The norm before the MLP (pre-norm), or after it (post-norm).
+    mlp_norm: RmsNorm,
     mlp: Mlp,
+    norms: NormPlacement,
 }
 
 impl DecoderLayer {
@@ -79,25 +99,25 @@ impl DecoderLayer {
         path: &str,
         c: &ModelConfig,
         attention: &AttentionSpec,
-        fused_gate_up: bool,
+        spec: &DecoderSpec,
     ) -> Result<Self, ModelError> {
+        let (attn_norm, mlp_norm) = match spec.norms {
+            NormPlacement::Pre => ("input_layernorm", "post_attention_layernorm"),
+            NormPlacement::Post => ("post_attention_layernorm", "post_feedforward_layernorm"),
+        };
+        let norm = |ctx: &mut LoadContext<'_>, name: &str| {
+            RmsNorm::load(ctx, &format!("{path}.{name}"), c.rms_norm_eps)
+        };
         Ok(DecoderLayer {
-            input_layernorm: RmsNorm::load(
-                ctx,
-                &format!("{path}.input_layernorm"),
-                c.rms_norm_eps,
-            )?,
+            attn_norm: norm(ctx, attn_norm)?,
             self_attn: Attention::load(ctx, &format!("{path}.self_attn"), attention)?,
-            post_attention_layernorm: RmsNorm::load(
-                ctx,
-                &format!("{path}.post_attention_layernorm"),
-                c.rms_norm_eps,
-            )?,
-            mlp: if fused_gate_up {
+            mlp_norm: norm(ctx, mlp_norm)?,
+            mlp: if spec.fused_gate_up {
                 Mlp::load_fused(ctx, &format!("{path}.mlp"), c.mlp_bias, c.intermediate_size)?
             } else {
                 Mlp::load(ctx, &format!("{path}.mlp"), c.mlp_bias)?
             },
+            norms: spec.norms,
         })
     }
 
@@ -109,23 +129,31 @@ impl DecoderLayer {
         step: &Step,
         residual_scale: &Option<Array>,
     ) -> Result<Array, ModelError> {
-        let h = self.input_layernorm.forward(x)?;
-        mark("norm", &[&h])?;
-        let a = scaled(self.self_attn.forward(&h, index, kv, step)?, residual_scale)?;
-        let h = x.add(&a)?;
-        let n = self.post_attention_layernorm.forward(&h)?;
-        mark("norm", &[&n])?;
-        let m = scaled(self.mlp.forward(&n)?, residual_scale)?;
-        let out = h.add(&m)?;
+        let pre = self.norms == NormPlacement::Pre;
+        // Residual branch `f` around `x`, normalized before or after.
+        let branch = |x: &Array,
+                      norm: &RmsNorm,
+                      f: &mut dyn FnMut(&Array) -> Result<Array, ModelError>|
+         -> Result<Array, ModelError> {
+            let r = if pre {
+                let n = norm.forward(x)?;
+                mark("norm", &[&n])?;
+                f(&n)?
+            } else {
+                norm.forward(&f(x)?)?
+            };
+            Ok(x.add(&scaled(r, residual_scale)?)?)
+        };
+        let h = branch(x, &self.attn_norm, &mut |n| {
+            self.self_attn.forward(n, index, kv, step)
+        })?;
+        let out = branch(&h, &self.mlp_norm, &mut |n| self.mlp.forward(n))?;
         mark("mlp", &[&out])?;
         Ok(out)
     }
 
     fn arrays(&self) -> Vec<&Array> {
-        let mut v = vec![
-            &self.input_layernorm.weight,
-            &self.post_attention_layernorm.weight,
-        ];
+        let mut v = vec![&self.attn_norm.weight, &self.mlp_norm.weight];
         v.extend(self.self_attn.arrays());
         for l in [&self.mlp.gate_proj, &self.mlp.up_proj, &self.mlp.down_proj] {
             v.extend(l.arrays());
@@ -134,7 +162,7 @@ impl DecoderLayer {
     }
 }
 
-/// A pre-norm decoder causal LM.
+/// A decoder-only causal LM.
 pub struct Decoder {
     config: ModelConfig,
     dtype: Dtype,
@@ -185,7 +213,7 @@ impl Decoder {
                 &path,
                 &config,
                 &spec.layers[i],
-                spec.fused_gate_up,
+                spec,
             )?;
             // Materialize layer by layer so load shows progress and peaks low.
             mlxcel_mlx::eval(&layer.arrays())?;

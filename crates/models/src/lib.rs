@@ -2,7 +2,7 @@
 //! checkpoint.
 //!
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
-//! `granite.rs`, `phi3.rs`): the
+//! `granite.rs`, `phi3.rs`, `olmo2.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
 //! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`), and
 //! how it builds each layer from the shared layers of `mlxcel-model`. The
@@ -12,6 +12,7 @@
 pub mod decoder;
 mod granite;
 mod llama;
+mod olmo2;
 mod phi3;
 mod qwen2;
 mod qwen3;
@@ -44,6 +45,7 @@ pub const FAMILIES: &[&Family] = &[
     &qwen3::FAMILY,
     &granite::FAMILY,
     &phi3::FAMILY,
+    &olmo2::FAMILY,
 ];
 
 /// The family serving `model_type`.

@@ -3,7 +3,7 @@
 //! query and key head before RoPE (`q_norm`, `k_norm`). Reference: mlx_lm's
 //! `models/qwen3.py`.
 
-use mlxcel_model::attention::AttentionSpec;
+use mlxcel_model::attention::{AttentionSpec, QkNorm};
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 
 use crate::decoder::{Decoder, DecoderSpec};
@@ -22,7 +22,10 @@ fn load(
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
     let attention = AttentionSpec {
-        qk_norm: Some(config.rms_norm_eps),
+        qk_norm: Some(QkNorm {
+            eps: config.rms_norm_eps,
+            per_head: true,
+        }),
         ..AttentionSpec::from_config(&config)
     };
     let spec = DecoderSpec::uniform(attention, config.num_hidden_layers);
