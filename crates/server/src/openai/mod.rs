@@ -1,9 +1,11 @@
-//! Response bodies, with OpenAI's field names: what every answer shares
-//! here, the chat and text completion objects in [`chat`] and
-//! [`completion`].
+//! The wire types, with OpenAI's field names: request bodies in [`request`]
+//! and [`message`]; response bodies: what every answer shares here, the
+//! chat and text completion objects in [`chat`] and [`completion`].
 
 pub mod chat;
 pub mod completion;
+pub mod message;
+pub mod request;
 
 use mlxcel_engine_api::Usage;
 use serde::Serialize;
