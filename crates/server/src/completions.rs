@@ -13,9 +13,9 @@ use mlxcel_engine_api::{
 use crate::choices::{collect, Choices};
 use crate::error::{ApiError, Route};
 use crate::extract::JsonBody;
-use crate::openai::chat::ChatCompletion;
-use crate::openai::completion::{LegacyLogprobs, TextChoice, TextCompletion};
-use crate::openai::CompletionMeta;
+use crate::openai::chat::chat_completion;
+use crate::openai::completion::{LegacyLogprobs, TextChoice};
+use crate::openai::{Completion, CompletionMeta};
 use crate::sse::{stream_response, ChatChunks, TextChunks};
 use crate::validate::{ValidatedChatRequest, ValidatedCompletionRequest};
 use crate::AppState;
@@ -66,7 +66,7 @@ pub async fn chat_completions(
         }
         None => {
             let outputs = collect(&mut choices).await?;
-            let completion = ChatCompletion::new(&meta, outputs, logprobs, choices.usage());
+            let completion = chat_completion(&meta, outputs, logprobs, choices.usage());
             Ok(Json(completion).into_response())
         }
     }
@@ -136,7 +136,7 @@ pub async fn completions(
                     }
                 })
                 .collect();
-            let completion = TextCompletion::new(&meta, text_choices, choices.usage());
+            let completion = Completion::answer(&meta, text_choices, choices.usage());
             Ok(Json(completion).into_response())
         }
     }

@@ -17,11 +17,9 @@ use serde::Serialize;
 
 use crate::choices::{Choices, Piece};
 use crate::error::{ApiError, SERIALIZATION_FAILED_BODY};
-use crate::openai::chat::{
-    ChatCompletionChunk, ChatLogprobs, ChunkChoice, ChunkDelta, ToolCallDelta,
-};
-use crate::openai::completion::{LegacyLogprobs, TextChoice, TextCompletion};
-use crate::openai::CompletionMeta;
+use crate::openai::chat::{ChatLogprobs, ChunkChoice, ChunkDelta, ToolCallDelta};
+use crate::openai::completion::{LegacyLogprobs, TextChoice};
+use crate::openai::{Completion, CompletionMeta};
 
 /// How one endpoint shapes pieces into SSE events.
 pub trait ChunkFormat: Send + 'static {
@@ -129,9 +127,9 @@ impl ChatChunks {
             logprobs: ChatLogprobs::non_empty(logprobs),
             finish_reason,
         };
-        json_event(&ChatCompletionChunk::new(
+        json_event(&Completion::chunk(
             &self.meta,
-            choice,
+            vec![choice],
             self.include_usage,
         ))
     }
@@ -232,7 +230,7 @@ impl ChunkFormat for ChatChunks {
 
     fn usage(&self, usage: Usage) -> Option<Event> {
         self.include_usage
-            .then(|| json_event(&ChatCompletionChunk::usage(&self.meta, usage)))
+            .then(|| json_event(&Completion::<ChunkChoice>::usage_chunk(&self.meta, usage)))
     }
 }
 
@@ -281,7 +279,7 @@ impl TextChunks {
     }
 
     fn event(&self, choice: TextChoice) -> Event {
-        json_event(&TextCompletion::chunk(
+        json_event(&Completion::chunk(
             &self.meta,
             vec![choice],
             self.include_usage,
@@ -366,7 +364,7 @@ impl ChunkFormat for TextChunks {
 
     fn usage(&self, usage: Usage) -> Option<Event> {
         self.include_usage
-            .then(|| json_event(&TextCompletion::usage_chunk(&self.meta, usage)))
+            .then(|| json_event(&Completion::<TextChoice>::usage_chunk(&self.meta, usage)))
     }
 }
 

@@ -318,3 +318,66 @@ fn completion_defaults_and_extras() {
     assert_eq!(request.user.as_deref(), Some("u"));
     assert_eq!(request.stream, Some(StreamOptions::default()));
 }
+
+/// serde reads the body; its errors name the field's whole path and what
+/// it expects, and `null` is absent at every depth.
+#[test]
+fn wire_errors_name_the_path() {
+    use ValidationError as E;
+    let wrong = |param: &str, expected: &'static str| E::WrongType {
+        param: param.into(),
+        expected,
+    };
+    let cases = [
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}),
+            wrong("messages[0].content[0].text", "a string"),
+        ),
+        (
+            with("stop", json!(["a", null])),
+            wrong("stop[1]", "a string"),
+        ),
+        (
+            with("logit_bias", json!({"5": "x"})),
+            wrong("logit_bias.5", "a number"),
+        ),
+        (with("top_k", json!("5")), wrong("top_k", "an integer")),
+        (
+            with("tool_choice", json!(5)),
+            wrong("tool_choice", "a string or an object"),
+        ),
+        (json!({"messages": null}), E::Missing("messages".into())),
+        (
+            json!({"messages": [{"role": null, "content": "x"}]}),
+            E::Missing("messages[0].role".into()),
+        ),
+        (
+            with("tools", json!([{"type": "function", "function": {}}])),
+            E::Missing("tools[0].function.name".into()),
+        ),
+    ];
+    for (body, expected) in cases {
+        assert_eq!(parse(body.clone()), Err(expected), "{body}");
+    }
+    let request = parse(json!({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": null}], "x": null}],
+        "stream": true,
+        "stream_options": {"include_usage": true, "foo": null},
+    }))
+    .unwrap();
+    assert_eq!(
+        request.stream,
+        Some(StreamOptions {
+            include_usage: true
+        })
+    );
+    assert_eq!(
+        parse(
+            json!({"messages": [{"role": "user", "content": "x"}], "stream": true,
+                     "stream_options": {"foo": 1}})
+        ),
+        Err(E::UnrecognizedParameter {
+            param: "stream_options.foo".into()
+        })
+    );
+}

@@ -3,49 +3,29 @@
 use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob, ToolCall, Usage};
 use serde::Serialize;
 
-use super::{CompletionMeta, UsageBody};
+use super::{Completion, CompletionMeta};
 use crate::choices::ChoiceOutput;
 
 /// A non-streamed answer: the `chat.completion` object.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatCompletion<'a> {
-    /// The completion's id.
-    pub id: &'a str,
-    /// Always `chat.completion`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created: u64,
-    /// The model that answered.
-    pub model: &'a str,
-    /// The choices, in index order.
-    pub choices: Vec<ChatChoice>,
-    /// Token accounting (completion tokens summed over the choices).
-    pub usage: UsageBody,
-}
+pub type ChatCompletion<'a> = Completion<'a, ChatChoice>;
 
-impl<'a> ChatCompletion<'a> {
-    /// The answer made of `outputs` (choice `i` is `outputs[i]`); `logprobs`
-    /// says whether the request asked for them.
-    pub fn new(
-        meta: &'a CompletionMeta,
-        outputs: Vec<ChoiceOutput>,
-        logprobs: bool,
-        usage: Usage,
-    ) -> Self {
-        let choices = outputs
-            .into_iter()
-            .enumerate()
-            .map(|(index, output)| ChatChoice::new(index, output, logprobs))
-            .collect();
-        Self {
-            id: &meta.id,
-            object: "chat.completion",
-            created: meta.created,
-            model: &meta.model,
-            choices,
-            usage: usage.into(),
-        }
-    }
+/// One event of a streamed answer: the `chat.completion.chunk` object.
+pub type ChatCompletionChunk<'a> = Completion<'a, ChunkChoice>;
+
+/// The answer of `meta` made of `outputs` (choice `i` is `outputs[i]`);
+/// `logprobs` says whether the request asked for them.
+pub fn chat_completion(
+    meta: &CompletionMeta,
+    outputs: Vec<ChoiceOutput>,
+    logprobs: bool,
+    usage: Usage,
+) -> ChatCompletion<'_> {
+    let choices = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(index, output)| ChatChoice::new(index, output, logprobs))
+        .collect();
+    Completion::answer(meta, choices, usage)
 }
 
 /// One choice of a `chat.completion`.
@@ -185,25 +165,6 @@ impl From<&TokenLogprob> for TopLogprob {
     }
 }
 
-/// One event of a streamed answer: the `chat.completion.chunk` object.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatCompletionChunk<'a> {
-    /// The completion's id, the same on every chunk.
-    pub id: &'a str,
-    /// Always `chat.completion.chunk`.
-    pub object: &'static str,
-    /// Unix seconds, the same on every chunk.
-    pub created: u64,
-    /// The model that answers.
-    pub model: &'a str,
-    /// One choice, or none on the usage chunk.
-    pub choices: Vec<ChunkChoice>,
-    /// Absent unless `stream_options.include_usage`; then `null` on every
-    /// chunk but the last, which carries the usage.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<UsageBody>>,
-}
-
 /// One choice of a chunk.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChunkChoice {
@@ -283,33 +244,6 @@ impl ToolCallDelta {
                 name: None,
                 arguments,
             },
-        }
-    }
-}
-
-impl<'a> ChatCompletionChunk<'a> {
-    /// A chunk of `meta` with one choice; `include_usage` adds
-    /// `usage: null`.
-    pub fn new(meta: &'a CompletionMeta, choice: ChunkChoice, include_usage: bool) -> Self {
-        Self {
-            id: &meta.id,
-            object: "chat.completion.chunk",
-            created: meta.created,
-            model: &meta.model,
-            choices: vec![choice],
-            usage: include_usage.then_some(None),
-        }
-    }
-
-    /// The usage chunk sent after the finishing chunks: no choices.
-    pub fn usage(meta: &'a CompletionMeta, usage: Usage) -> Self {
-        Self {
-            id: &meta.id,
-            object: "chat.completion.chunk",
-            created: meta.created,
-            model: &meta.model,
-            choices: Vec::new(),
-            usage: Some(Some(usage.into())),
         }
     }
 }

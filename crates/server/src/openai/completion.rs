@@ -2,56 +2,13 @@
 
 use std::collections::BTreeMap;
 
-use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob, Usage};
+use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob};
 use serde::Serialize;
 
-use super::{CompletionMeta, UsageBody};
+use super::Completion;
 
 /// The `text_completion` object: a whole answer, or one chunk of a stream.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TextCompletion<'a> {
-    /// The completion's id (`cmpl-...`), the same on every chunk.
-    pub id: &'a str,
-    /// Always `text_completion`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created: u64,
-    /// The model that answered.
-    pub model: &'a str,
-    /// Every choice (whole answer), one (chunk), or none (usage chunk).
-    pub choices: Vec<TextChoice>,
-    /// Whole answer: always set. Chunks: absent unless
-    /// `stream_options.include_usage`, then `null` but on the usage chunk.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<UsageBody>>,
-}
-
-impl<'a> TextCompletion<'a> {
-    /// The whole answer.
-    pub fn new(meta: &'a CompletionMeta, choices: Vec<TextChoice>, usage: Usage) -> Self {
-        Self {
-            usage: Some(Some(usage.into())),
-            ..Self::chunk(meta, choices, false)
-        }
-    }
-
-    /// A chunk with `choices`; `include_usage` adds `usage: null`.
-    pub fn chunk(meta: &'a CompletionMeta, choices: Vec<TextChoice>, include_usage: bool) -> Self {
-        Self {
-            id: &meta.id,
-            object: "text_completion",
-            created: meta.created,
-            model: &meta.model,
-            choices,
-            usage: include_usage.then_some(None),
-        }
-    }
-
-    /// The usage chunk that ends a stream.
-    pub fn usage_chunk(meta: &'a CompletionMeta, usage: Usage) -> Self {
-        Self::new(meta, Vec::new(), usage)
-    }
-}
+pub type TextCompletion<'a> = Completion<'a, TextChoice>;
 
 /// One choice (or a choice's new part, in a chunk).
 #[derive(Debug, Clone, PartialEq, Serialize)]

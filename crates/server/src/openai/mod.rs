@@ -1,9 +1,11 @@
-//! Response bodies, with OpenAI's field names: what every answer shares
-//! here, the chat and text completion objects in [`chat`] and
-//! [`completion`].
+//! The wire types, with OpenAI's field names: request bodies in [`request`]
+//! and [`message`]; response bodies: what every answer shares here, the
+//! chat and text completion objects in [`chat`] and [`completion`].
 
 pub mod chat;
 pub mod completion;
+pub mod message;
+pub mod request;
 
 use mlxcel_engine_api::Usage;
 use serde::Serialize;
@@ -17,10 +19,48 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// Which endpoint a completion answers, which names its objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionKind {
+    /// `/v1/chat/completions`: `chat.completion`, streamed as
+    /// `chat.completion.chunk`.
+    Chat,
+    /// `/v1/completions`: `text_completion`, whole or streamed.
+    Text,
+}
+
+impl CompletionKind {
+    /// `object` of a whole answer.
+    pub fn object(self) -> &'static str {
+        match self {
+            Self::Chat => "chat.completion",
+            Self::Text => "text_completion",
+        }
+    }
+
+    /// `object` of a stream's chunks.
+    pub fn chunk_object(self) -> &'static str {
+        match self {
+            Self::Chat => "chat.completion.chunk",
+            Self::Text => "text_completion",
+        }
+    }
+
+    /// The start of the completion's id.
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Self::Chat => "chatcmpl-",
+            Self::Text => "cmpl-",
+        }
+    }
+}
+
 /// What every object of one completion shares: its id, creation time and
 /// model name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompletionMeta {
+    /// Chat or text.
+    pub kind: CompletionKind,
     /// `chatcmpl-` or `cmpl-` followed by a random UUID.
     pub id: String,
     /// Unix seconds.
@@ -32,19 +72,73 @@ pub struct CompletionMeta {
 impl CompletionMeta {
     /// A fresh `chatcmpl-` id, stamped now.
     pub fn chat(model: &str) -> Self {
-        Self::with_prefix("chatcmpl-", model)
+        Self::new(CompletionKind::Chat, model)
     }
 
     /// A fresh `cmpl-` id, stamped now.
     pub fn text(model: &str) -> Self {
-        Self::with_prefix("cmpl-", model)
+        Self::new(CompletionKind::Text, model)
     }
 
-    fn with_prefix(prefix: &str, model: &str) -> Self {
+    fn new(kind: CompletionKind, model: &str) -> Self {
         Self {
-            id: format!("{prefix}{}", uuid::Uuid::new_v4().simple()),
+            kind,
+            id: format!("{}{}", kind.id_prefix(), uuid::Uuid::new_v4().simple()),
             created: unix_now(),
             model: model.to_owned(),
+        }
+    }
+}
+
+/// The envelope of every completion object, chat or text, whole or a chunk
+/// of a stream: `id`, `object`, `created`, `model`, `choices` of the
+/// endpoint's choice type `C`, and `usage`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Completion<'a, C> {
+    /// The completion's id, the same on every chunk.
+    pub id: &'a str,
+    /// `chat.completion`, `chat.completion.chunk` or `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds, the same on every chunk.
+    pub created: u64,
+    /// The model that answers.
+    pub model: &'a str,
+    /// Every choice (whole answer), one (chunk), or none (usage chunk).
+    pub choices: Vec<C>,
+    /// Whole answer: always set. Chunks: absent unless
+    /// `stream_options.include_usage`, then `null` but on the usage chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageBody>>,
+}
+
+impl<'a, C> Completion<'a, C> {
+    /// The whole answer of `meta`.
+    pub fn answer(meta: &'a CompletionMeta, choices: Vec<C>, usage: Usage) -> Self {
+        Self {
+            object: meta.kind.object(),
+            usage: Some(Some(usage.into())),
+            ..Self::chunk(meta, choices, false)
+        }
+    }
+
+    /// A chunk of `meta`'s stream with `choices`; `include_usage` adds
+    /// `usage: null`.
+    pub fn chunk(meta: &'a CompletionMeta, choices: Vec<C>, include_usage: bool) -> Self {
+        Self {
+            id: &meta.id,
+            object: meta.kind.chunk_object(),
+            created: meta.created,
+            model: &meta.model,
+            choices,
+            usage: include_usage.then_some(None),
+        }
+    }
+
+    /// The usage chunk that ends `meta`'s stream: no choices.
+    pub fn usage_chunk(meta: &'a CompletionMeta, usage: Usage) -> Self {
+        Self {
+            usage: Some(Some(usage.into())),
+            ..Self::chunk(meta, Vec::new(), false)
         }
     }
 }
@@ -151,4 +245,60 @@ pub fn cache_stats_body(s: &mlxcel_engine_api::EngineStats) -> serde_json::Value
         "running": s.running,
         "waiting": s.waiting,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// One envelope, four objects: whole and chunked, chat and text.
+    #[test]
+    fn the_envelope_of_each_object() {
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            cached_tokens: 1,
+        };
+        let usage_body = json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                "prompt_tokens_details": {"cached_tokens": 1}});
+        for (meta, whole, chunk) in [
+            (
+                CompletionMeta::chat("m"),
+                "chat.completion",
+                "chat.completion.chunk",
+            ),
+            (
+                CompletionMeta::text("m"),
+                "text_completion",
+                "text_completion",
+            ),
+        ] {
+            assert!(meta.id.starts_with(meta.kind.id_prefix()));
+            let envelope = |value: serde_json::Value| {
+                let mut expected = json!({"id": meta.id, "created": meta.created, "model": "m"});
+                for (k, v) in value.as_object().unwrap() {
+                    expected[k] = v.clone();
+                }
+                expected
+            };
+            let value = |c: &Completion<'_, u8>| serde_json::to_value(c).unwrap();
+            assert_eq!(
+                value(&Completion::answer(&meta, vec![7], usage)),
+                envelope(json!({"object": whole, "choices": [7], "usage": usage_body}))
+            );
+            assert_eq!(
+                value(&Completion::chunk(&meta, vec![7], true)),
+                envelope(json!({"object": chunk, "choices": [7], "usage": null}))
+            );
+            assert_eq!(
+                value(&Completion::chunk(&meta, vec![7], false)),
+                envelope(json!({"object": chunk, "choices": [7]}))
+            );
+            assert_eq!(
+                value(&Completion::usage_chunk(&meta, usage)),
+                envelope(json!({"object": chunk, "choices": [], "usage": usage_body}))
+            );
+        }
+    }
 }

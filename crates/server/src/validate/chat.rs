@@ -1,16 +1,17 @@
 //! `POST /v1/chat/completions` bodies.
 
+use std::collections::BTreeMap;
+
 use mlxcel_engine_api::{ChatMessage, GenerationRequest, Prompt, ToolChoice};
 use serde_json::{Map, Value};
 
-use super::params::{max_tokens, SharedParams};
+use super::params::SharedParams;
 use super::tools::{
     parse_message_tool_calls, parse_response_format, parse_tool_choice, parse_tools,
 };
-use super::{
-    boolean, integer, object, object_for_model, reject_leftovers, require, string, take,
-    wrong_type, StreamOptions, ValidationError,
-};
+use super::{check_model, from_value, reject_unknown, StreamOptions, ValidationError};
+use crate::openai::message::{self, MessageContent, Role};
+use crate::openai::request::{ChatCompletionRequest, Tag};
 
 /// Most alternatives per token a chat request may ask for.
 const MAX_TOP_LOGPROBS: i128 = 20;
@@ -56,43 +57,45 @@ impl ValidatedChatRequest {
         model_id: &str,
         default_max_tokens: usize,
     ) -> Result<Self, ValidationError> {
-        let mut body = object_for_model(body, model_id)?;
-        let messages = parse_messages(require(&mut body, "messages", "messages")?)?;
-        let max_tokens = parse_max_tokens(&mut body)?.unwrap_or(default_max_tokens);
-        let shared = SharedParams::parse(&mut body)?;
-        let logprobs = parse_logprobs(&mut body)?;
-        let response_format = match take(&mut body, "response_format") {
+        let mut request: ChatCompletionRequest = from_value(body)?;
+        check_model(request.model.take(), model_id)?;
+        Self::check(request, default_max_tokens)
+    }
+
+    /// Applies the rules to a request read from the wire.
+    pub fn check(
+        mut request: ChatCompletionRequest,
+        default_max_tokens: usize,
+    ) -> Result<Self, ValidationError> {
+        let shared = request.take_shared();
+        let messages = parse_messages(request.messages)?;
+        let max_tokens = parse_max_tokens(request.max_tokens, request.max_completion_tokens)?
+            .unwrap_or(default_max_tokens);
+        let shared = SharedParams::parse(shared)?;
+        let logprobs = parse_logprobs(request.logprobs, request.top_logprobs)?;
+        let response_format = match request.response_format {
             Some(format) => parse_response_format(format)?,
             None => None,
         };
-        let tools = match take(&mut body, "tools") {
+        let tools = match request.tools {
             Some(tools) => parse_tools(tools)?,
             None => Vec::new(),
         };
-        let tool_choice = match take(&mut body, "tool_choice") {
+        let tool_choice = match request.tool_choice {
             Some(choice) => parse_tool_choice(choice, &tools)?,
             None => ToolChoice::Auto,
         };
-        let parallel_tool_calls = match take(&mut body, "parallel_tool_calls") {
-            Some(value) => boolean("parallel_tool_calls", value)?,
-            None => true,
-        };
-        let chat_template_kwargs = match take(&mut body, "chat_template_kwargs") {
-            Some(value) => parse_template_kwargs(value)?,
+        let parallel_tool_calls = request.parallel_tool_calls.unwrap_or(true);
+        let chat_template_kwargs = match request.chat_template_kwargs {
+            Some(kwargs) => check_template_kwargs(kwargs)?,
             None => Map::new(),
         };
-        if let Some(metadata) = take(&mut body, "metadata") {
+        if let Some(metadata) = &request.metadata {
             check_metadata(metadata)?;
         }
-        // Nothing is stored either way (README: "API").
-        if let Some(store) = take(&mut body, "store") {
-            boolean("store", store)?;
-        }
-        let prompt_cache_key = take(&mut body, "prompt_cache_key")
-            .map(|key| string("prompt_cache_key", key))
-            .transpose()?;
+        // `store`: nothing is stored either way (README: "API").
         shared.check_min_tokens(max_tokens)?;
-        reject_leftovers(body, UNSUPPORTED_FIELDS, "")?;
+        reject_unknown(request.unknown, UNSUPPORTED_FIELDS, "")?;
         Ok(Self {
             generation: GenerationRequest {
                 logprobs,
@@ -106,15 +109,16 @@ impl ValidatedChatRequest {
             stream: shared.stream,
             parallel_tool_calls,
             user: shared.user,
-            prompt_cache_key,
+            prompt_cache_key: request.prompt_cache_key,
         })
     }
 }
 
-/// `chat_template_kwargs`: an object of extra template variables, none of
-/// them one the server sets itself.
-fn parse_template_kwargs(value: Value) -> Result<Map<String, Value>, ValidationError> {
-    let kwargs = object("chat_template_kwargs", value)?;
+/// `chat_template_kwargs`: extra template variables, none of them one the
+/// server sets itself.
+fn check_template_kwargs(
+    kwargs: Map<String, Value>,
+) -> Result<Map<String, Value>, ValidationError> {
     let reserved = mlxcel_engine_api::RESERVED_TEMPLATE_VARIABLES;
     match kwargs.keys().find(|k| reserved.contains(&k.as_str())) {
         Some(key) => Err(ValidationError::ReservedTemplateVariable(key.clone())),
@@ -124,8 +128,7 @@ fn parse_template_kwargs(value: Value) -> Result<Map<String, Value>, ValidationE
 
 /// `metadata`: at most 16 string pairs, keys of at most 64 characters and
 /// values of at most 512 (OpenAI's limits). Accepted and not stored.
-fn check_metadata(value: Value) -> Result<(), ValidationError> {
-    let map = object("metadata", value)?;
+fn check_metadata(map: &BTreeMap<String, String>) -> Result<(), ValidationError> {
     if map.len() > 16 {
         return Err(ValidationError::MetadataLimit {
             param: "metadata".into(),
@@ -134,7 +137,6 @@ fn check_metadata(value: Value) -> Result<(), ValidationError> {
     }
     for (key, value) in map {
         let param = format!("metadata.{key}");
-        let value = string(&param, value)?;
         if key.chars().count() > 64 {
             return Err(ValidationError::MetadataLimit {
                 param,
@@ -151,14 +153,16 @@ fn check_metadata(value: Value) -> Result<(), ValidationError> {
     Ok(())
 }
 
-fn parse_max_tokens(body: &mut Map<String, Value>) -> Result<Option<usize>, ValidationError> {
-    let mut read = |param: &'static str| {
-        take(body, param)
-            .map(|value| max_tokens(param, value))
-            .transpose()
-    };
-    let max_tokens = read("max_tokens")?;
-    let max_completion_tokens = read("max_completion_tokens")?;
+fn parse_max_tokens(
+    max_tokens: Option<i128>,
+    max_completion_tokens: Option<i128>,
+) -> Result<Option<usize>, ValidationError> {
+    let max_tokens = max_tokens
+        .map(|value| super::params::max_tokens("max_tokens", value))
+        .transpose()?;
+    let max_completion_tokens = max_completion_tokens
+        .map(|value| super::params::max_tokens("max_completion_tokens", value))
+        .transpose()?;
     match (max_tokens, max_completion_tokens) {
         (Some(a), Some(b)) if a != b => Err(ValidationError::ConflictingMaxTokens {
             max_tokens: a,
@@ -169,31 +173,23 @@ fn parse_max_tokens(body: &mut Map<String, Value>) -> Result<Option<usize>, Vali
 }
 
 /// `logprobs: bool` and `top_logprobs: 0..=20` (only with logprobs true).
-fn parse_logprobs(body: &mut Map<String, Value>) -> Result<Option<usize>, ValidationError> {
-    let logprobs = match take(body, "logprobs") {
-        Some(value) => boolean("logprobs", value)?,
-        None => false,
-    };
-    let top = match take(body, "top_logprobs") {
-        Some(value) => {
-            let top = integer("top_logprobs", value)?;
-            if !logprobs {
-                return Err(ValidationError::TopLogprobsWithoutLogprobs);
-            }
-            if !(0..=MAX_TOP_LOGPROBS).contains(&top) {
-                return Err(ValidationError::TopLogprobsOutOfRange(top));
-            }
-            top as usize
+fn parse_logprobs(
+    logprobs: Option<bool>,
+    top_logprobs: Option<i128>,
+) -> Result<Option<usize>, ValidationError> {
+    let logprobs = logprobs.unwrap_or(false);
+    let top = match top_logprobs {
+        Some(_) if !logprobs => return Err(ValidationError::TopLogprobsWithoutLogprobs),
+        Some(top) if !(0..=MAX_TOP_LOGPROBS).contains(&top) => {
+            return Err(ValidationError::TopLogprobsOutOfRange(top))
         }
+        Some(top) => top as usize,
         None => 0,
     };
     Ok(logprobs.then_some(top))
 }
 
-fn parse_messages(value: Value) -> Result<Vec<ChatMessage>, ValidationError> {
-    let Value::Array(items) = value else {
-        return Err(wrong_type("messages", "an array of messages"));
-    };
+fn parse_messages(items: Vec<message::ChatMessage>) -> Result<Vec<ChatMessage>, ValidationError> {
     if items.is_empty() {
         return Err(ValidationError::EmptyMessages);
     }
@@ -227,88 +223,76 @@ fn check_tool_call_ids(messages: &[ChatMessage]) -> Result<(), ValidationError> 
     Ok(())
 }
 
-fn parse_message(at: &str, value: Value) -> Result<ChatMessage, ValidationError> {
-    let mut message = object(at, value)?;
-    let role_param = format!("{at}.role");
-    let role = string(&role_param, require(&mut message, "role", &role_param)?)?;
-    // OpenAI's newer name for the system role; chat templates know "system".
-    let role = if role == "developer" {
-        "system".to_owned()
-    } else {
-        role
+fn parse_message(at: &str, message: message::ChatMessage) -> Result<ChatMessage, ValidationError> {
+    let role = match message.role {
+        // OpenAI's newer name for the system role; chat templates know
+        // "system".
+        Tag::Known(Role::System | Role::Developer) => "system",
+        Tag::Known(Role::User) => "user",
+        Tag::Known(Role::Assistant) => "assistant",
+        Tag::Known(Role::Tool) => "tool",
+        Tag::Other(role) => {
+            return Err(ValidationError::UnsupportedRole {
+                param: format!("{at}.role"),
+                role,
+            })
+        }
     };
-    if !matches!(role.as_str(), "system" | "user" | "assistant" | "tool") {
-        return Err(ValidationError::UnsupportedRole {
-            param: role_param,
-            role,
-        });
-    }
-    let tool_calls = match take(&mut message, "tool_calls") {
+    let tool_calls = match message.tool_calls {
         Some(_) if role != "assistant" => return Err(misplaced(at, "tool_calls", role)),
         Some(calls) => parse_message_tool_calls(at, calls)?,
         None => Vec::new(),
     };
-    let tool_call_id_param = format!("{at}.tool_call_id");
-    let tool_call_id = match take(&mut message, "tool_call_id") {
+    let tool_call_id = match message.tool_call_id {
         Some(_) if role != "tool" => return Err(misplaced(at, "tool_call_id", role)),
-        Some(id) => Some(string(&tool_call_id_param, id)?),
-        None if role == "tool" => return Err(ValidationError::Missing(tool_call_id_param)),
-        None => None,
+        None if role == "tool" => {
+            return Err(ValidationError::Missing(format!("{at}.tool_call_id")))
+        }
+        id => id,
     };
-    let content_param = format!("{at}.content");
-    let content = match take(&mut message, "content") {
-        Some(content) => Some(parse_content(&content_param, content)?),
+    let content = match message.content {
+        Some(content) => Some(join_content(at, content)?),
         // Only an assistant message that calls tools may leave it out.
         None if !tool_calls.is_empty() => None,
-        None => return Err(ValidationError::Missing(content_param)),
+        None => return Err(ValidationError::Missing(format!("{at}.content"))),
     };
-    let name = take(&mut message, "name")
-        .map(|name| string(&format!("{at}.name"), name))
-        .transpose()?;
-    reject_leftovers(message, &[], &format!("{at}."))?;
+    reject_unknown(message.unknown, &[], &format!("{at}."))?;
     Ok(ChatMessage {
-        role,
+        role: role.to_owned(),
         content,
         tool_calls,
         tool_call_id,
-        name,
+        name: message.name,
     })
 }
 
-fn misplaced(at: &str, field: &str, role: String) -> ValidationError {
+fn misplaced(at: &str, field: &str, role: &str) -> ValidationError {
     ValidationError::MisplacedMessageField {
         param: format!("{at}.{field}"),
-        role,
+        role: role.to_owned(),
     }
 }
 
-/// A string, or an array of `{"type":"text","text":...}` parts joined
-/// without a separator.
-fn parse_content(param: &str, value: Value) -> Result<String, ValidationError> {
-    const EXPECTED: &str = "a string or an array of text parts";
-    let parts = match value {
-        Value::String(text) => return Ok(text),
-        Value::Array(parts) => parts,
-        _ => return Err(wrong_type(param, EXPECTED)),
+/// The content's text: text parts joined without a separator.
+fn join_content(at: &str, content: MessageContent) -> Result<String, ValidationError> {
+    let parts = match content {
+        MessageContent::Text(text) => return Ok(text),
+        MessageContent::Parts(parts) => parts,
     };
-    let mut content = String::new();
+    let mut joined = String::new();
     for (j, part) in parts.into_iter().enumerate() {
-        let at = format!("{param}[{j}]");
-        let mut part = object(&at, part)?;
-        let type_param = format!("{at}.type");
-        let kind = string(&type_param, require(&mut part, "type", &type_param)?)?;
-        if kind != "text" {
+        let at = format!("{at}.content[{j}]");
+        if let Tag::Other(kind) = part.kind {
             return Err(ValidationError::UnsupportedContentPart {
-                param: type_param,
+                param: format!("{at}.type"),
                 kind,
             });
         }
-        let text_param = format!("{at}.text");
-        content.push_str(&string(
-            &text_param,
-            require(&mut part, "text", &text_param)?,
-        )?);
-        reject_leftovers(part, &[], &format!("{at}."))?;
+        let Some(text) = part.text else {
+            return Err(ValidationError::Missing(format!("{at}.text")));
+        };
+        joined.push_str(&text);
+        reject_unknown(part.unknown, &[], &format!("{at}."))?;
     }
-    Ok(content)
+    Ok(joined)
 }

@@ -4,19 +4,13 @@ use mlxcel_engine_api::{GenerationRequest, Prompt};
 use serde_json::Value;
 
 use super::params::{max_tokens, SharedParams};
-use super::{
-    boolean, integer, object_for_model, reject_leftovers, require, string, take, wrong_type,
-    StreamOptions, ValidationError,
-};
+use super::{check_model, from_value, reject_unknown, StreamOptions, ValidationError};
+use crate::openai::request::{self, CompletionRequest};
 
 /// `max_tokens` when the request sets none (OpenAI's default).
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 /// Most alternatives per token a completions request may ask for.
 const MAX_LOGPROBS: i128 = 5;
-
-/// Fields of the OpenAI completions API that mlxcel does not implement yet,
-/// accepted only with a default value.
-const UNSUPPORTED_FIELDS: &[&str] = &["suffix"];
 
 /// A text completion request that passed every rule.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,29 +29,35 @@ pub struct ValidatedCompletionRequest {
 impl ValidatedCompletionRequest {
     /// Checks a parsed body. `model_id` is the served model.
     pub fn parse(body: Value, model_id: &str) -> Result<Self, ValidationError> {
-        let mut body = object_for_model(body, model_id)?;
-        let prompts = parse_prompt(require(&mut body, "prompt", "prompt")?)?;
-        let max_tokens = match take(&mut body, "max_tokens") {
+        let mut request: CompletionRequest = from_value(body)?;
+        check_model(request.model.take(), model_id)?;
+        Self::check(request)
+    }
+
+    /// Applies the rules to a request read from the wire.
+    pub fn check(mut request: CompletionRequest) -> Result<Self, ValidationError> {
+        let shared = request.take_shared();
+        let prompts = parse_prompt(request.prompt)?;
+        // `suffix` is not supported: only empty.
+        if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ValidationError::UnsupportedParameter {
+                param: "suffix".into(),
+            });
+        }
+        let max_tokens = match request.max_tokens {
             Some(value) => max_tokens("max_tokens", value)?,
             None => DEFAULT_MAX_TOKENS,
         };
-        let shared = SharedParams::parse(&mut body)?;
-        let logprobs = match take(&mut body, "logprobs") {
-            Some(value) => {
-                let k = integer("logprobs", value)?;
-                if !(0..=MAX_LOGPROBS).contains(&k) {
-                    return Err(ValidationError::LogprobsOutOfRange(k));
-                }
-                Some(k as usize)
+        let shared = SharedParams::parse(shared)?;
+        let logprobs = match request.logprobs {
+            Some(k) if !(0..=MAX_LOGPROBS).contains(&k) => {
+                return Err(ValidationError::LogprobsOutOfRange(k))
             }
+            Some(k) => Some(k as usize),
             None => None,
         };
-        let echo = match take(&mut body, "echo") {
-            Some(value) => boolean("echo", value)?,
-            None => false,
-        };
-        if let Some(best_of) = take(&mut body, "best_of") {
-            let best_of = integer("best_of", best_of)?;
+        let echo = request.echo.unwrap_or(false);
+        if let Some(best_of) = request.best_of {
             if best_of != shared.n as i128 {
                 return Err(ValidationError::BestOfNotN {
                     best_of,
@@ -66,7 +66,7 @@ impl ValidatedCompletionRequest {
             }
         }
         shared.check_min_tokens(max_tokens)?;
-        reject_leftovers(body, UNSUPPORTED_FIELDS, "")?;
+        reject_unknown(request.unknown, &[], "")?;
         let generations = prompts
             .into_iter()
             .map(|prompt| GenerationRequest {
@@ -85,42 +85,26 @@ impl ValidatedCompletionRequest {
     }
 }
 
-/// `prompt`: a string, a list of strings, a list of token ids, or a list of
-/// token-id lists. Lists must not be empty.
-fn parse_prompt(value: Value) -> Result<Vec<Prompt>, ValidationError> {
-    let items = match value {
-        Value::String(text) => return Ok(vec![Prompt::Text(text)]),
-        Value::Array(items) => items,
-        _ => return Err(wrong_type("prompt", PROMPT_TYPES)),
-    };
-    let Some(first) = items.first() else {
-        return Err(empty("prompt"));
-    };
-    match first {
-        Value::String(_) => items
+/// `prompt`: lists must not be empty, token ids must be u32s.
+fn parse_prompt(prompt: request::Prompt) -> Result<Vec<Prompt>, ValidationError> {
+    match prompt {
+        request::Prompt::Text(text) => Ok(vec![Prompt::Text(text)]),
+        request::Prompt::Texts(texts) if texts.is_empty() => Err(empty("prompt")),
+        request::Prompt::Texts(texts) => Ok(texts.into_iter().map(Prompt::Text).collect()),
+        request::Prompt::Tokens(ids) => Ok(vec![Prompt::Tokens(token_ids("prompt", ids)?)]),
+        request::Prompt::TokenLists(lists) => lists
             .into_iter()
             .enumerate()
-            .map(|(i, item)| string(&format!("prompt[{i}]"), item).map(Prompt::Text))
-            .collect(),
-        Value::Number(_) => Ok(vec![Prompt::Tokens(token_ids("prompt", items)?)]),
-        Value::Array(_) => items
-            .into_iter()
-            .enumerate()
-            .map(|(i, item)| {
+            .map(|(i, ids)| {
                 let param = format!("prompt[{i}]");
-                match item {
-                    Value::Array(ids) if ids.is_empty() => Err(empty(&param)),
-                    Value::Array(ids) => Ok(Prompt::Tokens(token_ids(&param, ids)?)),
-                    _ => Err(wrong_type(&param, "an array of token ids")),
+                if ids.is_empty() {
+                    return Err(empty(&param));
                 }
+                Ok(Prompt::Tokens(token_ids(&param, ids)?))
             })
             .collect(),
-        _ => Err(wrong_type("prompt[0]", PROMPT_TYPES)),
     }
 }
-
-const PROMPT_TYPES: &str =
-    "a string, an array of strings, an array of token ids or an array of arrays of token ids";
 
 fn empty(param: &str) -> ValidationError {
     ValidationError::EmptyPrompt {
@@ -128,15 +112,15 @@ fn empty(param: &str) -> ValidationError {
     }
 }
 
-/// Every item of the list at `param` as a u32 token id.
-fn token_ids(param: &str, items: Vec<Value>) -> Result<Vec<u32>, ValidationError> {
-    items
-        .into_iter()
+/// Every id of the list at `param` as a u32 token id.
+fn token_ids(param: &str, ids: Vec<i128>) -> Result<Vec<u32>, ValidationError> {
+    ids.into_iter()
         .enumerate()
-        .map(|(j, item)| {
-            let param = format!("{param}[{j}]");
-            let value = integer(&param, item)?;
-            u32::try_from(value).map_err(|_| ValidationError::TokenIdOutOfRange { param, value })
+        .map(|(j, value)| {
+            u32::try_from(value).map_err(|_| ValidationError::TokenIdOutOfRange {
+                param: format!("{param}[{j}]"),
+                value,
+            })
         })
         .collect()
 }

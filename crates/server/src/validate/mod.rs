@@ -2,11 +2,14 @@
 //! for `/v1/chat/completions`, [`ValidatedCompletionRequest`] for
 //! `/v1/completions`.
 //!
-//! A body is read as a JSON object and checked field by field, so every
-//! broken rule is its own [`ValidationError`] variant naming the offending
-//! `param`. Fields of the OpenAI API that mlxcel does not implement yet are
-//! refused when they carry a non-default value, never silently ignored.
-//! Validation runs before anything is submitted to the engine.
+//! serde reads a body into the wire types of [`crate::openai::request`]
+//! (a wrong type or a missing field becomes a [`ValidationError`] naming the
+//! field's path, e.g. `messages[0].content[1].text`); this module then
+//! applies the range and relation rules, each its own variant naming the
+//! offending `param`, and builds the engine's request. Fields of the OpenAI
+//! API that mlxcel does not implement yet are refused when they carry a
+//! non-default value, never silently ignored. Validation runs before
+//! anything is submitted to the engine.
 
 mod chat;
 mod completion;
@@ -16,7 +19,10 @@ mod tools;
 pub use chat::ValidatedChatRequest;
 pub use completion::ValidatedCompletionRequest;
 
-use serde_json::{Map, Value};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::openai::request::Unknown;
 
 /// A broken rule of a request schema. `param` names the field at fault, as
 /// OpenAI does (`messages[0].role`).
@@ -300,31 +306,98 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// The body as an object, with `model` checked against the served one.
-fn object_for_model(body: Value, model_id: &str) -> Result<Map<String, Value>, ValidationError> {
-    let Value::Object(mut body) = body else {
-        return Err(ValidationError::BodyNotObject);
-    };
-    if let Some(model) = take(&mut body, "model") {
-        let model = string("model", model)?;
-        if model != model_id {
-            return Err(ValidationError::ModelNotFound(model));
+/// Reads `body` into the wire type `T`. The first mismatch is an error
+/// naming its field: [`ValidationError::Missing`] for an absent (or null)
+/// required field, [`ValidationError::WrongType`] for a value of the wrong
+/// type, [`ValidationError::BodyNotObject`] when the body is no object.
+fn from_value<T: DeserializeOwned>(body: Value) -> Result<T, ValidationError> {
+    serde_path_to_error::deserialize(body).map_err(|err| {
+        let path = err.path().clone();
+        let message = err.into_inner().to_string();
+        let at = param_of(&path);
+        // serde's own messages: "missing field `x`", "invalid type: null,
+        // expected ...", "invalid type: string \"a\", expected ...".
+        if let Some(field) = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(field, _)| field)
+        {
+            return ValidationError::Missing(join(at.as_deref(), field));
         }
-    }
-    Ok(body)
+        let Some(param) = at else {
+            return ValidationError::BodyNotObject;
+        };
+        let in_list = matches!(
+            path.iter().next_back(),
+            Some(serde_path_to_error::Segment::Seq { .. })
+        );
+        if message.starts_with("invalid type: null") && !in_list {
+            return ValidationError::Missing(param);
+        }
+        let expected = message
+            .rsplit_once(", expected ")
+            .map_or("", |(_, expected)| expected);
+        ValidationError::WrongType {
+            param,
+            expected: plain_type(expected),
+        }
+    })
 }
 
-/// Refuses every field left in `object` that has a non-null value: fields in
+/// `path` in OpenAI's `a[0].b.c` form; `None` for the body itself.
+fn param_of(path: &serde_path_to_error::Path) -> Option<String> {
+    let mut param = String::new();
+    for segment in path.iter() {
+        match segment {
+            serde_path_to_error::Segment::Seq { index } => param.push_str(&format!("[{index}]")),
+            serde_path_to_error::Segment::Map { key } => {
+                if !param.is_empty() {
+                    param.push('.');
+                }
+                param.push_str(key);
+            }
+            serde_path_to_error::Segment::Enum { .. } | serde_path_to_error::Segment::Unknown => {}
+        }
+    }
+    (!param.is_empty()).then_some(param)
+}
+
+fn join(at: Option<&str>, field: &str) -> String {
+    match at {
+        Some(at) => format!("{at}.{field}"),
+        None => field.to_owned(),
+    }
+}
+
+/// What serde says a field expects, in the words of the error message.
+fn plain_type(serde_expected: &str) -> &'static str {
+    use crate::openai::{message, request};
+    match serde_expected {
+        "a boolean" => "a boolean",
+        "a string" => "a string",
+        "f64" | "f32" => "a number",
+        "i128" | "i64" | "u64" | "u32" | "an integer" => "an integer",
+        "a sequence" => "an array",
+        "a map" => "an object",
+        request::STRING_OR_STRINGS => request::STRING_OR_STRINGS,
+        request::PROMPT_TYPES => request::PROMPT_TYPES,
+        request::TOKEN_IDS => request::TOKEN_IDS,
+        message::CONTENT_TYPES => message::CONTENT_TYPES,
+        message::TOOL_CHOICE_TYPES => message::TOOL_CHOICE_TYPES,
+        other if other.starts_with("struct ") => "an object",
+        _ => "a valid value",
+    }
+}
+
+/// Refuses every key of `unknown` (keys that are not fields, null ones
+/// already dropped), each named with `prefix` (`messages[0].`): those in
 /// `unsupported` unless their value is a default one, all others always.
-fn reject_leftovers(
-    object: Map<String, Value>,
+fn reject_unknown(
+    unknown: Unknown,
     unsupported: &[&str],
     prefix: &str,
 ) -> Result<(), ValidationError> {
-    for (key, value) in object {
-        if value.is_null() {
-            continue;
-        }
+    for (key, value) in unknown.0 {
         let param = format!("{prefix}{key}");
         if !unsupported.contains(&key.as_str()) {
             return Err(ValidationError::UnrecognizedParameter { param });
@@ -334,6 +407,14 @@ fn reject_leftovers(
         }
     }
     Ok(())
+}
+
+/// Checks `model` against the served one.
+fn check_model(model: Option<String>, model_id: &str) -> Result<(), ValidationError> {
+    match model {
+        Some(model) if model != model_id => Err(ValidationError::ModelNotFound(model)),
+        _ => Ok(()),
+    }
 }
 
 /// Whether `value` asks for the behaviour mlxcel already has, so that
@@ -356,58 +437,4 @@ fn is_default_value(key: &str, value: &Value) -> bool {
             }
             _ => false,
         }
-}
-
-/// Removes `key`; a `null` counts as absent.
-fn take(object: &mut Map<String, Value>, key: &str) -> Option<Value> {
-    object.remove(key).filter(|v| !v.is_null())
-}
-
-/// Removes `key`, which must be present and not null.
-fn require(
-    object: &mut Map<String, Value>,
-    key: &str,
-    param: &str,
-) -> Result<Value, ValidationError> {
-    take(object, key).ok_or_else(|| ValidationError::Missing(param.to_owned()))
-}
-
-fn wrong_type(param: &str, expected: &'static str) -> ValidationError {
-    ValidationError::WrongType {
-        param: param.to_owned(),
-        expected,
-    }
-}
-
-fn object(param: &str, value: Value) -> Result<Map<String, Value>, ValidationError> {
-    match value {
-        Value::Object(o) => Ok(o),
-        _ => Err(wrong_type(param, "an object")),
-    }
-}
-
-fn string(param: &str, value: Value) -> Result<String, ValidationError> {
-    match value {
-        Value::String(s) => Ok(s),
-        _ => Err(wrong_type(param, "a string")),
-    }
-}
-
-fn boolean(param: &str, value: Value) -> Result<bool, ValidationError> {
-    value
-        .as_bool()
-        .ok_or_else(|| wrong_type(param, "a boolean"))
-}
-
-fn number(param: &str, value: Value) -> Result<f64, ValidationError> {
-    value.as_f64().ok_or_else(|| wrong_type(param, "a number"))
-}
-
-/// Any JSON integer (the full i64 and u64 ranges); floats are refused.
-fn integer(param: &str, value: Value) -> Result<i128, ValidationError> {
-    value
-        .as_i64()
-        .map(i128::from)
-        .or_else(|| value.as_u64().map(i128::from))
-        .ok_or_else(|| wrong_type(param, "an integer"))
 }
