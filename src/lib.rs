@@ -315,6 +315,19 @@ pub struct ServeArgs {
     /// CORS headers.
     #[arg(long, value_name = "ORIGINS")]
     pub allowed_origins: Option<AllowedOrigins>,
+    /// After SIGTERM or SIGINT, how many seconds open requests may run
+    /// before they fail with an error; the server exits once they have
+    /// ended. A second signal exits at once.
+    #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub shutdown_timeout: std::time::Duration,
+}
+
+/// A non-negative number of seconds (decimals allowed).
+fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .and_then(|secs| std::time::Duration::try_from_secs_f64(secs).ok())
+        .ok_or_else(|| format!("expected a number of seconds, got `{s}`"))
 }
 
 /// The `--api-key` value: not empty, and never shown by `Debug`.
@@ -354,9 +367,14 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Serves the OpenAI-compatible API until Ctrl-C/SIGTERM. The server
-/// listens at once and answers `GET /health` with 503 `starting` while the
-/// model loads and warms up on another thread; then it serves.
+/// Serves the OpenAI-compatible API until SIGTERM or SIGINT (Ctrl-C). The
+/// server listens at once and answers `GET /health` with 503 `starting`
+/// while the model loads and warms up on another thread; then it serves.
+///
+/// On the signal it stops accepting connections and lets open requests run
+/// for at most `--shutdown-timeout` (then they fail with an error), stops
+/// the engine thread, and returns. The caller should then leave through
+/// [`exit`]: an ordinary process exit can hang in OpenBLAS's exit handler.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let engine_config = args.model.engine_config(args.alias.clone())?;
     let context_length =
@@ -365,63 +383,120 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let local = listener.local_addr()?;
-        // Tests and scripts wait for this line (then for /health to be ok).
-        tracing::info!("listening on http://{local}");
-        if args.api_key.is_some() {
-            tracing::info!("API key required on every route but GET /health");
-        }
-        let config = HttpConfig {
-            default_max_tokens: args.default_max_tokens,
-            api_key: args.api_key.map(|key| key.0),
-            allowed_origins: args.allowed_origins.unwrap_or_default(),
-            ..HttpConfig::default()
-        };
-        let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);
-        let mut server = tokio::spawn(mlxcel_http::serve(listener, state, shutdown_signal()));
-        let loading = {
-            let slot = Arc::clone(&slot);
-            tokio::task::spawn_blocking(move || {
-                let engine = Engine::start(engine_config)?;
-                slot.fill(Arc::new(engine));
-                anyhow::Ok(())
-            })
-        };
-        tokio::select! {
-            loaded = loading => {
-                // A model that cannot load stops the server with its error.
-                loaded.context("the model loader stopped")??;
-                tracing::info!("ready: serving requests");
-                server.await.context("the HTTP server task")??;
-            }
-            // Stopped (a signal) while the model was still loading.
-            served = &mut server => {
-                served.context("the HTTP server task")??;
-                tracing::info!("stopped while the model was loading");
-                leave_now();
-            }
-        }
-        tracing::info!("server stopped");
+    let served = runtime.block_on(serve_on(args, engine_config, Arc::clone(&slot)));
+    // Every task (connections, streams) ends with the runtime, so the slot
+    // is left holding the only handle to the engine.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    // Dropping the engine joins its thread: no MLX work outlives it.
+    drop(slot);
+    served?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// The async part of [`serve`]: listen, load the model meanwhile, serve
+/// until the shutdown signal and the drain are over.
+async fn serve_on(
+    args: ServeArgs,
+    engine_config: EngineConfig,
+    slot: Arc<ServiceSlot>,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let local = listener.local_addr()?;
+    // Tests and scripts wait for this line (then for /health to be ok).
+    tracing::info!("listening on http://{local}");
+    if args.api_key.is_some() {
+        tracing::info!("API key required on every route but GET /health");
+    }
+    let config = HttpConfig {
+        default_max_tokens: args.default_max_tokens,
+        api_key: args.api_key.map(|key| key.0),
+        allowed_origins: args.allowed_origins.unwrap_or_default(),
+        shutdown_grace: args.shutdown_timeout,
+        ..HttpConfig::default()
+    };
+    let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);
+    let mut server = tokio::spawn(mlxcel_http::serve(listener, state, shutdown_signal()));
+    let loading = tokio::task::spawn_blocking(move || {
+        let engine = Engine::start(engine_config)?;
+        slot.fill(Arc::new(engine));
         anyhow::Ok(())
-    })
+    });
+    tokio::select! {
+        loaded = loading => {
+            // A model that cannot load stops the server with its error.
+            loaded.context("the model loader stopped")??;
+            tracing::info!("ready: serving requests");
+            server.await.context("the HTTP server task")??;
+        }
+        // Stopped (a signal) while the model was still loading.
+        served = &mut server => {
+            served.context("the HTTP server task")??;
+            tracing::info!("stopped while the model was loading");
+            leave_now(0);
+        }
+    }
+    Ok(())
 }
 
-/// Ends the process at once, without waiting for the model loader (a
-/// blocking load or warm-up cannot be cancelled, and waiting for it would
-/// keep a stopped server alive for minutes) and without running exit-time
-/// destructors, which would race the loader's MLX work.
-fn leave_now() -> ! {
+/// Ends the process with `result` as [`serve`]'s callers need: the error
+/// printed as `main` would (`Error: ...`, status 1), or status 0.
+///
+/// The process leaves through `_exit`, which skips `atexit` handlers and
+/// C++ static destructors. That is deliberate: OpenBLAS runs
+/// `gotoblas_quit` at exit, whose `blas_thread_shutdown_` can wait forever
+/// joining a BLAS worker thread that sleeps on a condition variable (a
+/// server stopped after a few hundred requests was found there with gdb:
+/// it had logged "server stopped" and never exited, so a service manager
+/// would have had to kill it). By the
+/// time this runs nothing needs those handlers: the HTTP server has drained,
+/// the engine thread has been joined (no MLX work is left), logs go to
+/// unbuffered stderr, and stdout is flushed here. The kernel frees memory
+/// and closes files and sockets.
+pub fn exit(result: anyhow::Result<()>) -> ! {
+    let status = match result {
+        Ok(()) => 0,
+        Err(err) => {
+            eprintln!("Error: {err:?}");
+            1
+        }
+    };
+    leave_now(status)
+}
+
+/// Flushes stdout and ends the process at once with `status`, skipping
+/// exit handlers and destructors (see [`exit`]). Also used when a signal
+/// arrives while the model loads: a blocking load or warm-up cannot be
+/// cancelled, waiting for it would keep a stopped server alive for minutes,
+/// and exit-time destructors would race the loader's MLX work.
+fn leave_now(status: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
     // SAFETY: `_exit` ends the process; nothing after it runs.
-    unsafe { libc::_exit(0) }
+    unsafe { libc::_exit(status) }
 }
 
+/// Completes on the first SIGTERM or SIGINT. A second one ends the process
+/// at once (status 1), without waiting for open requests.
 async fn shutdown_signal() {
+    let signal = signal_name().await;
+    tracing::info!("{signal} received: shutting down");
+    tokio::spawn(async {
+        let signal = signal_name().await;
+        tracing::warn!("second signal ({signal}): exiting without waiting for open requests");
+        leave_now(1);
+    });
+}
+
+/// Waits for SIGTERM or SIGINT and names it.
+async fn signal_name() -> &'static str {
     let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     };
     #[cfg(unix)]
     let term = async {
@@ -435,8 +510,7 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+        () = ctrl_c => "SIGINT",
+        () = term => "SIGTERM",
     }
-    tracing::info!("shutting down");
 }

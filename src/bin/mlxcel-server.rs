@@ -10,7 +10,8 @@ struct Cli {
     serve: mlxcel::ServeArgs,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     mlxcel::init_logging();
-    mlxcel::serve(Cli::parse().serve)
+    // Not a plain return from `main`: see `mlxcel::exit`.
+    mlxcel::exit(mlxcel::serve(Cli::parse().serve))
 }

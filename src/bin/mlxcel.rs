@@ -90,7 +90,8 @@ fn main() -> anyhow::Result<()> {
     mlxcel::init_logging();
     match Cli::parse().command {
         Command::Generate(args) => generate(args),
-        Command::Serve(args) => mlxcel::serve(args),
+        // Not a plain return from `main`: see `mlxcel::exit`.
+        Command::Serve(args) => mlxcel::exit(mlxcel::serve(args)),
     }
 }
 
