@@ -1,6 +1,7 @@
 //! Shared command-line plumbing of the `mlxcel` and `mlxcel-server` binaries:
-//! the model flags, logging, and the HTTP serve loop.
+//! the model flags, the config file, logging, and the HTTP serve loop.
 
+pub mod config;
 pub mod model_source;
 
 use anyhow::Context;
@@ -288,6 +289,11 @@ fn default_kernel_cache_dir() -> Option<PathBuf> {
 /// Flags of the HTTP server.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// Read flags from this TOML file: keys are the long flag names
+    /// (`kv-cache-budget = "4GiB"`, `no-prompt-cache = true`); the command
+    /// line and the flags' environment variables win over it.
+    #[arg(long, value_name = "FILE", env = "MLXCEL_CONFIG")]
+    pub config: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Address to listen on.
@@ -354,6 +360,42 @@ impl std::fmt::Debug for ApiKeyArg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ApiKeyArg(<redacted>)")
     }
+}
+
+/// Parses the process's arguments as `P`, with the settings of the
+/// `--config` file of the server's flags (see [`config`]) put before the
+/// command line's. `serve` names the subcommand that takes the server's
+/// flags (`mlxcel serve`), or is `None` when the command itself does
+/// (`mlxcel-server`). Exits with clap's usage errors (status 2), and with a
+/// config file's error.
+pub fn parse_args<P: clap::Parser>(serve: Option<&str>) -> P {
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let mut command = P::command();
+    command = match serve {
+        None => command.args_override_self(true),
+        Some(name) => command.mut_subcommand(name, |c| c.args_override_self(true)),
+    };
+    // The server's flags start after the binary (and the subcommand).
+    let start = match serve {
+        None => Some(1),
+        Some(name) => (argv.get(1).is_some_and(|a| a == name)).then_some(2),
+    };
+    let server = match serve {
+        None => Some(&command),
+        Some(name) => command.find_subcommand(name),
+    };
+    if let (Some(start), Some(server)) = (start, server) {
+        let tail = argv.split_off(start.min(argv.len()));
+        match config::args_with_config(server, tail) {
+            Ok(tail) => argv.extend(tail),
+            Err(err) => {
+                eprintln!("error: {err}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let matches = command.get_matches_from(argv);
+    P::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default `info`).

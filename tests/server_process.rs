@@ -263,3 +263,56 @@ fn a_second_signal_exits_at_once() {
     assert!(log.contains("second signal"), "{log}");
     drop(open);
 }
+
+/// `--config FILE` sets flags, the command line wins over it, and an
+/// unknown key stops the server before it starts, naming the key and line.
+#[test]
+fn a_config_file_sets_flags_and_the_command_line_wins() {
+    let dir = std::env::temp_dir().join(format!("mlxcel-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("server.toml");
+    let model = model_dir();
+    std::fs::write(
+        &file,
+        format!(
+            "# test configuration\nmodel = {:?}\nport = 0\nalias = \"from-config\"\n\
+             default-max-tokens = 5\nparallel = 2\n",
+            model.to_str().expect("utf-8 path")
+        ),
+    )
+    .expect("write config");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"));
+    command
+        .arg("--config")
+        .arg(&file)
+        .args(["--default-max-tokens", "3"]);
+    let server = Server::spawn(&mut command);
+    let models = common::http::get(server.port, "/v1/models").json();
+    assert_eq!(models["data"][0]["id"], "from-config", "{models}");
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"2": -100}});
+    let chat = post_json(server.port, "/v1/chat/completions", &body);
+    assert_eq!(chat.status, 200);
+    let chat = chat.json();
+    // 3 from the command line, not the file's 5.
+    assert_eq!(chat["usage"]["completion_tokens"], 3, "{chat}");
+    assert_eq!(chat["choices"][0]["finish_reason"], "length");
+    assert_eq!(chat["model"], "from-config");
+    drop(server);
+
+    std::fs::write(&file, "port = 0\n\nkv-cache-bugdet = \"1G\"\n").expect("write config");
+    let out = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
+        .arg("--config")
+        .arg(&file)
+        .output()
+        .expect("run mlxcel-server");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "error: {}:3: unknown key `kv-cache-bugdet`: not a flag of mlxcel-server",
+            file.display()
+        )
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,9 +1,7 @@
 //! `mlxcel-server -m <model-dir>`: the OpenAI-compatible HTTP server.
 
-use clap::Parser;
-
 /// OpenAI-compatible LLM inference server on MLX.
-#[derive(Debug, Parser)]
+#[derive(Debug, clap::Parser)]
 #[command(name = "mlxcel-server", version)]
 struct Cli {
     #[command(flatten)]
@@ -13,5 +11,6 @@ struct Cli {
 fn main() {
     mlxcel::init_logging();
     // Not a plain return from `main`: see `mlxcel::exit`.
-    mlxcel::exit(mlxcel::serve(Cli::parse().serve))
+    let cli: Cli = mlxcel::parse_args(None);
+    mlxcel::exit(mlxcel::serve(cli.serve))
 }

@@ -1,7 +1,7 @@
 //! `mlxcel`: command-line front end (`generate`, `serve`).
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::Subcommand;
 use mlxcel_engine::api::{
     ChatMessage, GenerationEvent, GenerationRequest, InferenceService, Prompt, SamplingParams,
 };
@@ -9,7 +9,7 @@ use mlxcel_engine::Engine;
 use mlxcel_model::profile::{self, ProfileMode};
 use std::io::Write;
 
-#[derive(Debug, Parser)]
+#[derive(Debug, clap::Parser)]
 #[command(name = "mlxcel", version, about = "LLM inference on MLX")]
 struct Cli {
     #[command(subcommand)]
@@ -88,7 +88,8 @@ enum ProfileArg {
 
 fn main() -> anyhow::Result<()> {
     mlxcel::init_logging();
-    match Cli::parse().command {
+    let cli: Cli = mlxcel::parse_args(Some("serve"));
+    match cli.command {
         Command::Generate(args) => generate(args),
         // Not a plain return from `main`: see `mlxcel::exit`.
         Command::Serve(args) => mlxcel::exit(mlxcel::serve(args)),
