@@ -370,7 +370,17 @@ impl std::fmt::Debug for ApiKeyArg {
 /// config file's error.
 pub fn parse_args<P: clap::Parser>(serve: Option<&str>) -> P {
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let mut command = P::command();
+    // Only `--version` asks MLX about the device (a GPU backend may take a
+    // moment to start).
+    let asks_version = argv
+        .iter()
+        .skip(1)
+        .take_while(|a| *a != "--")
+        .any(|a| a == "--version");
+    let mut command = P::command().version(SHORT_VERSION);
+    if asks_version {
+        command = command.long_version(long_version());
+    }
     command = match serve {
         None => command.args_override_self(true),
         Some(name) => command.mut_subcommand(name, |c| c.args_override_self(true)),
@@ -396,6 +406,31 @@ pub fn parse_args<P: clap::Parser>(serve: Option<&str>) -> P {
     }
     let matches = command.get_matches_from(argv);
     P::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// What `-V` prints after the binary's name: the version and the git
+/// commit it was built from (`unknown` when built outside a git checkout
+/// without `MLXCEL_GIT_COMMIT`).
+pub const SHORT_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("MLXCEL_GIT_COMMIT"),
+    ")"
+);
+
+/// What `--version` prints after the binary's name: the version, the git
+/// commit, the version of the MLX library loaded, and the device MLX runs
+/// on by default (`--device auto`) as MLX names it.
+pub fn long_version() -> String {
+    let gpu = mlxcel_mlx::gpu_available();
+    let kind = if gpu { "gpu" } else { "cpu" };
+    let device = mlxcel_mlx::device_name(gpu).unwrap_or_else(|e| format!("unnamed ({e})"));
+    format!(
+        "{}\ncommit: {}\nmlx: {}\ndevice: {kind}, {device}",
+        env!("CARGO_PKG_VERSION"),
+        env!("MLXCEL_GIT_COMMIT"),
+        mlxcel_mlx::version(),
+    )
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default `info`).

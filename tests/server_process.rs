@@ -316,3 +316,46 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--version` of both binaries: the version, the commit `build.rs`
+/// recorded (the checkout's `HEAD`), the MLX version and the device.
+#[test]
+fn version_names_the_commit_the_mlx_version_and_the_device() {
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    let commit = env!("MLXCEL_GIT_COMMIT");
+    if let Some(head) = &head {
+        assert_eq!(commit, head);
+    }
+    let device = if mlxcel_mlx::gpu_available() {
+        "gpu"
+    } else {
+        "cpu"
+    };
+    for (binary, name) in [
+        (env!("CARGO_BIN_EXE_mlxcel"), "mlxcel"),
+        (env!("CARGO_BIN_EXE_mlxcel-server"), "mlxcel-server"),
+    ] {
+        let out = Command::new(binary).arg("--version").output().expect("run");
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert_eq!(lines[0], format!("{name} {}", env!("CARGO_PKG_VERSION")));
+        assert_eq!(lines[1], format!("commit: {commit}"));
+        assert_eq!(lines[2], format!("mlx: {}", mlxcel_mlx::version()));
+        let named = mlxcel_mlx::device_name(device == "gpu").expect("device name");
+        assert_eq!(lines[3], format!("device: {device}, {named}"));
+
+        let out = Command::new(binary).arg("-V").output().expect("run");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("{name} {} (commit {commit})", env!("CARGO_PKG_VERSION"))
+        );
+    }
+}
