@@ -233,17 +233,11 @@ fn check_value(command: &clap::Command, arg: &clap::Arg, value: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::{CommandFactory, FromArgMatches, Parser};
-
-    #[derive(Debug, Parser)]
-    #[command(name = "mlxcel-server")]
-    struct Cli {
-        #[command(flatten)]
-        serve: crate::ServeArgs,
-    }
+    use crate::ServerCli;
+    use clap::{CommandFactory, FromArgMatches};
 
     fn command() -> clap::Command {
-        Cli::command().args_override_self(true)
+        ServerCli::command().args_override_self(true)
     }
 
     /// Parses `cli` (the arguments after the binary) with `toml` as the
@@ -258,7 +252,7 @@ mod tests {
         let matches = command
             .try_get_matches_from(argv)
             .map_err(|e| e.to_string())?;
-        Cli::from_arg_matches(&matches)
+        ServerCli::from_arg_matches(&matches)
             .map(|c| c.serve)
             .map_err(|e| e.to_string())
     }

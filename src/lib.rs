@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod model_source;
+pub mod package_files;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -51,7 +52,7 @@ pub struct ModelArgs {
     /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json),
     /// or a hub repository id (`org/name`), taken from the local hub cache or
     /// downloaded into it.
-    #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL")]
+    #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL", value_hint = clap::ValueHint::AnyPath)]
     pub model: PathBuf,
     /// Compute dtype.
     #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
@@ -106,7 +107,7 @@ pub struct ModelArgs {
     /// `$XDG_CACHE_HOME/mlxcel/kernels`, else `~/.cache/mlxcel/kernels`;
     /// `none`: MLX's default under /tmp). `MLX_PTX_CACHE_DIR`, when set,
     /// wins.
-    #[arg(long, default_value = "auto", value_name = "DIR")]
+    #[arg(long, default_value = "auto", value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
     pub kernel_cache_dir: String,
     /// Read each decode step's tokens before queueing the next one (the
     /// default queues the next step first, overlapping host and device).
@@ -120,7 +121,7 @@ pub struct ModelArgs {
     pub max_kv_size: Option<u32>,
     /// A Jinja chat template file to use instead of the model's own (e.g.
     /// one that renders tools).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
     pub chat_template: Option<std::path::PathBuf>,
     /// Let control-token strings typed in message content (`<|im_end|>`...)
     /// become control tokens, as the chat template's own markup does. Off:
@@ -286,13 +287,27 @@ fn default_kernel_cache_dir() -> Option<PathBuf> {
     Some(cache.join("mlxcel").join("kernels"))
 }
 
+/// OpenAI-compatible LLM inference server on MLX.
+///
+/// Serves the OpenAI API (chat and text completions, models, streaming)
+/// for one MLX model, plus /health, /metrics (Prometheus), /v1/cache/stats,
+/// /v1/cache/reset and /openapi.json. Flags can also be set in a TOML file
+/// (--config).
+#[derive(Debug, clap::Parser)]
+#[command(name = "mlxcel-server", version)]
+pub struct ServerCli {
+    /// The server's flags.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
 /// Flags of the HTTP server.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Read flags from this TOML file: keys are the long flag names
     /// (`kv-cache-budget = "4GiB"`, `no-prompt-cache = true`); the command
     /// line and the flags' environment variables win over it.
-    #[arg(long, value_name = "FILE", env = "MLXCEL_CONFIG")]
+    #[arg(long, value_name = "FILE", env = "MLXCEL_CONFIG", value_hint = clap::ValueHint::FilePath)]
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,

@@ -22,6 +22,14 @@ enum Command {
     Generate(GenerateArgs),
     /// Run the OpenAI-compatible server (same as `mlxcel-server`).
     Serve(mlxcel::ServeArgs),
+    /// Write the man pages and shell completions of `mlxcel` and
+    /// `mlxcel-server` under DIR (for packaging; see
+    /// `mlxcel::package_files`).
+    #[command(hide = true)]
+    PackageFiles {
+        /// Where to write `man/man1/`, `bash/`, `zsh/` and `fish/`.
+        dir: std::path::PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -93,6 +101,14 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate(args),
         // Not a plain return from `main`: see `mlxcel::exit`.
         Command::Serve(args) => mlxcel::exit(mlxcel::serve(args)),
+        Command::PackageFiles { dir } => {
+            use clap::CommandFactory;
+            let commands = [Cli::command(), mlxcel::ServerCli::command()];
+            for path in mlxcel::package_files::write(&dir, &commands)? {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
     }
 }
 
