@@ -1,7 +1,9 @@
 //! Shared command-line plumbing of the `mlxcel` and `mlxcel-server` binaries:
-//! the model flags, logging, and the HTTP serve loop.
+//! the model flags, the config file, logging, and the HTTP serve loop.
 
+pub mod config;
 pub mod model_source;
+pub mod package_files;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -50,7 +52,7 @@ pub struct ModelArgs {
     /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json),
     /// or a hub repository id (`org/name`), taken from the local hub cache or
     /// downloaded into it.
-    #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL")]
+    #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL", value_hint = clap::ValueHint::AnyPath)]
     pub model: PathBuf,
     /// Compute dtype.
     #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
@@ -105,7 +107,7 @@ pub struct ModelArgs {
     /// `$XDG_CACHE_HOME/mlxcel/kernels`, else `~/.cache/mlxcel/kernels`;
     /// `none`: MLX's default under /tmp). `MLX_PTX_CACHE_DIR`, when set,
     /// wins.
-    #[arg(long, default_value = "auto", value_name = "DIR")]
+    #[arg(long, default_value = "auto", value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
     pub kernel_cache_dir: String,
     /// Read each decode step's tokens before queueing the next one (the
     /// default queues the next step first, overlapping host and device).
@@ -119,7 +121,7 @@ pub struct ModelArgs {
     pub max_kv_size: Option<u32>,
     /// A Jinja chat template file to use instead of the model's own (e.g.
     /// one that renders tools).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
     pub chat_template: Option<std::path::PathBuf>,
     /// Let control-token strings typed in message content (`<|im_end|>`...)
     /// become control tokens, as the chat template's own markup does. Off:
@@ -285,9 +287,28 @@ fn default_kernel_cache_dir() -> Option<PathBuf> {
     Some(cache.join("mlxcel").join("kernels"))
 }
 
+/// OpenAI-compatible LLM inference server on MLX.
+///
+/// Serves the OpenAI API (chat and text completions, models, streaming)
+/// for one MLX model, plus /health, /metrics (Prometheus), /v1/cache/stats,
+/// /v1/cache/reset and /openapi.json. Flags can also be set in a TOML file
+/// (--config).
+#[derive(Debug, clap::Parser)]
+#[command(name = "mlxcel-server", version)]
+pub struct ServerCli {
+    /// The server's flags.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
 /// Flags of the HTTP server.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// Read flags from this TOML file: keys are the long flag names
+    /// (`kv-cache-budget = "4GiB"`, `no-prompt-cache = true`); the command
+    /// line and the flags' environment variables win over it.
+    #[arg(long, value_name = "FILE", env = "MLXCEL_CONFIG", value_hint = clap::ValueHint::FilePath)]
+    pub config: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Address to listen on.
@@ -315,6 +336,19 @@ pub struct ServeArgs {
     /// CORS headers.
     #[arg(long, value_name = "ORIGINS")]
     pub allowed_origins: Option<AllowedOrigins>,
+    /// After SIGTERM or SIGINT, how many seconds open requests may run
+    /// before they fail with an error; the server exits once they have
+    /// ended. A second signal exits at once.
+    #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub shutdown_timeout: std::time::Duration,
+}
+
+/// A non-negative number of seconds (decimals allowed).
+fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .and_then(|secs| std::time::Duration::try_from_secs_f64(secs).ok())
+        .ok_or_else(|| format!("expected a number of seconds, got `{s}`"))
 }
 
 /// The `--api-key` value: not empty, and never shown by `Debug`.
@@ -343,6 +377,77 @@ impl std::fmt::Debug for ApiKeyArg {
     }
 }
 
+/// Parses the process's arguments as `P`, with the settings of the
+/// `--config` file of the server's flags (see [`config`]) put before the
+/// command line's. `serve` names the subcommand that takes the server's
+/// flags (`mlxcel serve`), or is `None` when the command itself does
+/// (`mlxcel-server`). Exits with clap's usage errors (status 2), and with a
+/// config file's error.
+pub fn parse_args<P: clap::Parser>(serve: Option<&str>) -> P {
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // Only `--version` asks MLX about the device (a GPU backend may take a
+    // moment to start).
+    let asks_version = argv
+        .iter()
+        .skip(1)
+        .take_while(|a| *a != "--")
+        .any(|a| a == "--version");
+    let mut command = P::command().version(SHORT_VERSION);
+    if asks_version {
+        command = command.long_version(long_version());
+    }
+    command = match serve {
+        None => command.args_override_self(true),
+        Some(name) => command.mut_subcommand(name, |c| c.args_override_self(true)),
+    };
+    // The server's flags start after the binary (and the subcommand).
+    let start = match serve {
+        None => Some(1),
+        Some(name) => (argv.get(1).is_some_and(|a| a == name)).then_some(2),
+    };
+    let server = match serve {
+        None => Some(&command),
+        Some(name) => command.find_subcommand(name),
+    };
+    if let (Some(start), Some(server)) = (start, server) {
+        let tail = argv.split_off(start.min(argv.len()));
+        match config::args_with_config(server, tail) {
+            Ok(tail) => argv.extend(tail),
+            Err(err) => {
+                eprintln!("error: {err}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let matches = command.get_matches_from(argv);
+    P::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// What `-V` prints after the binary's name: the version and the git
+/// commit it was built from (`unknown` when built outside a git checkout
+/// without `MLXCEL_GIT_COMMIT`).
+pub const SHORT_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("MLXCEL_GIT_COMMIT"),
+    ")"
+);
+
+/// What `--version` prints after the binary's name: the version, the git
+/// commit, the version of the MLX library loaded, and the device MLX runs
+/// on by default (`--device auto`) as MLX names it.
+pub fn long_version() -> String {
+    let gpu = mlxcel_mlx::gpu_available();
+    let kind = if gpu { "gpu" } else { "cpu" };
+    let device = mlxcel_mlx::device_name(gpu).unwrap_or_else(|e| format!("unnamed ({e})"));
+    format!(
+        "{}\ncommit: {}\nmlx: {}\ndevice: {kind}, {device}",
+        env!("CARGO_PKG_VERSION"),
+        env!("MLXCEL_GIT_COMMIT"),
+        mlxcel_mlx::version(),
+    )
+}
+
 /// Logs to stderr; `RUST_LOG` filters (default `info`).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -354,9 +459,14 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Serves the OpenAI-compatible API until Ctrl-C/SIGTERM. The server
-/// listens at once and answers `GET /health` with 503 `starting` while the
-/// model loads and warms up on another thread; then it serves.
+/// Serves the OpenAI-compatible API until SIGTERM or SIGINT (Ctrl-C). The
+/// server listens at once and answers `GET /health` with 503 `starting`
+/// while the model loads and warms up on another thread; then it serves.
+///
+/// On the signal it stops accepting connections and lets open requests run
+/// for at most `--shutdown-timeout` (then they fail with an error), stops
+/// the engine thread, and returns. The caller should then leave through
+/// [`exit`]: an ordinary process exit can hang in OpenBLAS's exit handler.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let engine_config = args.model.engine_config(args.alias.clone())?;
     let context_length =
@@ -365,63 +475,120 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let local = listener.local_addr()?;
-        // Tests and scripts wait for this line (then for /health to be ok).
-        tracing::info!("listening on http://{local}");
-        if args.api_key.is_some() {
-            tracing::info!("API key required on every route but GET /health");
-        }
-        let config = HttpConfig {
-            default_max_tokens: args.default_max_tokens,
-            api_key: args.api_key.map(|key| key.0),
-            allowed_origins: args.allowed_origins.unwrap_or_default(),
-            ..HttpConfig::default()
-        };
-        let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);
-        let mut server = tokio::spawn(mlxcel_http::serve(listener, state, shutdown_signal()));
-        let loading = {
-            let slot = Arc::clone(&slot);
-            tokio::task::spawn_blocking(move || {
-                let engine = Engine::start(engine_config)?;
-                slot.fill(Arc::new(engine));
-                anyhow::Ok(())
-            })
-        };
-        tokio::select! {
-            loaded = loading => {
-                // A model that cannot load stops the server with its error.
-                loaded.context("the model loader stopped")??;
-                tracing::info!("ready: serving requests");
-                server.await.context("the HTTP server task")??;
-            }
-            // Stopped (a signal) while the model was still loading.
-            served = &mut server => {
-                served.context("the HTTP server task")??;
-                tracing::info!("stopped while the model was loading");
-                leave_now();
-            }
-        }
-        tracing::info!("server stopped");
+    let served = runtime.block_on(serve_on(args, engine_config, Arc::clone(&slot)));
+    // Every task (connections, streams) ends with the runtime, so the slot
+    // is left holding the only handle to the engine.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    // Dropping the engine joins its thread: no MLX work outlives it.
+    drop(slot);
+    served?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// The async part of [`serve`]: listen, load the model meanwhile, serve
+/// until the shutdown signal and the drain are over.
+async fn serve_on(
+    args: ServeArgs,
+    engine_config: EngineConfig,
+    slot: Arc<ServiceSlot>,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let local = listener.local_addr()?;
+    // Tests and scripts wait for this line (then for /health to be ok).
+    tracing::info!("listening on http://{local}");
+    if args.api_key.is_some() {
+        tracing::info!("API key required on every route but GET /health");
+    }
+    let config = HttpConfig {
+        default_max_tokens: args.default_max_tokens,
+        api_key: args.api_key.map(|key| key.0),
+        allowed_origins: args.allowed_origins.unwrap_or_default(),
+        shutdown_grace: args.shutdown_timeout,
+        ..HttpConfig::default()
+    };
+    let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);
+    let mut server = tokio::spawn(mlxcel_http::serve(listener, state, shutdown_signal()));
+    let loading = tokio::task::spawn_blocking(move || {
+        let engine = Engine::start(engine_config)?;
+        slot.fill(Arc::new(engine));
         anyhow::Ok(())
-    })
+    });
+    tokio::select! {
+        loaded = loading => {
+            // A model that cannot load stops the server with its error.
+            loaded.context("the model loader stopped")??;
+            tracing::info!("ready: serving requests");
+            server.await.context("the HTTP server task")??;
+        }
+        // Stopped (a signal) while the model was still loading.
+        served = &mut server => {
+            served.context("the HTTP server task")??;
+            tracing::info!("stopped while the model was loading");
+            leave_now(0);
+        }
+    }
+    Ok(())
 }
 
-/// Ends the process at once, without waiting for the model loader (a
-/// blocking load or warm-up cannot be cancelled, and waiting for it would
-/// keep a stopped server alive for minutes) and without running exit-time
-/// destructors, which would race the loader's MLX work.
-fn leave_now() -> ! {
+/// Ends the process with `result` as [`serve`]'s callers need: the error
+/// printed as `main` would (`Error: ...`, status 1), or status 0.
+///
+/// The process leaves through `_exit`, which skips `atexit` handlers and
+/// C++ static destructors. That is deliberate: OpenBLAS runs
+/// `gotoblas_quit` at exit, whose `blas_thread_shutdown_` can wait forever
+/// joining a BLAS worker thread that sleeps on a condition variable (a
+/// server stopped after a few hundred requests was found there with gdb:
+/// it had logged "server stopped" and never exited, so a service manager
+/// would have had to kill it). By the
+/// time this runs nothing needs those handlers: the HTTP server has drained,
+/// the engine thread has been joined (no MLX work is left), logs go to
+/// unbuffered stderr, and stdout is flushed here. The kernel frees memory
+/// and closes files and sockets.
+pub fn exit(result: anyhow::Result<()>) -> ! {
+    let status = match result {
+        Ok(()) => 0,
+        Err(err) => {
+            eprintln!("Error: {err:?}");
+            1
+        }
+    };
+    leave_now(status)
+}
+
+/// Flushes stdout and ends the process at once with `status`, skipping
+/// exit handlers and destructors (see [`exit`]). Also used when a signal
+/// arrives while the model loads: a blocking load or warm-up cannot be
+/// cancelled, waiting for it would keep a stopped server alive for minutes,
+/// and exit-time destructors would race the loader's MLX work.
+fn leave_now(status: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
     // SAFETY: `_exit` ends the process; nothing after it runs.
-    unsafe { libc::_exit(0) }
+    unsafe { libc::_exit(status) }
 }
 
+/// Completes on the first SIGTERM or SIGINT. A second one ends the process
+/// at once (status 1), without waiting for open requests.
 async fn shutdown_signal() {
+    let signal = signal_name().await;
+    tracing::info!("{signal} received: shutting down");
+    tokio::spawn(async {
+        let signal = signal_name().await;
+        tracing::warn!("second signal ({signal}): exiting without waiting for open requests");
+        leave_now(1);
+    });
+}
+
+/// Waits for SIGTERM or SIGINT and names it.
+async fn signal_name() -> &'static str {
     let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     };
     #[cfg(unix)]
     let term = async {
@@ -435,8 +602,7 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+        () = ctrl_c => "SIGINT",
+        () = term => "SIGTERM",
     }
-    tracing::info!("shutting down");
 }

@@ -1,16 +1,8 @@
 //! `mlxcel-server -m <model-dir>`: the OpenAI-compatible HTTP server.
 
-use clap::Parser;
-
-/// OpenAI-compatible LLM inference server on MLX.
-#[derive(Debug, Parser)]
-#[command(name = "mlxcel-server", version)]
-struct Cli {
-    #[command(flatten)]
-    serve: mlxcel::ServeArgs,
-}
-
-fn main() -> anyhow::Result<()> {
+fn main() {
     mlxcel::init_logging();
-    mlxcel::serve(Cli::parse().serve)
+    let cli: mlxcel::ServerCli = mlxcel::parse_args(None);
+    // Not a plain return from `main`: see `mlxcel::exit`.
+    mlxcel::exit(mlxcel::serve(cli.serve))
 }

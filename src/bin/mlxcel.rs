@@ -1,7 +1,7 @@
 //! `mlxcel`: command-line front end (`generate`, `serve`).
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::Subcommand;
 use mlxcel_engine::api::{
     ChatMessage, GenerationEvent, GenerationRequest, InferenceService, Prompt, SamplingParams,
 };
@@ -9,7 +9,7 @@ use mlxcel_engine::Engine;
 use mlxcel_model::profile::{self, ProfileMode};
 use std::io::Write;
 
-#[derive(Debug, Parser)]
+#[derive(Debug, clap::Parser)]
 #[command(name = "mlxcel", version, about = "LLM inference on MLX")]
 struct Cli {
     #[command(subcommand)]
@@ -22,6 +22,14 @@ enum Command {
     Generate(GenerateArgs),
     /// Run the OpenAI-compatible server (same as `mlxcel-server`).
     Serve(mlxcel::ServeArgs),
+    /// Write the man pages and shell completions of `mlxcel` and
+    /// `mlxcel-server` under DIR (for packaging; see
+    /// `mlxcel::package_files`).
+    #[command(hide = true)]
+    PackageFiles {
+        /// Where to write `man/man1/`, `bash/`, `zsh/` and `fish/`.
+        dir: std::path::PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -88,9 +96,19 @@ enum ProfileArg {
 
 fn main() -> anyhow::Result<()> {
     mlxcel::init_logging();
-    match Cli::parse().command {
+    let cli: Cli = mlxcel::parse_args(Some("serve"));
+    match cli.command {
         Command::Generate(args) => generate(args),
-        Command::Serve(args) => mlxcel::serve(args),
+        // Not a plain return from `main`: see `mlxcel::exit`.
+        Command::Serve(args) => mlxcel::exit(mlxcel::serve(args)),
+        Command::PackageFiles { dir } => {
+            use clap::CommandFactory;
+            let commands = [Cli::command(), mlxcel::ServerCli::command()];
+            for path in mlxcel::package_files::write(&dir, &commands)? {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
     }
 }
 

@@ -106,5 +106,6 @@ void set_cudnn_attention(bool enabled);
 void set_kernel_cache_dir(rust::Str dir);
 void use_device(bool gpu);
 rust::String version();
+rust::String device_name(bool gpu);
 
 }  // namespace mlxcel

@@ -147,5 +147,6 @@ pub(crate) mod bridge {
         fn paged_attention_available() -> Result<bool>;
         fn use_device(gpu: bool) -> Result<()>;
         fn version() -> Result<String>;
+        fn device_name(gpu: bool) -> Result<String>;
     }
 }

@@ -274,3 +274,13 @@ pub fn use_device(gpu: bool) -> Result<()> {
 pub fn version() -> String {
     bridge::version().unwrap_or_default()
 }
+
+/// What MLX reports of the GPU (`true`) or the CPU (`false`): its name,
+/// then its architecture in parentheses when MLX gives one (a CPU:
+/// `Intel(R) Xeon(R) Processor (x86_64)`).
+///
+/// # Errors
+/// The device is not there (no GPU backend), or MLX cannot describe it.
+pub fn device_name(gpu: bool) -> Result<String> {
+    Ok(bridge::device_name(gpu)?)
+}

@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <stdexcept>
+#include <variant>
 
 namespace mx = mlx::core;
 
@@ -197,5 +198,22 @@ void set_cudnn_attention(bool enabled) { setenv("MLX_CUDA_USE_CUDNN_SDPA", enabl
 void set_kernel_cache_dir(rust::Str dir) { setenv("MLX_PTX_CACHE_DIR", std::string(dir).c_str(), 0); }
 void use_device(bool gpu) { mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)); }
 rust::String version() { return rust::String(mx::version()); }
+// "<device_name> (<architecture>)" from MLX's device_info, the parts it has.
+rust::String device_name(bool gpu) {
+  // A CPU-only build describes its missing GPU with an empty map.
+  if (gpu && !gpu_available()) throw std::runtime_error("this MLX build has no GPU backend here");
+  const auto& info = mx::device_info(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu));
+  auto text = [&](const char* key) -> std::string {
+    auto it = info.find(key);
+    if (it == info.end()) return {};
+    const auto* s = std::get_if<std::string>(&it->second);
+    return s ? *s : std::string();
+  };
+  std::string name = text("device_name");
+  std::string arch = text("architecture");
+  if (name.empty()) return rust::String(arch);
+  if (!arch.empty()) name += " (" + arch + ")";
+  return rust::String(name);
+}
 
 }  // namespace mlxcel

@@ -189,3 +189,22 @@ fn matmul_single_row_and_column_all_layouts() {
         1e-4,
     );
 }
+
+#[test]
+fn version_and_device_names() {
+    // The version of the libmlx this test links (the project's pinned one).
+    let version = mlxcel_mlx::version();
+    assert!(
+        version.split('.').count() >= 3 && version.starts_with("0."),
+        "{version}"
+    );
+    let cpu = mlxcel_mlx::device_name(false).unwrap();
+    assert!(!cpu.trim().is_empty());
+    #[cfg(target_arch = "x86_64")]
+    assert!(cpu.ends_with("(x86_64)"), "{cpu}");
+    // Asking for a GPU that is not there is an error, not a crash.
+    assert_eq!(
+        mlxcel_mlx::device_name(true).is_ok(),
+        mlxcel_mlx::gpu_available()
+    );
+}

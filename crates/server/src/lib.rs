@@ -10,6 +10,8 @@
 //! With an API key configured, [`auth`] refuses every request but
 //! `GET /health` that lacks it; [`cors`] lets browsers of allowed origins
 //! call the API. `GET /openapi.json` describes every route ([`openapi`]).
+//! [`shutdown`] lets open requests finish (or fail, at the deadline) when
+//! [`serve`] stops.
 
 pub mod auth;
 mod choices;
@@ -21,6 +23,7 @@ pub mod metrics;
 pub mod openai;
 pub mod openapi;
 mod routes;
+pub mod shutdown;
 mod sse;
 pub mod validate;
 
@@ -51,8 +54,9 @@ pub struct HttpConfig {
     pub default_max_tokens: usize,
     /// Interval of SSE keep-alive comments on a quiet stream.
     pub keep_alive_interval: Duration,
-    /// After the shutdown signal, how long [`serve`] waits for open requests
-    /// (streams included) before it returns anyway.
+    /// After the shutdown signal, how long [`serve`] lets open requests
+    /// (streams included) run; then they fail with
+    /// [`shutdown::SHUTDOWN_MESSAGE`] and [`serve`] returns.
     pub shutdown_grace: Duration,
     /// With `Some`, every request but `GET /health` must carry
     /// `Authorization: Bearer <key>` (see [`auth`]).
@@ -67,7 +71,7 @@ impl Default for HttpConfig {
             body_limit_bytes: 4 * 1024 * 1024,
             default_max_tokens: 512,
             keep_alive_interval: Duration::from_secs(15),
-            shutdown_grace: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(30),
             api_key: None,
             allowed_origins: cors::AllowedOrigins::Disabled,
         }
@@ -95,7 +99,10 @@ pub struct AppState {
 }
 
 struct Inner {
+    /// The engine, behind [`shutdown::DrainingService`].
     service: Arc<dyn InferenceService>,
+    /// Drives the shutdown of open requests (see [`shutdown`]).
+    phase: tokio::sync::watch::Sender<shutdown::Phase>,
     config: HttpConfig,
     started_at: u64,
     metrics: Arc<metrics::Metrics>,
@@ -107,11 +114,14 @@ impl AppState {
         Self::with_config(service, HttpConfig::default())
     }
 
-    /// State over `service` with `config`.
+    /// State over `service` with `config`. Requests reach `service` through
+    /// a [`shutdown::DrainingService`] that [`serve`] drives.
     pub fn with_config(service: Arc<dyn InferenceService>, config: HttpConfig) -> Self {
+        let (phase, phase_rx) = tokio::sync::watch::channel(shutdown::Phase::Serving);
         Self {
             inner: Arc::new(Inner {
-                service,
+                service: Arc::new(shutdown::DrainingService::new(service, phase_rx)),
+                phase,
                 config,
                 started_at: openai::unix_now(),
                 metrics: Arc::new(metrics::Metrics::new()),
@@ -283,9 +293,11 @@ async fn refuse_unknown_encodings(
 }
 
 /// Serves [`router`] on `listener` until `shutdown` completes, then stops
-/// accepting connections and waits for open requests, at most
-/// [`HttpConfig::shutdown_grace`] (an open stream would otherwise hold
-/// shutdown for as long as it generates).
+/// accepting connections and lets open requests finish, for at most
+/// [`HttpConfig::shutdown_grace`]: then each open request fails with
+/// [`shutdown::SHUTDOWN_MESSAGE`] (an error body, or an error event that ends
+/// its stream), and `serve` returns once their answers are written (a
+/// connection that still lingers a moment later is closed).
 pub async fn serve<F>(
     listener: tokio::net::TcpListener,
     state: AppState,
@@ -294,27 +306,48 @@ pub async fn serve<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    /// How long the answers of the requests failed at the deadline may
+    /// take to be written before their connections are closed.
+    const AFTER_DEADLINE: Duration = Duration::from_secs(2);
     let grace = state.config().shutdown_grace;
-    let (signalled_tx, mut signalled_rx) = tokio::sync::watch::channel(false);
+    let phase = state.inner.phase.clone();
+    let mut draining = phase.subscribe();
     let signal = async move {
         shutdown.await;
-        tracing::info!("shutdown signal received; draining open requests");
-        let _ = signalled_tx.send(true);
+        tracing::info!(?grace, "shutdown signal received; draining open requests");
+        phase.send_replace(shutdown::Phase::Draining);
     };
-    let server = axum::serve(listener, router(state))
+    let server = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(signal)
         .into_future();
+    tokio::pin!(server);
     let deadline = async move {
         // An error means the sender is gone without a signal: never expire.
-        if signalled_rx.wait_for(|signalled| *signalled).await.is_err() {
+        if draining
+            .wait_for(|p| *p != shutdown::Phase::Serving)
+            .await
+            .is_err()
+        {
             std::future::pending::<()>().await;
         }
         tokio::time::sleep(grace).await;
     };
     tokio::select! {
-        result = server => result,
-        () = deadline => {
-            tracing::warn!(?grace, "open requests outlived the shutdown grace period; closing");
+        result = &mut server => return result,
+        () = deadline => {}
+    }
+    let open = state.service().stats();
+    tracing::warn!(
+        ?grace,
+        running = open.running,
+        waiting = open.waiting,
+        "open requests outlived the shutdown timeout; failing them"
+    );
+    state.inner.phase.send_replace(shutdown::Phase::Expired);
+    match tokio::time::timeout(AFTER_DEADLINE, &mut server).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!("connections still open after the shutdown timeout; closing them");
             Ok(())
         }
     }

@@ -389,6 +389,12 @@ async fn a_refused_prompt_drops_the_ones_already_submitted() {
     assert_eq!(fake.request_count(), 3);
     let senders = fake.senders.lock().unwrap().clone();
     assert_eq!(senders.len(), 2);
+    // The drop reaches the engine's end through the task that forwards
+    // each stream (`mlxcel_http::shutdown`): let it run.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while senders.iter().any(|s| !s.is_closed()) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
     for sender in senders {
         assert!(sender.is_closed(), "an accepted prompt was not cancelled");
     }
