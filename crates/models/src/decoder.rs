@@ -208,13 +208,7 @@ impl Decoder {
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let path = format!("model.layers.{i}");
-            let layer = DecoderLayer::load(
-                &mut ctx,
-                &path,
-                &config,
-                &spec.layers[i],
-                spec,
-            )?;
+            let layer = DecoderLayer::load(&mut ctx, &path, &config, &spec.layers[i], spec)?;
             // Materialize layer by layer so load shows progress and peaks low.
             mlxcel_mlx::eval(&layer.arrays())?;
             tracing::debug!(layer = i, of = config.num_hidden_layers, "layer loaded");
