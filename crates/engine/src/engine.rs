@@ -378,23 +378,13 @@ impl Engine {
         prompt: &Prompt,
         tools: &[ToolDefinition],
     ) -> Result<Vec<u32>, SubmitError> {
-        self.tokenize_with_reply(prompt, tools, "")
+        self.tokenize_request_prompt(prompt, tools, &serde_json::Map::new(), "")
     }
 
-    /// [`Engine::tokenize_prompt`] with `reply` (markup of the engine's
-    /// own, such as a forced call's start) after a chat prompt's
-    /// generation prompt.
-    fn tokenize_with_reply(
-        &self,
-        prompt: &Prompt,
-        tools: &[ToolDefinition],
-        reply: &str,
-    ) -> Result<Vec<u32>, SubmitError> {
-        self.tokenize_request_prompt(prompt, tools, &serde_json::Map::new(), reply)
-    }
-
-    /// [`Engine::tokenize_with_reply`] with extra chat template variables
-    /// (`chat_template_kwargs`; client text, marked like the messages).
+    /// [`Engine::tokenize_prompt`] with extra chat template variables
+    /// (`chat_template_kwargs`; client text, marked like the messages) and
+    /// `reply` (markup of the engine's own, such as a forced call's start)
+    /// after a chat prompt's generation prompt.
     fn tokenize_request_prompt(
         &self,
         prompt: &Prompt,
