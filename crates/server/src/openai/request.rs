@@ -100,8 +100,8 @@ macro_rules! generation_request {
             $($own:tt)*
         }
     ) => {
-        $(#[$attr])*
         #[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
+        $(#[$attr])*
         pub struct $name {
             $($own)*
             /// Sampling temperature; 0 is greedy.
@@ -239,6 +239,7 @@ generation_request! {
     /// prediction, reasoning_effort, safety_identifier, service_tier,
     /// verbosity, web_search_options) are accepted only with their default
     /// value.
+    #[schema(as = CreateChatCompletionRequest)]
     pub struct ChatCompletionRequest {
         /// Must be the served model's id (see GET /v1/models); another name
         /// is a 404.
@@ -287,6 +288,7 @@ generation_request! {
 generation_request! {
     /// The body of `POST /v1/completions`. `stream_options` only with
     /// `stream` true.
+    #[schema(as = CreateCompletionRequest)]
     pub struct CompletionRequest {
         /// Must be the served model's id (see GET /v1/models); another name
         /// is a 404.
