@@ -385,6 +385,9 @@ pub enum Prompt {
 pub const PROMPT_TYPES: &str =
     "a string, an array of strings, an array of token ids or an array of arrays of token ids";
 
+/// What the first item of a prompt list may be.
+pub const PROMPT_ITEM_TYPES: &str = "a string, a token id or an array of token ids";
+
 /// The kind of a prompt list's items, set by its first item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ItemKind {
@@ -427,7 +430,7 @@ impl<'de> Visitor<'de> for PromptItemSeed {
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str(match self.0 {
-            None => PROMPT_TYPES,
+            None => PROMPT_ITEM_TYPES,
             Some(ItemKind::Text) => "a string",
             Some(ItemKind::Token) => "an integer",
             Some(ItemKind::Tokens) => TOKEN_IDS,
