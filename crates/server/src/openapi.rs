@@ -551,10 +551,10 @@ mod tests {
         ] {
             assert_eq!(schemas[name]["additionalProperties"], false, "{name}");
         }
-        let tool = &schemas["Tool"]["properties"]["function"]["oneOf"][0];
-        assert_eq!(tool["additionalProperties"], false);
+        let function = &schemas["FunctionDefinition"];
+        assert_eq!(function["additionalProperties"], false);
         assert_eq!(
-            tool["properties"]["parameters"].get("additionalProperties"),
+            function["properties"]["parameters"].get("additionalProperties"),
             None
         );
         let chat = &schemas["CreateChatCompletionRequest"]["properties"];
