@@ -22,7 +22,7 @@ use utoipa::{PartialSchema, ToSchema};
 use super::request::{Tag, Unknown};
 
 /// A message's `role`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Instructions for the model.
@@ -269,7 +269,7 @@ pub struct FunctionName {
 }
 
 /// The type of a `response_format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ResponseFormatType {
     /// Plain text (no grammar).
