@@ -15,12 +15,39 @@ use crate::error::{ApiError, Route};
 use crate::extract::JsonBody;
 use crate::openai::chat::chat_completion;
 use crate::openai::completion::{LegacyLogprobs, TextChoice};
+use crate::openai::request::{ChatCompletionRequest, CompletionRequest};
 use crate::openai::{Completion, CompletionMeta};
+use crate::openapi::{
+    BadRequest, ChatCompletionEvent, ChatCompletionObject, ForbiddenOrigin, InternalError,
+    ModelNotFound, PayloadTooLarge, TextCompletionEvent, TextCompletionObject, Unavailable,
+    UnsupportedMediaType,
+};
 use crate::sse::{stream_response, ChatChunks, TextChunks};
 use crate::validate::{ValidatedChatRequest, ValidatedCompletionRequest};
 use crate::AppState;
 
 /// `POST /v1/chat/completions`.
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    operation_id = "createChatCompletion",
+    summary = "Chat completion",
+    description = "Generates the assistant's answer to `messages` with the served model's chat template. Fields outside this schema are a 400 (`Unrecognized request argument supplied`), except OpenAI fields mlxcel lacks, accepted only with their default value.",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The completion; with stream true, server-sent events whose data are ChatCompletionChunk objects, ending with `data: [DONE]`.", content(
+            (ChatCompletionObject = "application/json"),
+            (inline(ChatCompletionEvent) = "text/event-stream"),
+        )),
+        (status = 400, response = BadRequest),
+        (status = 403, response = ForbiddenOrigin),
+        (status = 404, response = ModelNotFound),
+        (status = 413, response = PayloadTooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 500, response = InternalError),
+        (status = 503, response = Unavailable),
+    ),
+)]
 pub async fn chat_completions(
     State(state): State<AppState>,
     JsonBody(body): JsonBody,
@@ -73,6 +100,27 @@ pub async fn chat_completions(
 }
 
 /// `POST /v1/completions`.
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    operation_id = "createCompletion",
+    summary = "Text completion",
+    description = "Continues each prompt as plain text (no chat template). Each prompt of a list gets n choices; choice index = prompt_index * n + i.",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion; with stream true, server-sent events whose data are TextCompletionChunk objects, ending with `data: [DONE]`.", content(
+            (TextCompletionObject = "application/json"),
+            (inline(TextCompletionEvent) = "text/event-stream"),
+        )),
+        (status = 400, response = BadRequest),
+        (status = 403, response = ForbiddenOrigin),
+        (status = 404, response = ModelNotFound),
+        (status = 413, response = PayloadTooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 500, response = InternalError),
+        (status = 503, response = Unavailable),
+    ),
+)]
 pub async fn completions(
     State(state): State<AppState>,
     JsonBody(body): JsonBody,

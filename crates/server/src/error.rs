@@ -104,14 +104,15 @@ pub enum ApiError {
 }
 
 /// The OpenAI error body: `{"error": {...}}`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+#[schema(as = ErrorResponse)]
 pub struct ErrorBody {
     /// The error itself.
     pub error: ErrorDetail,
 }
 
 /// The inside of an OpenAI error body.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// Human-readable description.
     pub message: String,
@@ -119,8 +120,11 @@ pub struct ErrorDetail {
     #[serde(rename = "type")]
     pub kind: &'static str,
     /// The request field at fault, if any.
+    #[schema(required = true)]
     pub param: Option<String>,
-    /// A machine-readable code, if any (e.g. `model_not_found`).
+    /// A machine-readable code, if any (e.g. `model_not_found`,
+    /// `invalid_api_key`, `context_length_exceeded`).
+    #[schema(required = true)]
     pub code: Option<&'static str>,
 }
 

@@ -169,8 +169,8 @@ impl std::fmt::Debug for AppState {
 }
 
 /// Every route of the API, in one table: [`router`] is built from it and
-/// the `openapi` tests compare it with `openapi.json`, so the document and
-/// the router cannot drift apart. Paths use axum's syntax
+/// the `openapi` tests compare it with the generated document's operations
+/// both ways, so the document and the router cannot drift apart. Paths use axum's syntax
 /// (`/v1/models/{*id}` is `/v1/models/{id}` in the document).
 fn api_routes() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
     vec![

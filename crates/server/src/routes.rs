@@ -7,13 +7,22 @@ use axum::http::{header, Method, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
 
 use crate::error::{ApiError, Route};
-use crate::openai::{ModelCard, ModelList};
+use crate::openai::{CacheReset, CacheStats, Health, HealthStatus, ModelCard, ModelList};
+use crate::openapi::{
+    ForbiddenOrigin, InternalError, ModelNotFound, Unavailable, UnsupportedMediaType,
+};
 use crate::AppState;
 
 /// `GET /v1/models`: the one served model.
+#[utoipa::path(
+    get,
+    path = "/v1/models",
+    operation_id = "listModels",
+    summary = "The served model (one)",
+    responses((status = 200, description = "The served model (one)", body = ModelList)),
+)]
 pub async fn list_models(State(state): State<AppState>) -> Response {
     let card = ModelCard::new(state.service().model_id(), state.started_at());
     Json(ModelList {
@@ -24,6 +33,17 @@ pub async fn list_models(State(state): State<AppState>) -> Response {
 }
 
 /// `GET /v1/models/{id}`; the id may contain slashes (`org/name`).
+#[utoipa::path(
+    get,
+    path = "/v1/models/{id}",
+    operation_id = "retrieveModel",
+    summary = "One model by id",
+    params(("id" = String, Path, description = "The model id; it may contain slashes (`org/name`).")),
+    responses(
+        (status = 200, description = "One model by id", body = ModelCard),
+        (status = 404, response = ModelNotFound),
+    ),
+)]
 pub async fn retrieve_model(
     State(state): State<AppState>,
     method: Method,
@@ -44,13 +64,28 @@ pub async fn retrieve_model(
 
 /// `GET /health`: `{"status":"ok"}` once the engine serves, `503
 /// {"status":"starting"}` while the model loads and warms up.
+#[utoipa::path(
+    get,
+    path = "/health",
+    operation_id = "getHealth",
+    summary = "Readiness probe: 200 once the model is loaded and warmed up, 503 while starting; never needs an API key",
+    responses(
+        (status = 200, description = "The engine serves requests", body = Health),
+        (status = 503, description = "The model is still loading or warming up", body = Health),
+    ),
+)]
 pub async fn health(State(state): State<AppState>) -> Response {
     if state.service().ready() {
-        Json(json!({ "status": "ok" })).into_response()
+        Json(Health {
+            status: HealthStatus::Ok,
+        })
+        .into_response()
     } else {
         (
             axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "starting" })),
+            Json(Health {
+                status: HealthStatus::Starting,
+            }),
         )
             .into_response()
     }
@@ -91,6 +126,16 @@ pub async fn count_request(
 }
 
 /// `GET /metrics`: Prometheus text format.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "getMetrics",
+    summary = "Prometheus metrics",
+    responses(
+        (status = 200, description = "Prometheus text exposition format 0.0.4.", body = String, content_type = "text/plain"),
+        (status = 500, response = InternalError),
+    ),
+)]
 pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let stats = state.service().stats();
     let body = state
@@ -108,12 +153,33 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError
 }
 
 /// `GET /v1/cache/stats`: the prefix cache and the KV pool.
+#[utoipa::path(
+    get,
+    path = "/v1/cache/stats",
+    operation_id = "getCacheStats",
+    summary = "Prefix cache and KV pool statistics (mlxcel extension)",
+    responses((status = 200, description = "Prefix cache and KV pool statistics (mlxcel extension)", body = CacheStats)),
+)]
 pub async fn cache_stats(State(state): State<AppState>) -> Response {
-    Json(crate::openai::cache_stats_body(&state.service().stats())).into_response()
+    Json(CacheStats::from(&state.service().stats())).into_response()
 }
 
 /// `POST /v1/cache/reset`: frees every cached block no running request
 /// holds, and says what it freed. Idempotent; safe while requests run.
+#[utoipa::path(
+    post,
+    path = "/v1/cache/reset",
+    operation_id = "resetCache",
+    summary = "Free every cached KV block no running request holds (mlxcel extension)",
+    description = "Idempotent and safe while requests run. Takes no body.",
+    responses(
+        (status = 200, description = "What was freed, and the statistics after it.", body = CacheReset),
+        (status = 403, response = ForbiddenOrigin),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 500, response = InternalError),
+        (status = 503, response = Unavailable),
+    ),
+)]
 pub async fn cache_reset(State(state): State<AppState>) -> Result<Response, ApiError> {
     let handle = state.service_handle();
     let reset = tokio::task::spawn_blocking(move || handle.reset_prefix_cache())
@@ -121,11 +187,11 @@ pub async fn cache_reset(State(state): State<AppState>) -> Result<Response, ApiE
         .map_err(|e| ApiError::Internal(format!("resetting the cache: {e}")))?
         .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
     let stats = state.service().stats();
-    Ok(Json(json!({
-        "object": "cache.reset",
-        "blocks_freed": reset.blocks_freed,
-        "bytes_freed": reset.bytes_freed,
-        "stats": crate::openai::cache_stats_body(&stats),
-    }))
+    Ok(Json(CacheReset {
+        object: "cache.reset",
+        blocks_freed: reset.blocks_freed,
+        bytes_freed: reset.bytes_freed,
+        stats: CacheStats::from(&stats),
+    })
     .into_response())
 }

@@ -359,6 +359,25 @@ fn wire_errors_name_the_path() {
     for (body, expected) in cases {
         assert_eq!(parse(body.clone()), Err(expected), "{body}");
     }
+    let prompts = [
+        (
+            json!({"prompt": [{"a": 1}]}),
+            wrong("prompt[0]", "a string, a token id or an array of token ids"),
+        ),
+        (json!({"prompt": ["a", 1]}), wrong("prompt[1]", "a string")),
+        (
+            json!({"prompt": [[1], 2]}),
+            wrong("prompt[1]", "an array of token ids"),
+        ),
+        (
+            json!({"prompt": [[1, 1.5]]}),
+            wrong("prompt[0][1]", "an integer"),
+        ),
+    ];
+    for (body, expected) in prompts {
+        let result = ValidatedCompletionRequest::parse(body.clone(), MODEL).map(drop);
+        assert_eq!(result, Err(expected), "{body}");
+    }
     let request = parse(json!({
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": null}], "x": null}],
         "stream": true,

@@ -2,8 +2,10 @@
 
 use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob, ToolCall, Usage};
 use serde::Serialize;
+use utoipa::openapi::{RefOr, Schema};
+use utoipa::ToSchema;
 
-use super::{Completion, CompletionMeta};
+use super::{constant, finish_reason_schema, Completion, CompletionMeta};
 use crate::choices::ChoiceOutput;
 
 /// A non-streamed answer: the `chat.completion` object.
@@ -29,16 +31,46 @@ pub fn chat_completion(
 }
 
 /// One choice of a `chat.completion`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatChoice {
     /// Position among the choices.
     pub index: usize,
     /// The generated message.
     pub message: AssistantMessage,
     /// `null` unless the request asked for logprobs.
+    #[schema(required = true)]
     pub logprobs: Option<ChatLogprobs>,
     /// `stop`, `length` or `tool_calls`.
+    #[schema(schema_with = finished, required = true)]
     pub finish_reason: Option<FinishReason>,
+}
+
+fn finished() -> RefOr<Schema> {
+    finish_reason_schema(&["stop", "length", "tool_calls"], false)
+}
+
+fn maybe_finished() -> RefOr<Schema> {
+    finish_reason_schema(&["stop", "length", "tool_calls"], true)
+}
+
+fn assistant() -> RefOr<Schema> {
+    constant("assistant")
+}
+
+fn function() -> RefOr<Schema> {
+    constant("function")
+}
+
+fn bytes() -> RefOr<Schema> {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let byte = ObjectBuilder::new()
+        .schema_type(Type::Integer)
+        .minimum(Some(0))
+        .maximum(Some(255));
+    ArrayBuilder::new()
+        .items(byte)
+        .description(Some("Its UTF-8 bytes (which may be part of a character)."))
+        .into()
 }
 
 impl ChatChoice {
@@ -63,31 +95,38 @@ impl ChatChoice {
 }
 
 /// The generated message of a choice.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[schema(as = ChatCompletionMessage)]
 pub struct AssistantMessage {
     /// Always `assistant`.
+    #[schema(schema_with = assistant)]
     pub role: &'static str,
     /// The generated text; `null` when the choice only called tools.
+    #[schema(required = true)]
     pub content: Option<String>,
     /// The tool calls, absent when there are none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schema(min_items = 1)]
     pub tool_calls: Vec<ToolCallBody>,
 }
 
 /// One tool call of a message.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[schema(as = ToolCall)]
 pub struct ToolCallBody {
     /// The engine's `call_` id.
+    #[schema(pattern = "^call_")]
     pub id: String,
     /// Always `function`.
     #[serde(rename = "type")]
+    #[schema(schema_with = function)]
     pub kind: &'static str,
     /// What is called.
     pub function: FunctionCall,
 }
 
 /// The function and arguments of a tool call.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct FunctionCall {
     /// The function's name.
     pub name: String,
@@ -109,7 +148,7 @@ impl From<ToolCall> for ToolCallBody {
 }
 
 /// A choice's (or chunk's) `logprobs`: one entry per token.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatLogprobs {
     /// The tokens, in order.
     pub content: Vec<ChatTokenLogprob>,
@@ -135,7 +174,8 @@ impl ChatLogprobs {
 }
 
 /// One sampled token with its alternatives.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[schema(as = TokenLogprob)]
 pub struct ChatTokenLogprob {
     /// The token itself (`token`, `logprob`, `bytes`).
     #[serde(flatten)]
@@ -145,13 +185,15 @@ pub struct ChatTokenLogprob {
 }
 
 /// A token's text, log-probability and bytes.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct TopLogprob {
     /// The token's text.
     pub token: String,
     /// Its natural-log probability.
+    #[schema(maximum = 0)]
     pub logprob: f32,
     /// Its UTF-8 bytes (which may be part of a character).
+    #[schema(schema_with = bytes)]
     pub bytes: Vec<u8>,
 }
 
@@ -166,27 +208,31 @@ impl From<&TokenLogprob> for TopLogprob {
 }
 
 /// One choice of a chunk.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChunkChoice {
     /// Position among the choices.
     pub index: usize,
     /// What is new since the previous chunk of this choice.
     pub delta: ChunkDelta,
     /// Logprobs of the tokens that completed this chunk, or `null`.
+    #[schema(required = true)]
     pub logprobs: Option<ChatLogprobs>,
     /// Set on the last chunk of the choice only.
+    #[schema(schema_with = maybe_finished, required = true)]
     pub finish_reason: Option<FinishReason>,
 }
 
 /// The new part of the message; empty (`{}`) on the finishing chunk.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct ChunkDelta {
     /// `assistant` on the first chunk only.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(schema_with = assistant)]
     pub role: Option<&'static str>,
     /// New text; on the first chunk `""`, or `null` when the message opens
-    /// with a tool call; absent otherwise.
+    /// with a tool call.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub content: Option<Option<String>>,
     /// A tool call's start or more of its arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -196,7 +242,7 @@ pub struct ChunkDelta {
 /// A piece of a tool call in a chunk, as OpenAI streams them: the first
 /// carries `id`, `type` and the function's `name` (with `arguments: ""`),
 /// the next ones argument fragments only.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ToolCallDelta {
     /// The call's position among its choice's calls (from 0).
     pub index: usize,
@@ -205,13 +251,14 @@ pub struct ToolCallDelta {
     pub id: Option<String>,
     /// `function`, on its first piece.
     #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    #[schema(schema_with = function)]
     pub kind: Option<&'static str>,
     /// The function's name and argument text.
     pub function: FunctionDelta,
 }
 
 /// The function part of a [`ToolCallDelta`].
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct FunctionDelta {
     /// The function's name, on the call's first piece.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -4,14 +4,16 @@ use std::collections::BTreeMap;
 
 use mlxcel_engine_api::{FinishReason, SampledLogprobs, TokenLogprob};
 use serde::Serialize;
+use utoipa::openapi::{RefOr, Schema};
+use utoipa::ToSchema;
 
-use super::Completion;
+use super::{finish_reason_schema, Completion};
 
 /// The `text_completion` object: a whole answer, or one chunk of a stream.
 pub type TextCompletion<'a> = Completion<'a, TextChoice>;
 
 /// One choice (or a choice's new part, in a chunk).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct TextChoice {
     /// `prompt_index * n + i`.
     pub index: usize,
@@ -19,13 +21,33 @@ pub struct TextChoice {
     pub text: String,
     /// `null` unless the request asked for logprobs (and, in a chunk,
     /// tokens completed this text).
+    #[schema(required = true)]
     pub logprobs: Option<LegacyLogprobs>,
-    /// `null` until the choice's last chunk.
+    /// `null` until the choice's last chunk (always set in a whole answer).
+    #[schema(schema_with = maybe_finished, required = true)]
     pub finish_reason: Option<FinishReason>,
 }
 
+fn maybe_finished() -> RefOr<Schema> {
+    finish_reason_schema(&["stop", "length"], true)
+}
+
+/// The schema of a whole answer's choice: a [`TextChoice`] that has
+/// finished.
+pub fn finished_text_choice() -> RefOr<Schema> {
+    let finished = utoipa::openapi::schema::ObjectBuilder::new().property(
+        "finish_reason",
+        finish_reason_schema(&["stop", "length"], false),
+    );
+    utoipa::openapi::schema::AllOfBuilder::new()
+        .item(utoipa::openapi::Ref::from_schema_name(TextChoice::name()))
+        .item(finished)
+        .into()
+}
+
 /// The legacy `logprobs` object: parallel arrays, one entry per token.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
+#[schema(as = CompletionLogprobs)]
 pub struct LegacyLogprobs {
     /// Each token's text.
     pub tokens: Vec<String>,

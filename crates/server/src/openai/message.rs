@@ -22,7 +22,7 @@ use utoipa::{PartialSchema, ToSchema};
 use super::request::{Tag, Unknown};
 
 /// A message's `role`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Instructions for the model.
@@ -90,7 +90,7 @@ impl<'de> Deserialize<'de> for MessageContent {
 }
 
 /// The type of a content part: only text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ContentPartType {
     /// `{"type": "text", "text": ...}`.
@@ -102,7 +102,7 @@ pub enum ContentPartType {
 pub struct ContentPart {
     /// Only `text`.
     #[serde(rename = "type")]
-    #[schema(value_type = ContentPartType)]
+    #[schema(schema_with = text_part_type)]
     pub kind: Tag<ContentPartType>,
     /// The part's text.
     #[schema(required = true, value_type = String)]
@@ -113,8 +113,18 @@ pub struct ContentPart {
     pub unknown: Unknown,
 }
 
+/// The schema of a `type` that is always `function`.
+fn function_type() -> RefOr<Schema> {
+    super::constant("function")
+}
+
+/// The schema of a content part's `type`: only `text`.
+fn text_part_type() -> RefOr<Schema> {
+    super::constant("text")
+}
+
 /// The type of a tool, tool call or named tool choice: only function.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FunctionType {
     /// A function.
@@ -128,10 +138,9 @@ pub struct ToolCallRequest {
     pub id: String,
     /// Only `function`.
     #[serde(rename = "type")]
-    #[schema(value_type = FunctionType)]
+    #[schema(schema_with = function_type)]
     pub kind: Tag<FunctionType>,
     /// What was called.
-    #[schema(inline)]
     pub function: FunctionCallRequest,
     /// Keys that are not fields.
     #[serde(flatten)]
@@ -157,10 +166,9 @@ pub struct FunctionCallRequest {
 pub struct Tool {
     /// Only `function`.
     #[serde(rename = "type")]
-    #[schema(value_type = FunctionType)]
+    #[schema(schema_with = function_type)]
     pub kind: Tag<FunctionType>,
     /// The function.
-    #[schema(inline)]
     pub function: FunctionDefinition,
     /// Keys that are not fields.
     #[serde(flatten)]
@@ -239,10 +247,9 @@ pub enum ToolChoiceMode {
 pub struct NamedToolChoice {
     /// Only `function`.
     #[serde(rename = "type")]
-    #[schema(value_type = FunctionType)]
+    #[schema(schema_with = function_type)]
     pub kind: Tag<FunctionType>,
     /// The function.
-    #[schema(inline)]
     pub function: FunctionName,
     /// Keys that are not fields.
     #[serde(flatten)]
@@ -262,7 +269,7 @@ pub struct FunctionName {
 }
 
 /// The type of a `response_format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ResponseFormatType {
     /// Plain text (no grammar).

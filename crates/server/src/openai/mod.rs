@@ -10,6 +10,9 @@ pub mod request;
 use mlxcel_engine_api::Usage;
 use serde::Serialize;
 use std::time::{SystemTime, UNIX_EPOCH};
+use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Type};
+use utoipa::openapi::{Ref, RefOr, Schema};
+use utoipa::ToSchema;
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
 pub fn unix_now() -> u64 {
@@ -143,12 +146,63 @@ impl<'a, C> Completion<'a, C> {
     }
 }
 
+impl<C: ToSchema> Completion<'_, C> {
+    /// The schema of `kind`'s whole answer (`chunk` false) or of its
+    /// chunks, whose choices are `C`s (`choice` overrides `C`'s schema).
+    pub fn schema(
+        kind: CompletionKind,
+        chunk: bool,
+        choice: Option<RefOr<Schema>>,
+        description: &str,
+    ) -> Schema {
+        let string = || ObjectBuilder::new().schema_type(Type::String);
+        let choice = choice.unwrap_or_else(|| Ref::from_schema_name(C::name()).into());
+        let usage = Ref::from_schema_name(UsageBody::name());
+        let (object, usage, min_choices): (_, RefOr<Schema>, _) = if chunk {
+            let nullable = OneOfBuilder::new()
+                .item(usage)
+                .item(ObjectBuilder::new().schema_type(Type::Null));
+            (kind.chunk_object(), nullable.into(), None)
+        } else {
+            (kind.object(), usage.into(), Some(1))
+        };
+        let mut envelope = ObjectBuilder::new()
+            .description(Some(description))
+            .property(
+                "id",
+                string().pattern(Some(format!("^{}", kind.id_prefix()))),
+            )
+            .property("object", string().enum_values(Some([object])))
+            .property(
+                "created",
+                ObjectBuilder::new()
+                    .schema_type(Type::Integer)
+                    .minimum(Some(0))
+                    .description(Some("Unix seconds.")),
+            )
+            .property("model", string())
+            .property(
+                "choices",
+                ArrayBuilder::new().items(choice).min_items(min_choices),
+            )
+            .property("usage", usage);
+        for field in ["id", "object", "created", "model", "choices"] {
+            envelope = envelope.required(field);
+        }
+        if !chunk {
+            envelope = envelope.required("usage");
+        }
+        envelope.into()
+    }
+}
+
 /// `usage` of a completion.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[schema(as = Usage)]
 pub struct UsageBody {
     /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
-    /// Tokens generated.
+    /// Tokens generated, summed over the choices.
     pub completion_tokens: usize,
     /// `prompt_tokens + completion_tokens`.
     pub total_tokens: usize,
@@ -157,7 +211,7 @@ pub struct UsageBody {
 }
 
 /// `usage.prompt_tokens_details`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 pub struct PromptTokensDetails {
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
@@ -177,20 +231,23 @@ impl From<Usage> for UsageBody {
 }
 
 /// `GET /v1/models`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ModelList<'a> {
     /// Always `list`.
+    #[schema(schema_with = list_object)]
     pub object: &'static str,
     /// The served models (one).
     pub data: Vec<ModelCard<'a>>,
 }
 
 /// One model of `GET /v1/models`, and the body of `GET /v1/models/{id}`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[schema(as = Model)]
 pub struct ModelCard<'a> {
     /// The model's name.
     pub id: &'a str,
     /// Always `model`.
+    #[schema(schema_with = model_object)]
     pub object: &'static str,
     /// Unix seconds at which the server started.
     pub created: u64,
@@ -210,41 +267,177 @@ impl<'a> ModelCard<'a> {
     }
 }
 
-/// The body of `GET /v1/cache/stats` (sizes in blocks, tokens and bytes).
-pub fn cache_stats_body(s: &mlxcel_engine_api::EngineStats) -> serde_json::Value {
-    let hit_rate = if s.prefix_cache_lookups == 0 {
-        0.0
+/// The schema of a `finish_reason` of `values`, `null` too when
+/// `nullable`.
+pub(crate) fn finish_reason_schema(values: &[&str], nullable: bool) -> RefOr<Schema> {
+    use utoipa::openapi::schema::SchemaType;
+    let mut enum_values: Vec<serde_json::Value> = values.iter().map(|v| (*v).into()).collect();
+    let schema_type = if nullable {
+        enum_values.push(serde_json::Value::Null);
+        SchemaType::from_iter([Type::String, Type::Null])
     } else {
-        s.prefix_cache_hits as f64 / s.prefix_cache_lookups as f64
+        SchemaType::Type(Type::String)
     };
-    serde_json::json!({
-        "object": "cache.stats",
-        "enabled": s.prefix_cache_enabled,
-        "storage_backend": s.kv_storage_backend,
-        "block_size": s.kv_block_size,
-        "block_bytes": s.kv_block_bytes,
-        "blocks": {
-            "total": s.kv_blocks_total,
-            "used": s.kv_blocks_used,
-            "free": s.kv_blocks_free,
-            "cached": s.kv_blocks_cached,
-            "active": s.kv_blocks_active,
-        },
-        "entries": s.kv_blocks_cached,
-        "bytes": s.kv_blocks_cached * s.kv_block_bytes,
-        "capacity": s.prefix_cache_capacity_blocks,
-        "capacity_bytes": s.prefix_cache_capacity_blocks * s.kv_block_bytes,
-        "lookups": s.prefix_cache_lookups,
-        "hits": s.prefix_cache_hits,
-        "misses": s.prefix_cache_misses,
-        "hit_rate": hit_rate,
-        "tokens_queried": s.prefix_cache_tokens_queried,
-        "tokens_reused": s.prefix_cache_tokens_reused,
-        "inserts": s.prefix_cache_inserts,
-        "evictions": s.prefix_cache_evictions,
-        "running": s.running,
-        "waiting": s.waiting,
-    })
+    ObjectBuilder::new()
+        .schema_type(schema_type)
+        .enum_values(Some(enum_values))
+        .into()
+}
+
+/// The schema of a string that is always `value`.
+pub(crate) fn constant(value: &str) -> RefOr<Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some([value]))
+        .into()
+}
+
+fn list_object() -> RefOr<Schema> {
+    constant("list")
+}
+
+fn model_object() -> RefOr<Schema> {
+    constant("model")
+}
+
+fn cache_stats_object() -> RefOr<Schema> {
+    constant("cache.stats")
+}
+
+fn cache_reset_object() -> RefOr<Schema> {
+    constant("cache.reset")
+}
+
+/// The body of `GET /v1/cache/stats`: the prefix cache and the KV pool
+/// (sizes in blocks, tokens and bytes).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct CacheStats {
+    /// Always `cache.stats`.
+    #[schema(schema_with = cache_stats_object)]
+    pub object: &'static str,
+    /// Whether the prefix cache is on.
+    pub enabled: bool,
+    /// Where KV blocks live.
+    pub storage_backend: String,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Bytes per KV block.
+    pub block_bytes: usize,
+    /// The pool's blocks by state.
+    pub blocks: BlockCounts,
+    /// Cached blocks.
+    pub entries: usize,
+    /// Bytes of the cached blocks.
+    pub bytes: usize,
+    /// Most blocks the prefix cache may hold.
+    pub capacity: usize,
+    /// `capacity` in bytes.
+    pub capacity_bytes: usize,
+    /// Prefix cache lookups.
+    pub lookups: u64,
+    /// Lookups that reused blocks.
+    pub hits: u64,
+    /// Lookups that reused none.
+    pub misses: u64,
+    /// `hits / lookups` (0 before any lookup).
+    #[schema(minimum = 0, maximum = 1)]
+    pub hit_rate: f64,
+    /// Prompt tokens looked up.
+    pub tokens_queried: u64,
+    /// Prompt tokens served from the cache.
+    pub tokens_reused: u64,
+    /// Blocks added to the cache.
+    pub inserts: u64,
+    /// Blocks evicted from the cache.
+    pub evictions: u64,
+    /// Requests generating now.
+    pub running: usize,
+    /// Requests queued.
+    pub waiting: usize,
+}
+
+/// `blocks` of [`CacheStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct BlockCounts {
+    /// Blocks in the pool.
+    pub total: usize,
+    /// Held by requests or the cache.
+    pub used: usize,
+    /// Free.
+    pub free: usize,
+    /// Held by the prefix cache.
+    pub cached: usize,
+    /// Held by requests.
+    pub active: usize,
+}
+
+impl From<&mlxcel_engine_api::EngineStats> for CacheStats {
+    fn from(s: &mlxcel_engine_api::EngineStats) -> Self {
+        let hit_rate = if s.prefix_cache_lookups == 0 {
+            0.0
+        } else {
+            s.prefix_cache_hits as f64 / s.prefix_cache_lookups as f64
+        };
+        Self {
+            object: "cache.stats",
+            enabled: s.prefix_cache_enabled,
+            storage_backend: s.kv_storage_backend.clone(),
+            block_size: s.kv_block_size,
+            block_bytes: s.kv_block_bytes,
+            blocks: BlockCounts {
+                total: s.kv_blocks_total,
+                used: s.kv_blocks_used,
+                free: s.kv_blocks_free,
+                cached: s.kv_blocks_cached,
+                active: s.kv_blocks_active,
+            },
+            entries: s.kv_blocks_cached,
+            bytes: s.kv_blocks_cached * s.kv_block_bytes,
+            capacity: s.prefix_cache_capacity_blocks,
+            capacity_bytes: s.prefix_cache_capacity_blocks * s.kv_block_bytes,
+            lookups: s.prefix_cache_lookups,
+            hits: s.prefix_cache_hits,
+            misses: s.prefix_cache_misses,
+            hit_rate,
+            tokens_queried: s.prefix_cache_tokens_queried,
+            tokens_reused: s.prefix_cache_tokens_reused,
+            inserts: s.prefix_cache_inserts,
+            evictions: s.prefix_cache_evictions,
+            running: s.running,
+            waiting: s.waiting,
+        }
+    }
+}
+
+/// The body of `POST /v1/cache/reset`.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct CacheReset {
+    /// Always `cache.reset`.
+    #[schema(schema_with = cache_reset_object)]
+    pub object: &'static str,
+    /// Blocks freed.
+    pub blocks_freed: usize,
+    /// Bytes freed.
+    pub bytes_freed: usize,
+    /// The statistics after the reset.
+    pub stats: CacheStats,
+}
+
+/// The body of `GET /health`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Health {
+    /// `ok` once the engine serves, `starting` before.
+    pub status: HealthStatus,
+}
+
+/// [`Health`]'s `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthStatus {
+    /// The engine serves requests.
+    Ok,
+    /// The model is loading or warming up.
+    Starting,
 }
 
 #[cfg(test)]

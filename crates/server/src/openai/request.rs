@@ -100,8 +100,8 @@ macro_rules! generation_request {
             $($own:tt)*
         }
     ) => {
-        $(#[$attr])*
         #[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
+        $(#[$attr])*
         pub struct $name {
             $($own)*
             /// Sampling temperature; 0 is greedy.
@@ -239,6 +239,7 @@ generation_request! {
     /// prediction, reasoning_effort, safety_identifier, service_tier,
     /// verbosity, web_search_options) are accepted only with their default
     /// value.
+    #[schema(as = CreateChatCompletionRequest)]
     pub struct ChatCompletionRequest {
         /// Must be the served model's id (see GET /v1/models); another name
         /// is a 404.
@@ -287,6 +288,7 @@ generation_request! {
 generation_request! {
     /// The body of `POST /v1/completions`. `stream_options` only with
     /// `stream` true.
+    #[schema(as = CreateCompletionRequest)]
     pub struct CompletionRequest {
         /// Must be the served model's id (see GET /v1/models); another name
         /// is a 404.
@@ -383,6 +385,9 @@ pub enum Prompt {
 pub const PROMPT_TYPES: &str =
     "a string, an array of strings, an array of token ids or an array of arrays of token ids";
 
+/// What the first item of a prompt list may be.
+pub const PROMPT_ITEM_TYPES: &str = "a string, a token id or an array of token ids";
+
 /// The kind of a prompt list's items, set by its first item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ItemKind {
@@ -425,7 +430,7 @@ impl<'de> Visitor<'de> for PromptItemSeed {
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str(match self.0 {
-            None => PROMPT_TYPES,
+            None => PROMPT_ITEM_TYPES,
             Some(ItemKind::Text) => "a string",
             Some(ItemKind::Token) => "an integer",
             Some(ItemKind::Tokens) => TOKEN_IDS,

@@ -381,6 +381,7 @@ fn plain_type(serde_expected: &str) -> &'static str {
         "a map" => "an object",
         request::STRING_OR_STRINGS => request::STRING_OR_STRINGS,
         request::PROMPT_TYPES => request::PROMPT_TYPES,
+        request::PROMPT_ITEM_TYPES => request::PROMPT_ITEM_TYPES,
         request::TOKEN_IDS => request::TOKEN_IDS,
         message::CONTENT_TYPES => message::CONTENT_TYPES,
         message::TOOL_CHOICE_TYPES => message::TOOL_CHOICE_TYPES,
