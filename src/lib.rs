@@ -568,11 +568,13 @@ fn log_ready(local: std::net::SocketAddr, model: &str, gpu: bool, stats: &Engine
 /// joining a BLAS worker thread that sleeps on a condition variable (a
 /// server stopped after a few hundred requests was found there with gdb:
 /// it had logged "server stopped" and never exited, so a service manager
-/// would have had to kill it). By the
-/// time this runs nothing needs those handlers: the HTTP server has drained,
-/// the engine thread has been joined (no MLX work is left), logs go to
-/// unbuffered stderr, and stdout is flushed here. The kernel frees memory
-/// and closes files and sockets.
+/// would have had to kill it). The hang depends on timing (a 2-core
+/// machine did not show it in 320 requests), so the exit avoids the
+/// handler rather than hoping to miss the race. By the time this runs
+/// nothing needs those handlers: the HTTP server has drained, the engine
+/// thread has been joined (no MLX work is left), logs go to unbuffered
+/// stderr, and stdout is flushed here. The kernel frees memory and closes
+/// files and sockets.
 pub fn exit(result: anyhow::Result<()>) -> ! {
     let status = match result {
         Ok(()) => 0,
