@@ -7,7 +7,7 @@ pub mod package_files;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use mlxcel_engine::api::{InferenceService, ServiceSlot};
+use mlxcel_engine::api::{EngineStats, InferenceService, ServiceSlot};
 use mlxcel_engine::{AttentionPath, Engine, EngineConfig, StorageBackend};
 use mlxcel_http::cors::AllowedOrigins;
 use mlxcel_http::{AppState, HttpConfig};
@@ -493,6 +493,7 @@ async fn serve_on(
     engine_config: EngineConfig,
     slot: Arc<ServiceSlot>,
 ) -> anyhow::Result<()> {
+    let signals = Signals::install().context("installing the SIGTERM and SIGINT handlers")?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
@@ -510,17 +511,22 @@ async fn serve_on(
         ..HttpConfig::default()
     };
     let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);
-    let mut server = tokio::spawn(mlxcel_http::serve(listener, state, shutdown_signal()));
-    let loading = tokio::task::spawn_blocking(move || {
-        let engine = Engine::start(engine_config)?;
-        slot.fill(Arc::new(engine));
-        anyhow::Ok(())
-    });
+    let mut server = tokio::spawn(mlxcel_http::serve(listener, state, signals.shutdown()));
+    let model_id = engine_config.model_id();
+    let gpu = engine_config.use_gpu && mlxcel_mlx::gpu_available();
+    let loading = {
+        let slot = Arc::clone(&slot);
+        tokio::task::spawn_blocking(move || {
+            let engine = Engine::start(engine_config)?;
+            slot.fill(Arc::new(engine));
+            anyhow::Ok(())
+        })
+    };
     tokio::select! {
         loaded = loading => {
             // A model that cannot load stops the server with its error.
             loaded.context("the model loader stopped")??;
-            tracing::info!("ready: serving requests");
+            log_ready(local, &model_id, gpu, &slot.stats());
             server.await.context("the HTTP server task")??;
         }
         // Stopped (a signal) while the model was still loading.
@@ -533,6 +539,26 @@ async fn serve_on(
     Ok(())
 }
 
+/// The one line that says the server is ready, and what it serves on what
+/// (tests and scripts wait for its "ready: serving requests"): the
+/// address, the model, the device as MLX names it, and the KV cache's size
+/// in tokens and bytes.
+fn log_ready(local: std::net::SocketAddr, model: &str, gpu: bool, stats: &EngineStats) {
+    let name = mlxcel_mlx::device_name(gpu).unwrap_or_else(|e| format!("unnamed: {e}"));
+    let device = format!("{}, {name}", if gpu { "gpu" } else { "cpu" });
+    let kv_tokens = stats.kv_blocks_total * stats.kv_block_size;
+    let kv_bytes = stats.kv_blocks_total * stats.kv_block_bytes;
+    tracing::info!(
+        address = %format!("http://{local}"),
+        model,
+        device = %device,
+        kv_tokens,
+        kv_bytes,
+        kv_storage = %stats.kv_storage_backend,
+        "ready: serving requests"
+    );
+}
+
 /// Ends the process with `result` as [`serve`]'s callers need: the error
 /// printed as `main` would (`Error: ...`, status 1), or status 0.
 ///
@@ -542,11 +568,13 @@ async fn serve_on(
 /// joining a BLAS worker thread that sleeps on a condition variable (a
 /// server stopped after a few hundred requests was found there with gdb:
 /// it had logged "server stopped" and never exited, so a service manager
-/// would have had to kill it). By the
-/// time this runs nothing needs those handlers: the HTTP server has drained,
-/// the engine thread has been joined (no MLX work is left), logs go to
-/// unbuffered stderr, and stdout is flushed here. The kernel frees memory
-/// and closes files and sockets.
+/// would have had to kill it). The hang depends on timing (a 2-core
+/// machine did not show it in 320 requests), so the exit avoids the
+/// handler rather than hoping to miss the race. By the time this runs
+/// nothing needs those handlers: the HTTP server has drained, the engine
+/// thread has been joined (no MLX work is left), logs go to unbuffered
+/// stderr, and stdout is flushed here. The kernel frees memory and closes
+/// files and sockets.
 pub fn exit(result: anyhow::Result<()>) -> ! {
     let status = match result {
         Ok(()) => 0,
@@ -571,38 +599,41 @@ fn leave_now(status: i32) -> ! {
     unsafe { libc::_exit(status) }
 }
 
-/// Completes on the first SIGTERM or SIGINT. A second one ends the process
-/// at once (status 1), without waiting for open requests.
-async fn shutdown_signal() {
-    let signal = signal_name().await;
-    tracing::info!("{signal} received: shutting down");
-    tokio::spawn(async {
-        let signal = signal_name().await;
-        tracing::warn!("second signal ({signal}): exiting without waiting for open requests");
-        leave_now(1);
-    });
+/// SIGTERM and SIGINT, caught from the moment [`Signals::install`] returns
+/// (a signal that came before the first poll of a lazily made stream would
+/// still kill the process).
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
 }
 
-/// Waits for SIGTERM or SIGINT and names it.
-async fn signal_name() -> &'static str {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
+impl Signals {
+    /// Installs the handlers; needs a tokio runtime.
+    fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The next signal's name.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => "SIGINT",
-        () = term => "SIGTERM",
+    }
+
+    /// Completes on the first signal. A second one ends the process at
+    /// once (status 1), without waiting for open requests.
+    async fn shutdown(mut self) {
+        let signal = self.next().await;
+        tracing::info!("{signal} received: shutting down");
+        tokio::spawn(async move {
+            let signal = self.next().await;
+            tracing::warn!("second signal ({signal}): exiting without waiting for open requests");
+            leave_now(1);
+        });
     }
 }

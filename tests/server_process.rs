@@ -287,6 +287,7 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
         .arg(&file)
         .args(["--default-max-tokens", "3"]);
     let server = Server::spawn(&mut command);
+    check_ready_line(&server, "from-config");
     let models = common::http::get(server.port, "/v1/models").json();
     assert_eq!(models["data"][0]["id"], "from-config", "{models}");
     let body = json!({"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"2": -100}});
@@ -358,4 +359,70 @@ fn version_names_the_commit_the_mlx_version_and_the_device() {
             format!("{name} {} (commit {commit})", env!("CARGO_PKG_VERSION"))
         );
     }
+}
+
+/// The ready line names the address, the model, the device and the KV
+/// cache's size, as `/v1/cache/stats` and MLX report them.
+fn check_ready_line(server: &Server, model: &str) {
+    let log = server.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("ready: serving requests"))
+        .expect("ready line");
+    let stats = common::http::get(server.port, "/v1/cache/stats").json();
+    let total = stats["blocks"]["total"].as_u64().expect("blocks.total");
+    let tokens = total * stats["block_size"].as_u64().expect("block_size");
+    let bytes = total * stats["block_bytes"].as_u64().expect("block_bytes");
+    assert!(tokens > 0, "{stats}");
+    let gpu = mlxcel_mlx::gpu_available();
+    let device = format!(
+        "device={}, {}",
+        if gpu { "gpu" } else { "cpu" },
+        mlxcel_mlx::device_name(gpu).expect("device name")
+    );
+    for field in [
+        format!("address=http://127.0.0.1:{}", server.port),
+        format!("model=\"{model}\""),
+        device,
+        format!("kv_tokens={tokens}"),
+        format!("kv_bytes={bytes}"),
+    ] {
+        assert!(line.contains(&field), "{field} not in {line}");
+    }
+}
+
+/// SIGTERM as soon as the server listens, while the model still loads:
+/// the handlers are in place before the listener, and the process exits
+/// with status 0 without waiting for the load.
+#[test]
+fn sigterm_while_loading_exits_zero() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
+        .args(["-m", model_dir().to_str().expect("utf-8 path")])
+        .args(["--port", "0"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn mlxcel-server");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut log = Vec::new();
+    loop {
+        let line = lines.next().expect("log line").expect("read");
+        let listening = line.contains("listening on http://");
+        log.push(line);
+        if listening {
+            break;
+        }
+    }
+    let pid = libc::pid_t::try_from(child.id()).expect("pid");
+    // SAFETY: sends a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let signalled = Instant::now();
+    log.extend(lines.map_while(Result::ok));
+    let status = child.wait().expect("wait");
+    let log = log.join("\n");
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(signalled.elapsed() < Duration::from_secs(5), "{log}");
+    assert!(log.contains("SIGTERM received"), "{log}");
+    assert!(!log.contains("ready: serving requests"), "{log}");
 }
