@@ -4,6 +4,7 @@
 pub mod config;
 pub mod model_source;
 pub mod package_files;
+pub mod progress;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -448,14 +449,27 @@ pub fn long_version() -> String {
     )
 }
 
-/// Logs to stderr; `RUST_LOG` filters (default `info`).
+/// Logs to stderr; `RUST_LOG` filters (default `info`). On a terminal,
+/// loading weights and warming up also draw progress bars
+/// ([`progress::ProgressLayer`]), whatever `RUST_LOG` says.
 pub fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let bars = progress::Bars::default();
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
+        .with_writer(progress::BarWriter::new(bars.clone()))
+        .with_filter(filter);
+    let bars_layer = progress::ProgressLayer::stderr(bars).with_filter(
+        tracing_subscriber::filter::Targets::new()
+            .with_target(progress::TARGET, tracing::Level::DEBUG),
+    );
+    let _ = tracing_subscriber::registry()
+        .with(logs)
+        .with(bars_layer)
         .try_init();
 }
 

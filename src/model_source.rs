@@ -90,7 +90,8 @@ fn weight_files(get: &dyn Fn(&str) -> Option<PathBuf>) -> Option<Vec<String>> {
 fn download(cache: &Cache, repo_id: &str) -> anyhow::Result<PathBuf> {
     tracing::info!(repo = %repo_id, cache = %cache.path().display(), "downloading model");
     let api = ApiBuilder::from_cache(cache.clone())
-        .with_progress(false)
+        // hf-hub draws one bar per file on a terminal (indicatif, as ours).
+        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .build()
         .context("hub client")?;
     let repo = api.model(repo_id.to_string());

@@ -89,6 +89,7 @@ pub fn warm_up(
             .collect(),
     );
     let mut requests = 0;
+    let total: usize = rounds.iter().map(Vec::len).sum();
     for round in rounds {
         let streams = round
             .into_iter()
@@ -99,7 +100,16 @@ pub fn warm_up(
             requests += 1;
             loop {
                 match stream.blocking_recv() {
-                    Some(GenerationEvent::Finished { .. }) => break,
+                    Some(GenerationEvent::Finished { .. }) => {
+                        // Drawn as a bar by the binaries (see `src/progress.rs`).
+                        tracing::debug!(
+                            target: "mlxcel::progress",
+                            stage = "warming up",
+                            done = requests,
+                            total
+                        );
+                        break;
+                    }
                     Some(GenerationEvent::Failed { message }) => {
                         return Err(EngineError::Config(format!(
                             "warm-up step failed: {message}"
