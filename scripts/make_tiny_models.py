@@ -94,6 +94,32 @@ FAMILIES = {
         "olmo2",
         {"model_type": "olmo2", "tie_word_embeddings": False, "attention_bias": False},
     ),
+    # A sliding window (16 keys) smaller than the prompt on one layer, the
+    # other global (mlx_lm's llama reads `layer_types`).
+    "mistral_window": (
+        "llama",
+        {
+            "model_type": "mistral",
+            "tie_word_embeddings": False,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    # Gemma 3: a local layer (window 16 < the prompt, its own RoPE base)
+    # then a global one; 1 + w norms before and after each branch, GELU.
+    "gemma3": (
+        "gemma3_text",
+        {
+            "model_type": "gemma3_text",
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "sliding_window": 16,
+            "sliding_window_pattern": 2,
+        },
+    ),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
     "phi3_q4": (
         "phi3",

@@ -160,3 +160,16 @@ fn quantized_phi3_matches_mlx_lm() {
 fn olmo2_matches_mlx_lm() {
     check_family("olmo2");
 }
+
+/// One layer windowed (16 keys, the 40-token prompt is longer), one global.
+#[test]
+fn mistral_with_a_window_smaller_than_the_prompt_matches_mlx_lm() {
+    check_family("mistral_window");
+}
+
+/// A local layer (window 16 < the prompt, RoPE base 10 000) and a global
+/// one (base 10^6); 1 + w norms, sandwich norms, GELU, scaled embeddings.
+#[test]
+fn gemma3_matches_mlx_lm() {
+    check_family("gemma3");
+}

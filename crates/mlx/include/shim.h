@@ -55,6 +55,7 @@ ArrayPtr subtract(const array& a, const array& b);
 ArrayPtr multiply(const array& a, const array& b);
 ArrayPtr divide(const array& a, const array& b);
 ArrayPtr sigmoid(const array& a);
+ArrayPtr tanh(const array& a);
 ArrayPtr matmul(const array& a, const array& b);
 ArrayPtr reshape(const array& a, rust::Slice<const int32_t> shape);
 ArrayPtr transpose(const array& a, rust::Slice<const int32_t> axes);

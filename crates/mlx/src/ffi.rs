@@ -35,6 +35,7 @@ pub(crate) mod bridge {
         fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn sigmoid(a: &array) -> Result<UniquePtr<array>>;
+        fn tanh(a: &array) -> Result<UniquePtr<array>>;
         fn matmul(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn reshape(a: &array, shape: &[i32]) -> Result<UniquePtr<array>>;
         fn transpose(a: &array, axes: &[i32]) -> Result<UniquePtr<array>>;

@@ -169,6 +169,26 @@ impl Array {
         Array::wrap(bridge::sigmoid(self.raw()))
     }
 
+    /// Elementwise hyperbolic tangent.
+    pub fn tanh(&self) -> Result<Array> {
+        Array::wrap(bridge::tanh(self.raw()))
+    }
+
+    /// GELU with the tanh approximation (Hendrycks & Gimpel 2016):
+    /// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, the Gemma MLP
+    /// activation (PyTorch's `gelu(approximate="tanh")`, MLX's
+    /// `nn.gelu_approx`), computed in `x`'s dtype.
+    pub fn gelu_tanh(&self) -> Result<Array> {
+        let dtype = self.dtype();
+        let c = |v: f32| Array::scalar(v).and_then(|a| a.astype(dtype));
+        let cube = self.multiply(self)?.multiply(self)?;
+        let inner = self
+            .add(&cube.multiply(&c(0.044715)?)?)?
+            .multiply(&c((2.0 / std::f32::consts::PI).sqrt())?)?;
+        let gate = inner.tanh()?.add(&c(1.0)?)?;
+        self.multiply(&c(0.5)?)?.multiply(&gate)
+    }
+
     /// SiLU (`x · sigmoid(x)`), the Llama MLP activation.
     pub fn silu(&self) -> Result<Array> {
         self.multiply(&self.sigmoid()?)

@@ -93,6 +93,7 @@ ArrayPtr subtract(const array& a, const array& b) { return wrap(mx::subtract(a, 
 ArrayPtr multiply(const array& a, const array& b) { return wrap(mx::multiply(a, b)); }
 ArrayPtr divide(const array& a, const array& b) { return wrap(mx::divide(a, b)); }
 ArrayPtr sigmoid(const array& a) { return wrap(mx::sigmoid(a)); }
+ArrayPtr tanh(const array& a) { return wrap(mx::tanh(a)); }
 ArrayPtr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
 ArrayPtr reshape(const array& a, rust::Slice<const int32_t> shape) {
   return wrap(mx::reshape(a, to_shape(shape)));

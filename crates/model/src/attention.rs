@@ -43,6 +43,9 @@ pub struct QkNorm {
     /// Over each head (`[head_dim]` weights, Qwen3), or over the whole
     /// projection (`[heads * head_dim]` weights, OLMo 2).
     pub per_head: bool,
+    /// Added to the weights at load: 1 where the norm scales by
+    /// `1 + weight` (Gemma), else 0.
+    pub weight_offset: f32,
 }
 
 impl AttentionSpec {
@@ -101,7 +104,14 @@ impl Attention {
     ) -> Result<Self, ModelError> {
         let norm = |ctx: &mut LoadContext<'_>, name: &str| {
             spec.qk_norm
-                .map(|n| RmsNorm::load(ctx, &format!("{path}.{name}"), n.eps))
+                .map(|n| {
+                    RmsNorm::load_with_offset(
+                        ctx,
+                        &format!("{path}.{name}"),
+                        n.eps,
+                        n.weight_offset,
+                    )
+                })
                 .transpose()
         };
         let (q_proj, k_proj, v_proj) = if spec.fused_qkv {

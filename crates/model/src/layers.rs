@@ -282,19 +282,51 @@ impl RmsNorm {
         })
     }
 
+    /// Loads `{path}.weight` + `offset`: Gemma's norms scale by
+    /// `1 + weight` (offset 1), folded into the weight once here.
+    pub fn load_with_offset(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        eps: f32,
+        offset: f32,
+    ) -> Result<Self, ModelError> {
+        let norm = RmsNorm::load(ctx, path, eps)?;
+        if offset == 0.0 {
+            return Ok(norm);
+        }
+        let dtype = norm.weight.dtype();
+        let shift = Array::scalar(offset)?.astype(dtype)?;
+        Ok(RmsNorm {
+            weight: norm.weight.add(&shift)?,
+            eps,
+        })
+    }
+
     /// Normalizes the last axis.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
         Ok(x.rms_norm(&self.weight, self.eps)?)
     }
 }
 
+/// The activation of a gated MLP's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SiLU: SwiGLU (Llama, Qwen, Mistral, ...).
+    #[default]
+    Silu,
+    /// GELU, tanh approximation: GeGLU (Gemma).
+    GeluTanh,
+}
+
 /// The gated MLP of Llama (SwiGLU, Shazeer 2020):
-/// `down(silu(gate(x)) · up(x))`.
+/// `down(act(gate(x)) · up(x))`, `act` SiLU or (Gemma) GELU.
 #[derive(Debug, Clone)]
 pub struct Mlp {
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    /// The gate's activation.
+    pub activation: Activation,
 }
 
 impl Mlp {
@@ -304,7 +336,13 @@ impl Mlp {
             gate_proj: Linear::load(ctx, &format!("{path}.gate_proj"), bias)?,
             up_proj: Linear::load(ctx, &format!("{path}.up_proj"), bias)?,
             down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?,
+            activation: Activation::Silu,
         })
+    }
+
+    /// The same MLP with the gate's activation `activation`.
+    pub fn with_activation(self, activation: Activation) -> Self {
+        Mlp { activation, ..self }
     }
 
     /// Loads a fused `{path}.gate_up_proj` (gate rows, then up rows) and
@@ -328,6 +366,7 @@ impl Mlp {
                 gate_proj,
                 up_proj,
                 down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?,
+                activation: Activation::Silu,
             }),
             _ => Err(ModelError::Weights(format!(
                 "{path}.gate_up_proj: no split"
@@ -337,7 +376,11 @@ impl Mlp {
 
     /// `[..., hidden] -> [..., hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
-        let g = self.gate_proj.forward(x)?.silu()?;
+        let g = self.gate_proj.forward(x)?;
+        let g = match self.activation {
+            Activation::Silu => g.silu()?,
+            Activation::GeluTanh => g.gelu_tanh()?,
+        };
         let u = self.up_proj.forward(x)?;
         self.down_proj.forward(&g.multiply(&u)?)
     }

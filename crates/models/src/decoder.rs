@@ -13,7 +13,7 @@
 use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec};
-use mlxcel_model::layers::{Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
 use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
     AttentionPath, LoadOptions, Model, ModelConfig, ModelError, Step, StepRow, Weights,
@@ -37,6 +37,11 @@ pub struct DecoderSpec {
     pub fused_gate_up: bool,
     /// Where each layer normalizes.
     pub norms: NormPlacement,
+    /// Added to every RMSNorm weight at load (layers and final norm): 1
+    /// for Gemma's `1 + weight` norms, else 0.
+    pub norm_weight_offset: f32,
+    /// The MLP gate's activation.
+    pub activation: Activation,
 }
 
 /// Where a layer's RMSNorms sit.
@@ -50,6 +55,11 @@ pub enum NormPlacement {
     /// (`post_feedforward_layernorm`), on the branch before the residual
     /// add: OLMo 2.
     Post,
+    /// Both: `input_layernorm` before attention and
+    /// `post_attention_layernorm` after it, `pre_feedforward_layernorm`
+    /// before the MLP and `post_feedforward_layernorm` after it: Gemma 2
+    /// and 3.
+    Sandwich,
 }
 
 impl DecoderSpec {
@@ -62,6 +72,8 @@ impl DecoderSpec {
             logits_divisor: 1.0,
             fused_gate_up: false,
             norms: NormPlacement::Pre,
+            norm_weight_offset: 0.0,
+            activation: Activation::Silu,
         }
     }
 }
@@ -82,14 +94,19 @@ fn scaled(x: Array, factor: &Option<Array>) -> Result<Array, ModelError> {
     })
 }
 
-/// One transformer layer: pre-norm attention and pre-norm MLP, each residual.
+/// One transformer layer: attention and MLP, each a residual branch with
+/// its norms where [`NormPlacement`] puts them.
 struct DecoderLayer {
-    /// The norm before attention (pre-norm), or after it (post-norm).
+    /// The norm before attention (pre-norm, sandwich), or after it
+    /// (post-norm).
     attn_norm: RmsNorm,
     self_attn: Attention,
-    /// The norm before the MLP (pre-norm), or after it (post-norm).
+    /// The norm before the MLP (pre-norm, sandwich), or after it
+    /// (post-norm).
     mlp_norm: RmsNorm,
     mlp: Mlp,
+    /// Sandwich: the norms after attention and after the MLP.
+    post_norms: Option<(RmsNorm, RmsNorm)>,
     norms: NormPlacement,
 }
 
@@ -104,9 +121,15 @@ impl DecoderLayer {
         let (attn_norm, mlp_norm) = match spec.norms {
             NormPlacement::Pre => ("input_layernorm", "post_attention_layernorm"),
             NormPlacement::Post => ("post_attention_layernorm", "post_feedforward_layernorm"),
+            NormPlacement::Sandwich => ("input_layernorm", "pre_feedforward_layernorm"),
         };
         let norm = |ctx: &mut LoadContext<'_>, name: &str| {
-            RmsNorm::load(ctx, &format!("{path}.{name}"), c.rms_norm_eps)
+            RmsNorm::load_with_offset(
+                ctx,
+                &format!("{path}.{name}"),
+                c.rms_norm_eps,
+                spec.norm_weight_offset,
+            )
         };
         Ok(DecoderLayer {
             attn_norm: norm(ctx, attn_norm)?,
@@ -116,6 +139,14 @@ impl DecoderLayer {
                 Mlp::load_fused(ctx, &format!("{path}.mlp"), c.mlp_bias, c.intermediate_size)?
             } else {
                 Mlp::load(ctx, &format!("{path}.mlp"), c.mlp_bias)?
+            }
+            .with_activation(spec.activation),
+            post_norms: match spec.norms {
+                NormPlacement::Sandwich => Some((
+                    norm(ctx, "post_attention_layernorm")?,
+                    norm(ctx, "post_feedforward_layernorm")?,
+                )),
+                NormPlacement::Pre | NormPlacement::Post => None,
             },
             norms: spec.norms,
         })
@@ -129,31 +160,43 @@ impl DecoderLayer {
         step: &Step,
         residual_scale: &Option<Array>,
     ) -> Result<Array, ModelError> {
-        let pre = self.norms == NormPlacement::Pre;
-        // Residual branch `f` around `x`, normalized before or after.
+        let pre = self.norms != NormPlacement::Post;
+        // Residual branch `f` around `x`, normalized before or after (or,
+        // sandwich, before by `norm` and after by `post`).
         let branch = |x: &Array,
                       norm: &RmsNorm,
+                      post: Option<&RmsNorm>,
                       f: &mut dyn FnMut(&Array) -> Result<Array, ModelError>|
          -> Result<Array, ModelError> {
-            let r = if pre {
+            let mut r = if pre {
                 let n = norm.forward(x)?;
                 mark("norm", &[&n])?;
                 f(&n)?
             } else {
                 norm.forward(&f(x)?)?
             };
+            if let Some(post) = post {
+                r = post.forward(&r)?;
+            }
             Ok(x.add(&scaled(r, residual_scale)?)?)
         };
-        let h = branch(x, &self.attn_norm, &mut |n| {
+        let (attn_post, mlp_post) = match &self.post_norms {
+            Some((a, m)) => (Some(a), Some(m)),
+            None => (None, None),
+        };
+        let h = branch(x, &self.attn_norm, attn_post, &mut |n| {
             self.self_attn.forward(n, index, kv, step)
         })?;
-        let out = branch(&h, &self.mlp_norm, &mut |n| self.mlp.forward(n))?;
+        let out = branch(&h, &self.mlp_norm, mlp_post, &mut |n| self.mlp.forward(n))?;
         mark("mlp", &[&out])?;
         Ok(out)
     }
 
     fn arrays(&self) -> Vec<&Array> {
         let mut v = vec![&self.attn_norm.weight, &self.mlp_norm.weight];
+        if let Some((a, m)) = &self.post_norms {
+            v.extend([&a.weight, &m.weight]);
+        }
         v.extend(self.self_attn.arrays());
         for l in [&self.mlp.gate_proj, &self.mlp.up_proj, &self.mlp.down_proj] {
             v.extend(l.arrays());
@@ -211,10 +254,21 @@ impl Decoder {
             let layer = DecoderLayer::load(&mut ctx, &path, &config, &spec.layers[i], spec)?;
             // Materialize layer by layer so load shows progress and peaks low.
             mlxcel_mlx::eval(&layer.arrays())?;
-            tracing::debug!(layer = i, of = config.num_hidden_layers, "layer loaded");
+            // Drawn as a bar by the binaries (see `src/progress.rs`).
+            tracing::debug!(
+                target: "mlxcel::progress",
+                stage = "loading weights",
+                done = i + 1,
+                total = config.num_hidden_layers
+            );
             layers.push(layer);
         }
-        let norm = RmsNorm::load(&mut ctx, "model.norm", config.rms_norm_eps)?;
+        let norm = RmsNorm::load_with_offset(
+            &mut ctx,
+            "model.norm",
+            config.rms_norm_eps,
+            spec.norm_weight_offset,
+        )?;
         let lm_head = if config.tie_word_embeddings {
             None
         } else {

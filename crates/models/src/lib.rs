@@ -10,6 +10,7 @@
 //! [`load_model`]. Adding a family: docs/adding-a-family.md.
 
 pub mod decoder;
+mod gemma3;
 mod granite;
 mod llama;
 mod olmo2;
@@ -46,6 +47,7 @@ pub const FAMILIES: &[&Family] = &[
     &granite::FAMILY,
     &phi3::FAMILY,
     &olmo2::FAMILY,
+    &gemma3::FAMILY,
 ];
 
 /// The family serving `model_type`.

@@ -1,6 +1,17 @@
 //! Llama 2/3 (Touvron et al. 2023; Llama 3.1 RoPE scaling), SmolLM, and
-//! Mistral (its sliding window, when `config.json` sets one, on every
-//! layer). Reference: mlx_lm's `models/llama.py`.
+//! Mistral. Reference: mlx_lm's `models/llama.py`.
+//!
+//! Windows: with `layer_types` in `config.json`, the layers it marks
+//! `sliding_attention` attend within `sliding_window` keys and the
+//! `full_attention` ones globally (as mlx_lm does). Without it, a
+//! `sliding_window` applies to every layer (Mistral 7B v0.1, as Hugging
+//! Face's Mistral does; mlx_lm ignores the window then).
+//!
+//! A window on every layer stays the config's `sliding_window`, and the
+//! engine keeps only the window's keys; a mix of windowed and global layers
+//! clears it (the engine keeps every key, windowed layers mask theirs).
+
+use serde::Deserialize;
 
 use mlxcel_model::attention::AttentionSpec;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
@@ -11,18 +22,122 @@ use crate::Family;
 pub const FAMILY: Family = Family {
     name: "llama",
     model_types: &["llama", "mistral"],
-    configure: crate::keep,
+    configure,
     load,
 };
+
+#[derive(Debug, Deserialize)]
+struct LlamaKeys {
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+}
+
+/// Each layer's window, `None` for global layers.
+///
+/// # Errors
+/// A `layer_types` list of the wrong length or with an unknown kind, or a
+/// sliding layer without `sliding_window`.
+fn layer_windows(keys: &LlamaKeys, config: &ModelConfig) -> Result<Vec<Option<usize>>, ModelError> {
+    let layers = config.num_hidden_layers;
+    let Some(types) = &keys.layer_types else {
+        return Ok(vec![config.sliding_window; layers]);
+    };
+    if types.len() != layers {
+        return Err(ModelError::Config(format!(
+            "{} layer_types for {layers} layers",
+            types.len()
+        )));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => Ok(None),
+            "sliding_attention" => keys.sliding_window.map(Some).ok_or_else(|| {
+                ModelError::Config("sliding_attention without sliding_window".into())
+            }),
+            other => Err(ModelError::Config(format!("unknown layer type {other:?}"))),
+        })
+        .collect()
+}
+
+/// Keeps `sliding_window` only when every layer has that window.
+fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
+    let keys: LlamaKeys = crate::own_keys(config)?;
+    let windows = layer_windows(&keys, config)?;
+    config.sliding_window = match windows.first() {
+        Some(&first) if windows.iter().all(|&w| w == first) => first,
+        _ => None,
+    };
+    Ok(())
+}
 
 fn load(
     config: ModelConfig,
     weights: &mut Weights,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
-    let spec = DecoderSpec::uniform(
-        AttentionSpec::from_config(&config),
-        config.num_hidden_layers,
-    );
+    let keys: LlamaKeys = crate::own_keys(&config)?;
+    let attention = AttentionSpec::from_config(&config);
+    let mut spec = DecoderSpec::uniform(attention.clone(), config.num_hidden_layers);
+    if keys.layer_types.is_some() {
+        spec.layers = layer_windows(&keys, &config)?
+            .into_iter()
+            .map(|window| AttentionSpec {
+                window,
+                ..attention.clone()
+            })
+            .collect();
+    }
     Ok(Box::new(Decoder::load(config, &spec, weights, options)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: &str) -> ModelConfig {
+        let dir = std::env::temp_dir().join(format!(
+            "mlxcel-llama-windows-{}-{}",
+            std::process::id(),
+            json.len()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), json).unwrap();
+        let mut c = ModelConfig::from_model_dir(&dir).unwrap();
+        configure(&mut c).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        c
+    }
+
+    const BASE: &str = r#""model_type":"mistral","hidden_size":64,"num_hidden_layers":2,
+        "intermediate_size":128,"num_attention_heads":4,"rms_norm_eps":1e-5,"vocab_size":256"#;
+
+    #[test]
+    fn a_window_on_every_layer_stays_the_models_window() {
+        let c = config(&format!("{{{BASE},\"sliding_window\":16}}"));
+        assert_eq!(c.sliding_window, Some(16));
+        let c = config(&format!(
+            "{{{BASE},\"sliding_window\":16,\"layer_types\":[\"sliding_attention\",\"sliding_attention\"]}}"
+        ));
+        assert_eq!(c.sliding_window, Some(16));
+    }
+
+    #[test]
+    fn mixed_layers_clear_the_models_window() {
+        let c = config(&format!(
+            "{{{BASE},\"sliding_window\":16,\"layer_types\":[\"sliding_attention\",\"full_attention\"]}}"
+        ));
+        assert_eq!(c.sliding_window, None);
+        let keys: LlamaKeys = crate::own_keys(&c).unwrap();
+        assert_eq!(layer_windows(&keys, &c).unwrap(), vec![Some(16), None]);
+        let c = config(&format!(
+            "{{{BASE},\"sliding_window\":16,\"layer_types\":[\"full_attention\",\"full_attention\"]}}"
+        ));
+        assert_eq!(
+            c.sliding_window, None,
+            "layer_types without a sliding layer"
+        );
+    }
 }

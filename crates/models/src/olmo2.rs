@@ -26,6 +26,7 @@ fn load(
         qk_norm: Some(QkNorm {
             eps: config.rms_norm_eps,
             per_head: false,
+            weight_offset: 0.0,
         }),
         ..AttentionSpec::from_config(&config)
     };

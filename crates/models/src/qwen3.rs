@@ -25,6 +25,7 @@ fn load(
         qk_norm: Some(QkNorm {
             eps: config.rms_norm_eps,
             per_head: true,
+            weight_offset: 0.0,
         }),
         ..AttentionSpec::from_config(&config)
     };

@@ -1,0 +1,201 @@
+//! Gemma 3 (text; `model_type` `gemma3_text`): local and global attention
+//! layers, sandwich norms, GeGLU MLP. Reference: mlx_lm's
+//! `models/gemma3_text.py` and Google DeepMind's Gemma 3 technical report
+//! (2025).
+//!
+//! - Layers are local (sliding window of `sliding_window` keys, RoPE base
+//!   `rope_local_base_freq`) or global (no window, RoPE base `rope_theta`
+//!   with `rope_scaling`): as `layer_types` lists them, or else every
+//!   `sliding_window_pattern`-th layer global, the others local.
+//! - Every RMSNorm scales by `1 + weight`; each layer normalizes before and
+//!   after both branches; queries and keys get a per-head RMSNorm.
+//! - The MLP gate is GELU (tanh approximation); queries are scaled by
+//!   `query_pre_attn_scalar^-0.5`; embeddings are multiplied by
+//!   `sqrt(hidden_size)` rounded to bfloat16, as the reference does.
+//! - The head is tied to the embedding unless the checkpoint has an
+//!   `lm_head`.
+//!
+//! The window is the layer's own: the shared `sliding_window` of
+//! [`ModelConfig`] is cleared, so the engine keeps every key for every
+//! layer and the local layers mask theirs (see docs/architecture.md,
+//! "Sliding windows").
+
+use serde::Deserialize;
+
+use mlxcel_model::attention::{AttentionSpec, QkNorm};
+use mlxcel_model::config::RopeScaling;
+use mlxcel_model::layers::Activation;
+use mlxcel_model::rope::RopeSpec;
+use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
+
+use crate::decoder::{Decoder, DecoderSpec, NormPlacement};
+use crate::Family;
+
+pub const FAMILY: Family = Family {
+    name: "gemma3",
+    model_types: &["gemma3_text"],
+    configure,
+    load,
+};
+
+/// Gemma 3's own `config.json` keys (defaults: mlx_lm's).
+#[derive(Debug, Deserialize)]
+struct Gemma3Keys {
+    #[serde(default = "default_window")]
+    sliding_window: usize,
+    #[serde(default = "default_pattern")]
+    sliding_window_pattern: usize,
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    #[serde(default = "default_local_base")]
+    rope_local_base_freq: f32,
+    #[serde(default = "default_query_scalar")]
+    query_pre_attn_scalar: f32,
+    #[serde(default)]
+    hidden_activation: Option<String>,
+}
+
+fn default_window() -> usize {
+    512
+}
+fn default_pattern() -> usize {
+    6
+}
+fn default_local_base() -> f32 {
+    10_000.0
+}
+fn default_query_scalar() -> f32 {
+    256.0
+}
+
+/// The windows are per layer (see the module docs); checks the keys.
+fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
+    let keys: Gemma3Keys = crate::own_keys(config)?;
+    local_layers(&keys, config.num_hidden_layers)?;
+    if let Some(act) = keys.hidden_activation.as_deref() {
+        if act != "gelu_pytorch_tanh" {
+            return Err(ModelError::Config(format!(
+                "gemma3: hidden_activation {act:?} (only gelu_pytorch_tanh)"
+            )));
+        }
+    }
+    config.sliding_window = None;
+    Ok(())
+}
+
+/// Which layers are local (windowed).
+///
+/// # Errors
+/// A `layer_types` list of the wrong length or with an unknown kind, or a
+/// zero pattern.
+fn local_layers(keys: &Gemma3Keys, layers: usize) -> Result<Vec<bool>, ModelError> {
+    match &keys.layer_types {
+        Some(types) => {
+            if types.len() != layers {
+                return Err(ModelError::Config(format!(
+                    "gemma3: {} layer_types for {layers} layers",
+                    types.len()
+                )));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(ModelError::Config(format!(
+                        "gemma3: unknown layer type {other:?}"
+                    ))),
+                })
+                .collect()
+        }
+        None if keys.sliding_window_pattern == 0 => Err(ModelError::Config(
+            "gemma3: sliding_window_pattern is 0".into(),
+        )),
+        None => Ok((0..layers)
+            .map(|i| (i + 1) % keys.sliding_window_pattern != 0)
+            .collect()),
+    }
+}
+
+/// `v` rounded to the nearest bfloat16 (ties to even), as a float32.
+fn round_to_bf16(v: f32) -> f32 {
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(rounded)
+}
+
+fn load(
+    mut config: ModelConfig,
+    weights: &mut Weights,
+    options: LoadOptions,
+) -> Result<Box<dyn Model>, ModelError> {
+    let keys: Gemma3Keys = crate::own_keys(&config)?;
+    let local = local_layers(&keys, config.num_hidden_layers)?;
+    config.tie_word_embeddings = !weights.contains("lm_head.weight");
+    let global = AttentionSpec {
+        qk_norm: Some(QkNorm {
+            eps: config.rms_norm_eps,
+            per_head: true,
+            weight_offset: 1.0,
+        }),
+        window: None,
+        scale: keys.query_pre_attn_scalar.powf(-0.5),
+        ..AttentionSpec::from_config(&config)
+    };
+    let sliding = AttentionSpec {
+        window: Some(keys.sliding_window),
+        rope: RopeSpec {
+            base: keys.rope_local_base_freq,
+            scaling: RopeScaling::None,
+            ..global.rope.clone()
+        },
+        ..global.clone()
+    };
+    let spec = DecoderSpec {
+        layers: local
+            .iter()
+            .map(|&l| if l { sliding.clone() } else { global.clone() })
+            .collect(),
+        embedding_scale: round_to_bf16((config.hidden_size as f32).sqrt()),
+        norms: NormPlacement::Sandwich,
+        norm_weight_offset: 1.0,
+        activation: Activation::GeluTanh,
+        ..DecoderSpec::uniform(global.clone(), config.num_hidden_layers)
+    };
+    Ok(Box::new(Decoder::load(config, &spec, weights, options)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(json: &str) -> Gemma3Keys {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn the_pattern_makes_every_sixth_layer_global() {
+        let local = local_layers(&keys("{}"), 12).unwrap();
+        let global: Vec<usize> = (0..12).filter(|&i| !local[i]).collect();
+        assert_eq!(global, vec![5, 11]);
+    }
+
+    #[test]
+    fn layer_types_win_over_the_pattern_and_are_checked() {
+        let k = keys(r#"{"layer_types": ["full_attention", "sliding_attention"]}"#);
+        assert_eq!(local_layers(&k, 2).unwrap(), vec![false, true]);
+        assert!(local_layers(&k, 3).is_err(), "wrong length");
+        let k = keys(r#"{"layer_types": ["chunked_attention"]}"#);
+        assert!(local_layers(&k, 1).is_err(), "unknown kind");
+        assert!(local_layers(&keys(r#"{"sliding_window_pattern": 0}"#), 2).is_err());
+    }
+
+    #[test]
+    fn the_embedding_scale_is_rounded_as_bfloat16() {
+        // sqrt(640) = 25.2982...; bfloat16 keeps 8 significant bits: 25.25.
+        assert_eq!(round_to_bf16(640f32.sqrt()), 25.25);
+        // sqrt(1152) = 33.941...: 34.0 in bfloat16.
+        assert_eq!(round_to_bf16(1152f32.sqrt()), 34.0);
+        assert_eq!(round_to_bf16(1.0), 1.0);
+    }
+}
