@@ -9,7 +9,7 @@ pub mod progress;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use mlxcel_engine::api::{EngineStats, InferenceService, ServiceSlot};
-use mlxcel_engine::{AttentionPath, Engine, EngineConfig, StorageBackend};
+use mlxcel_engine::{AttentionPath, Engine, EngineConfig, ReasoningParser, StorageBackend};
 use mlxcel_http::cors::AllowedOrigins;
 use mlxcel_http::{AppState, HttpConfig};
 use mlxcel_mlx::Dtype;
@@ -124,6 +124,11 @@ pub struct ModelArgs {
     /// one that renders tools).
     #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
     pub chat_template: Option<std::path::PathBuf>,
+    /// Split a chat reply's `<think>` block off as `reasoning_content`:
+    /// `auto` when the chat template writes `<think>` (Qwen3, QwQ,
+    /// DeepSeek-R1), `think` always, `none` never.
+    #[arg(long, value_enum, default_value_t = ReasoningParserArg::Auto)]
+    pub reasoning_parser: ReasoningParserArg,
     /// Let control-token strings typed in message content (`<|im_end|>`...)
     /// become control tokens, as the chat template's own markup does. Off:
     /// content is encoded as plain text, so a user cannot close their turn
@@ -205,6 +210,14 @@ pub enum AttentionPathArg {
     PerRow,
 }
 
+/// `--reasoning-parser`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReasoningParserArg {
+    Auto,
+    Think,
+    None,
+}
+
 /// An on/off flag whose default depends on the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SwitchArg {
@@ -250,6 +263,11 @@ impl ModelArgs {
         };
         c.cudnn_attention = self.cudnn_attention;
         c.special_tokens_in_content = self.special_tokens_in_content;
+        c.reasoning_parser = match self.reasoning_parser {
+            ReasoningParserArg::Auto => ReasoningParser::Auto,
+            ReasoningParserArg::Think => ReasoningParser::Think,
+            ReasoningParserArg::None => ReasoningParser::None,
+        };
         c.kernel_cache_dir = match self.kernel_cache_dir.as_str() {
             "none" => None,
             "auto" => default_kernel_cache_dir(),

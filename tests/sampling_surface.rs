@@ -32,6 +32,7 @@ fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
                 token,
                 text,
                 logprobs,
+                ..
             } => {
                 out[index].0.push_str(&text);
                 out[index].1.push(token);

@@ -426,3 +426,87 @@ fn sigterm_while_loading_exits_zero() {
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(!log.contains("ready: serving requests"), "{log}");
 }
+
+/// SmolLM2's own template, with a reasoning model's generation prompt:
+/// the reply opens inside `<think>`, or (`enable_thinking: false`, as
+/// Qwen3's template does) after an empty block.
+const THINK_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n\
+{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n\
+{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n\
+{% else %}<think>\n{% endif %}{% endif %}";
+
+/// `--reasoning-parser auto` on a template that writes `<think>`: a reply
+/// generated inside the block is `reasoning_content` (streamed or not),
+/// exactly the text a plain completion of the same prompt generates; with
+/// thinking off the reply is content. SmolLM2 does not write `</think>`
+/// (checked), so the first reply is reasoning to its end.
+#[test]
+fn a_think_block_is_returned_as_reasoning_content() {
+    let dir = std::env::temp_dir().join(format!("mlxcel-think-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let template = dir.join("think.jinja");
+    std::fs::write(&template, THINK_TEMPLATE).expect("template");
+    let server = Server::start(&["--chat-template", template.to_str().expect("utf-8")]);
+    let messages = json!([{"role": "user", "content": "What is 2 + 2?"}]);
+    let chat = |extra: Value| -> Value {
+        let mut body = json!({"messages": messages, "max_tokens": 12, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = post_json(server.port, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json()
+    };
+    let completion = |prompt: &str| -> String {
+        let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0});
+        let r = post_json(server.port, "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json()["choices"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_owned()
+    };
+    let prompt = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n";
+
+    let thinking = chat(json!({}));
+    let message = &thinking["choices"][0]["message"];
+    let raw = completion(&format!("{prompt}<think>\n"));
+    assert!(
+        !raw.contains("</think>"),
+        "the golden assumes no end tag: {raw:?}"
+    );
+    assert_eq!(
+        message["reasoning_content"],
+        json!(raw.trim()),
+        "{thinking}"
+    );
+    assert_eq!(message["content"], Value::Null, "{thinking}");
+    eprintln!("reasoning: {}", message["reasoning_content"]);
+
+    // Streamed: the same reasoning in `reasoning_content` deltas, no text.
+    let body = json!({"messages": messages, "max_tokens": 12, "temperature": 0, "stream": true});
+    let r = post_json(server.port, "/v1/chat/completions", &body);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for line in String::from_utf8_lossy(&r.body).lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).expect("chunk");
+        let delta = &chunk["choices"][0]["delta"];
+        reasoning += delta["reasoning_content"].as_str().unwrap_or("");
+        content += delta["content"].as_str().unwrap_or("");
+    }
+    assert_eq!(reasoning, raw.trim());
+    assert_eq!(content, "", "only the role chunk's empty content");
+
+    // Thinking off: the template closes the block; the reply is content.
+    let plain = chat(json!({"chat_template_kwargs": {"enable_thinking": false}}));
+    let message = &plain["choices"][0]["message"];
+    assert_eq!(message.get("reasoning_content"), None, "{plain}");
+    let raw = completion(&format!("{prompt}<think>\n\n</think>\n\n"));
+    assert_eq!(message["content"], json!(raw), "{plain}");
+    std::fs::remove_dir_all(&dir).ok();
+}

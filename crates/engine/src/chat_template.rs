@@ -37,6 +37,8 @@ pub struct ChatTemplate {
     /// [`ChatTemplate::render_with_tools`]).
     knows_tools: bool,
     knows_tool_calls: bool,
+    /// The template writes `<think>` (a reasoning model's template).
+    knows_reasoning: bool,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -81,6 +83,13 @@ impl ChatTemplate {
         Self::new(source, bos_token, eos_token)
     }
 
+    /// Whether the template writes `<think>`: a reasoning model's
+    /// template (Qwen3, QwQ, DeepSeek-R1), whose replies
+    /// `--reasoning-parser auto` splits.
+    pub fn knows_reasoning(&self) -> bool {
+        self.knows_reasoning
+    }
+
     /// Compiles `source` (Jinja text) with the given special-token strings.
     ///
     /// Errors: [`TextError::TemplateSyntax`] when the source does not parse.
@@ -92,6 +101,7 @@ impl ChatTemplate {
         let source = source.into();
         let knows_tools = source.contains("tools");
         let knows_tool_calls = source.contains("tool_calls");
+        let knows_reasoning = source.contains("<think>");
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -107,6 +117,7 @@ impl ChatTemplate {
             env,
             knows_tools,
             knows_tool_calls,
+            knows_reasoning,
             bos_token,
             eos_token,
         })

@@ -74,6 +74,9 @@ pub struct EngineConfig {
     /// false: content is encoded as plain text, so a user cannot end their
     /// turn or forge another role's).
     pub special_tokens_in_content: bool,
+    /// Which chat replies get their `<think>` block split off as reasoning
+    /// (`crate::reasoning`).
+    pub reasoning_parser: ReasoningParser,
     /// Pipeline decode steps whose rows sample on the device: the next step
     /// is queued before the current step's tokens are read (default true).
     pub pipeline: bool,
@@ -91,6 +94,20 @@ pub struct EngineConfig {
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub fault: crate::fault::FaultInjection,
+}
+
+/// When chat replies are split into reasoning (`reasoning_content`) and
+/// content (`--reasoning-parser`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReasoningParser {
+    /// When the chat template writes `<think>` (a reasoning model).
+    #[default]
+    Auto,
+    /// Always: a `<think>` block opening the reply (or opened by the
+    /// prompt) is reasoning.
+    Think,
+    /// Never: the reply is content as generated.
+    None,
 }
 
 impl EngineConfig {
@@ -114,6 +131,7 @@ impl EngineConfig {
             prefix_cache_capacity: None,
             max_kv_size: None,
             special_tokens_in_content: false,
+            reasoning_parser: ReasoningParser::Auto,
             pipeline: true,
             warmup: None,
             cudnn_attention: false,
@@ -193,6 +211,9 @@ pub struct Engine {
     worker: WorkerConfig,
     /// See [`EngineConfig::special_tokens_in_content`].
     special_tokens_in_content: bool,
+    /// Chat replies are split into reasoning and content
+    /// ([`EngineConfig::reasoning_parser`], resolved at load).
+    split_reasoning: bool,
     text: Arc<Text>,
     /// `None` once dropped (closing the channel stops the engine thread).
     jobs: Option<mpsc::Sender<Message>>,
@@ -347,6 +368,13 @@ impl Engine {
             vocab_size: vocab_size.min(text.tokenizer.vocab_size()),
             worker: plan.worker,
             special_tokens_in_content: config.special_tokens_in_content,
+            split_reasoning: match config.reasoning_parser {
+                ReasoningParser::Think => true,
+                ReasoningParser::None => false,
+                ReasoningParser::Auto => {
+                    text.template.as_ref().is_some_and(|t| t.knows_reasoning())
+                }
+            },
             text,
             jobs: Some(jobs),
             thread: Some(thread),
@@ -591,6 +619,12 @@ impl InferenceService for Engine {
             max_tokens = lo;
         }
         request.max_tokens = max_tokens;
+        // Constrained output (a schema, a forced call) is all content.
+        let reasoning = (chat && self.split_reasoning && grammar.is_none()).then(|| {
+            let tail = &prompt[prompt.len().saturating_sub(8)..];
+            let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
+            crate::reasoning::ReasoningSplitter::prompt_opens_block(&tail)
+        });
         let tool_calls = match reply {
             Some(prefix) => ToolCallOutput::Forced(prefix),
             None if chat && !tools.is_empty() => ToolCallOutput::Parsed,
@@ -604,6 +638,7 @@ impl InferenceService for Engine {
             events,
             constraints,
             tool_calls,
+            reasoning,
         };
         self.send(Message::Job(Box::new(job)))?;
         Ok(stream)

@@ -16,6 +16,7 @@ pub mod fault;
 pub mod loader;
 pub mod logits;
 pub mod output;
+pub mod reasoning;
 pub mod sampler;
 pub mod scheduler;
 pub mod tokenizer;
@@ -23,6 +24,8 @@ pub mod warmup;
 mod worker;
 
 pub(crate) use engine::Text;
-pub use engine::{auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo};
+pub use engine::{
+    auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, ReasoningParser,
+};
 pub use mlxcel_kv::StorageBackend;
 pub use mlxcel_model::AttentionPath;

@@ -29,6 +29,7 @@
 //!   choice is cut short.
 
 use crate::api::ToolCall;
+use crate::reasoning::{ReasoningSplitter, ReplyPart};
 
 /// Opening tag of a Hermes-style tool call.
 pub const TOOL_CALL_OPEN: &str = "<tool_call>";
@@ -67,6 +68,9 @@ pub enum OutputPiece {
     /// More of the latest call's arguments: JSON text as generated. A
     /// call's arguments are the concatenation of its fragments.
     CallArguments(String),
+    /// Reasoning (see [`crate::reasoning`]): never content, never parsed
+    /// for stop strings or calls.
+    Reasoning(String),
 }
 
 /// What one push of text produced.
@@ -91,6 +95,17 @@ impl Filtered {
             .collect()
     }
 
+    /// All the reasoning pieces, concatenated.
+    pub fn reasoning(&self) -> String {
+        self.pieces
+            .iter()
+            .filter_map(|p| match p {
+                OutputPiece::Reasoning(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Appends `other`'s pieces.
     pub fn extend(&mut self, other: Filtered) {
         for piece in other.pieces {
@@ -101,8 +116,12 @@ impl Filtered {
 
     fn push(&mut self, piece: OutputPiece) {
         match (self.pieces.last_mut(), piece) {
-            (_, OutputPiece::Text(t) | OutputPiece::CallArguments(t)) if t.is_empty() => {}
+            (
+                _,
+                OutputPiece::Text(t) | OutputPiece::CallArguments(t) | OutputPiece::Reasoning(t),
+            ) if t.is_empty() => {}
             (Some(OutputPiece::Text(a)), OutputPiece::Text(b)) => a.push_str(&b),
+            (Some(OutputPiece::Reasoning(a)), OutputPiece::Reasoning(b)) => a.push_str(&b),
             (Some(OutputPiece::CallArguments(a)), OutputPiece::CallArguments(b)) => a.push_str(&b),
             (_, piece) => self.pieces.push(piece),
         }
@@ -153,6 +172,8 @@ pub struct OutputFilter {
     call: CallState,
     calls: usize,
     stopped: bool,
+    /// Splits reasoning off before everything else (reasoning models).
+    reasoning: Option<ReasoningSplitter>,
 }
 
 impl OutputFilter {
@@ -170,7 +191,15 @@ impl OutputFilter {
             call: CallState::Outside,
             calls: 0,
             stopped: false,
+            reasoning: None,
         }
+    }
+
+    /// The same filter, after `splitter` has taken the reasoning out: only
+    /// the answer goes through stop strings and tool-call parsing.
+    pub fn with_reasoning(mut self, splitter: ReasoningSplitter) -> Self {
+        self.reasoning = Some(splitter);
+        self
     }
 
     /// The filter of a forced reply whose first text, `prefix` (from
@@ -194,6 +223,29 @@ impl OutputFilter {
         if self.stopped {
             return Filtered::default();
         }
+        match self.reasoning.as_mut().map(|r| r.push(text)) {
+            Some(parts) => self.route(parts),
+            None => self.push_content(text),
+        }
+    }
+
+    /// Reasoning parts become pieces; content goes through the filter.
+    fn route(&mut self, parts: Vec<ReplyPart>) -> Filtered {
+        let mut out = Filtered::default();
+        for part in parts {
+            if self.stopped {
+                break;
+            }
+            match part {
+                ReplyPart::Reasoning(t) => out.push(OutputPiece::Reasoning(t)),
+                ReplyPart::Content(t) => out.extend(self.push_content(&t)),
+            }
+        }
+        out
+    }
+
+    /// [`OutputFilter::push`] of the answer's text.
+    fn push_content(&mut self, text: &str) -> Filtered {
         self.pending.push_str(text);
         let released = match self.earliest_stop() {
             Some(at) => {
@@ -216,8 +268,13 @@ impl OutputFilter {
     /// Ends the choice (EOS, length, grammar complete): everything held is
     /// decided now.
     pub fn finish(&mut self) -> Filtered {
+        let mut out = match self.reasoning.as_mut().map(ReasoningSplitter::finish) {
+            Some(parts) if !self.stopped => self.route(parts),
+            _ => Filtered::default(),
+        };
         let rest = std::mem::take(&mut self.pending);
-        self.parse(&rest, true)
+        out.extend(self.parse(&rest, true));
+        out
     }
 
     /// Byte offset of the first stop string in `pending`.
@@ -600,6 +657,7 @@ fn new_call_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reasoning::ReasoningSplitter;
 
     /// A call as the pieces built it.
     #[derive(Debug, Clone, PartialEq)]
@@ -614,6 +672,7 @@ mod tests {
     #[derive(Debug, Default)]
     struct Sent {
         text: String,
+        reasoning: String,
         calls: Vec<Call>,
         stopped: bool,
         fragments: Vec<String>,
@@ -624,6 +683,7 @@ mod tests {
             for piece in f.pieces {
                 match piece {
                     OutputPiece::Text(t) => self.text += &t,
+                    OutputPiece::Reasoning(t) => self.reasoning += &t,
                     OutputPiece::CallStart { id, name } => self.calls.push(Call {
                         id,
                         name,
@@ -669,6 +729,28 @@ mod tests {
 
     fn tools(names: &[&str]) -> Vec<String> {
         names.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// Stop strings and calls are looked for in the answer only: inside
+    /// the reasoning they are text.
+    #[test]
+    fn reasoning_is_split_off_before_stops_and_calls() {
+        let text = "<think>\nSTOP is no stop here, nor <tool_call> a call.\n</think>\n\n\
+                    Calling. <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>\
+                    STOP after";
+        for n in 1..=text.chars().count() {
+            let mut f = OutputFilter::new(&["STOP".into()], &tools(&["f"]))
+                .with_reasoning(ReasoningSplitter::new(false));
+            let sent = run_chunked(&mut f, text, n);
+            assert_eq!(
+                sent.reasoning, "STOP is no stop here, nor <tool_call> a call.",
+                "pieces of {n}"
+            );
+            assert_eq!(sent.text.trim_end(), "Calling.", "pieces of {n}");
+            assert_eq!(sent.calls.len(), 1, "pieces of {n}");
+            assert_eq!(sent.calls[0].arguments, "{\"x\": 1}", "pieces of {n}");
+            assert!(sent.stopped, "pieces of {n}");
+        }
     }
 
     #[test]

@@ -150,7 +150,7 @@ fn tool_calls(text: &str, names: &[&str]) -> (Vec<(String, Value)>, String) {
         match piece {
             OutputPiece::CallStart { name, .. } => calls.push((name, String::new())),
             OutputPiece::CallArguments(a) => calls.last_mut().unwrap().1.push_str(&a),
-            OutputPiece::Text(t) => other.push_str(&t),
+            OutputPiece::Text(t) | OutputPiece::Reasoning(t) => other.push_str(&t),
         }
     }
     let calls = calls

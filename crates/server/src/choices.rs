@@ -22,10 +22,12 @@ use crate::error::ApiError;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     /// New text of choice `index`, with the logprobs of every token since
-    /// the choice's previous piece.
+    /// the choice's previous piece. `reasoning` (reasoning models) comes
+    /// before `text`; either may be empty, not both.
     Text {
         index: usize,
         text: String,
+        reasoning: String,
         logprobs: Vec<SampledLogprobs>,
     },
     /// Choice `index` begins its `position`-th tool call (from 0).
@@ -150,14 +152,20 @@ impl Choices {
             return Ok(None);
         }
         let piece = match event {
-            GenerationEvent::Delta { text, logprobs, .. } => {
+            GenerationEvent::Delta {
+                text,
+                reasoning,
+                logprobs,
+                ..
+            } => {
                 self.pending[index].extend(logprobs);
-                if text.is_empty() {
+                if text.is_empty() && reasoning.is_empty() {
                     return Ok(None);
                 }
                 Piece::Text {
                     index,
                     text,
+                    reasoning,
                     logprobs: std::mem::take(&mut self.pending[index]),
                 }
             }
@@ -268,6 +276,8 @@ fn globalize(mut event: GenerationEvent, prompt: usize, n: usize) -> GenerationE
 pub struct ChoiceOutput {
     /// The text, in order.
     pub text: String,
+    /// The reasoning (reasoning models), in order; empty when none.
+    pub reasoning: String,
     /// Logprobs of every generated token, in order.
     pub logprobs: Vec<SampledLogprobs>,
     /// Tool calls, in order (only the first without parallel tool calls).
@@ -288,9 +298,11 @@ pub async fn collect(choices: &mut Choices) -> Result<Vec<ChoiceOutput>, ApiErro
             Piece::Text {
                 index,
                 text,
+                reasoning,
                 logprobs,
             } => {
                 outputs[index].text.push_str(&text);
+                outputs[index].reasoning.push_str(&reasoning);
                 outputs[index].logprobs.extend(logprobs);
             }
             Piece::PromptLogprobs {

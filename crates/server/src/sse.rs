@@ -145,6 +145,7 @@ impl ChatChunks {
                 Some(String::new())
             }),
             tool_calls: call.map(|c| vec![c]),
+            reasoning_content: None,
         }
     }
 
@@ -173,10 +174,12 @@ impl ChunkFormat for ChatChunks {
             Piece::Text {
                 index,
                 text,
+                reasoning,
                 logprobs,
             } => {
                 let delta = ChunkDelta {
-                    content: Some(Some(text)),
+                    content: (!text.is_empty()).then_some(Some(text)),
+                    reasoning_content: (!reasoning.is_empty()).then_some(reasoning),
                     ..ChunkDelta::default()
                 };
                 (index, delta, logprobs, None)
@@ -315,6 +318,7 @@ impl ChunkFormat for TextChunks {
                 index,
                 text,
                 logprobs,
+                ..
             } => TextChoice {
                 index,
                 text,

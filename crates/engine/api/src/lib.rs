@@ -313,6 +313,10 @@ pub enum GenerationEvent {
         index: usize,
         token: u32,
         text: String,
+        /// Reasoning text completed by `token`, which comes before `text`
+        /// (reasoning models, chat prompts: the `<think>` block, see the
+        /// engine's `reasoning` module); empty otherwise.
+        reasoning: String,
         /// Set when the request asked for logprobs.
         logprobs: Option<SampledLogprobs>,
     },

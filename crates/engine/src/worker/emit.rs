@@ -136,17 +136,19 @@ impl Worker<'_> {
         }
         let index = s.index;
         let text = out.text();
-        let send_delta = !is_eos || !text.is_empty();
+        let reasoning = out.reasoning();
+        let send_delta = !is_eos || !text.is_empty() || !reasoning.is_empty();
         let delta = GenerationEvent::Delta {
             index,
             token,
             text,
+            reasoning,
             logprobs: if is_eos { None } else { logprobs },
         };
         let mut sent = !send_delta || s.job.events.send(delta).is_ok();
         for piece in out.pieces {
             let event = match piece {
-                OutputPiece::Text(_) => continue,
+                OutputPiece::Text(_) | OutputPiece::Reasoning(_) => continue,
                 OutputPiece::CallStart { id, name } => {
                     GenerationEvent::ToolCallStart { index, id, name }
                 }

@@ -20,6 +20,7 @@ use crate::constraint::ConstrainedDecoder;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::logits::LogitsProcessor;
 use crate::output::OutputFilter;
+use crate::reasoning::ReasoningSplitter;
 
 mod emit;
 mod step;
@@ -38,6 +39,9 @@ pub(crate) struct Job {
     pub(crate) constraints: Vec<ConstrainedDecoder>,
     /// How tool calls are read out of the text.
     pub(crate) tool_calls: ToolCallOutput,
+    /// `Some(open)`: the reply's `<think>` block is split off as reasoning;
+    /// `open` when the prompt already opened it.
+    pub(crate) reasoning: Option<bool>,
 }
 
 /// How a job's output filter reads tool calls.
@@ -57,12 +61,16 @@ impl Job {
     fn output_filter(&self) -> OutputFilter {
         let names =
             || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
-        match &self.tool_calls {
+        let filter = match &self.tool_calls {
             ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
             ToolCallOutput::Parsed => OutputFilter::new(&self.request.stop, &names()),
             ToolCallOutput::Forced(prefix) => {
                 OutputFilter::forced(&self.request.stop, &names(), prefix)
             }
+        };
+        match self.reasoning {
+            Some(open) => filter.with_reasoning(ReasoningSplitter::new(open)),
+            None => filter,
         }
     }
 }

@@ -75,18 +75,23 @@ fn bytes() -> RefOr<Schema> {
 
 impl ChatChoice {
     fn new(index: usize, output: ChoiceOutput, logprobs: bool) -> Self {
-        // A choice that only called tools has no content at all.
-        let content = if output.text.is_empty() && !output.tool_calls.is_empty() {
+        // A choice that only called tools, or only reasoned (cut by
+        // `max_tokens` inside its reasoning), has no content at all.
+        let content = if output.text.is_empty()
+            && (!output.tool_calls.is_empty() || !output.reasoning.is_empty())
+        {
             None
         } else {
             Some(output.text)
         };
+        let reasoning_content = (!output.reasoning.is_empty()).then_some(output.reasoning);
         Self {
             index,
             message: AssistantMessage {
                 role: "assistant",
                 content,
                 tool_calls: output.tool_calls.into_iter().map(Into::into).collect(),
+                reasoning_content,
             },
             logprobs: logprobs.then(|| ChatLogprobs::new(&output.logprobs)),
             finish_reason: output.finish_reason,
@@ -108,6 +113,10 @@ pub struct AssistantMessage {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     #[schema(min_items = 1)]
     pub tool_calls: Vec<ToolCallBody>,
+    /// The reasoning (reasoning models: the reply's `<think>` block),
+    /// absent when there is none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// One tool call of a message.
@@ -237,6 +246,10 @@ pub struct ChunkDelta {
     /// A tool call's start or more of its arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
+    /// More of the reasoning (reasoning models: the reply's `<think>`
+    /// block), as vLLM and llama-server stream it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// A piece of a tool call in a chunk, as OpenAI streams them: the first

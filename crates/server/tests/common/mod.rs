@@ -236,6 +236,7 @@ pub fn delta_at(index: usize, text: &str) -> GenerationEvent {
         index,
         token: 1,
         text: text.to_owned(),
+        reasoning: String::new(),
         logprobs: None,
     }
 }
@@ -251,6 +252,7 @@ pub fn delta_lp(
         index,
         token,
         text: text.to_owned(),
+        reasoning: String::new(),
         logprobs: Some(logprobs),
     }
 }

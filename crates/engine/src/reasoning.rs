@@ -1,0 +1,261 @@
+//! Splits a reasoning model's reply into its reasoning and its answer: the
+//! text between `<think>` and `</think>` (Qwen3, QwQ, DeepSeek-R1 and the
+//! models distilled from it) is reasoning, the rest content. Clients read
+//! the reasoning as `reasoning_content` beside `content`, as vLLM's and
+//! llama-server's reasoning parsers return it.
+//!
+//! Rules (streaming: text arrives in arbitrary pieces, and a tag may be cut
+//! anywhere):
+//! - A reply opens a reasoning block when its first non-blank text is
+//!   `<think>`, or when the prompt already ended with `<think>` (templates
+//!   that open the block for the model). Any other start is all content.
+//! - The block ends at `</think>`; what follows is content.
+//! - Blanks around each part are trimmed (the newlines models write after
+//!   `<think>`, before `</think>` and after it).
+//! - A reply that ends inside the block (cut by `max_tokens`) is all
+//!   reasoning.
+
+/// One part of the split text, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplyPart {
+    /// Reasoning, from inside the `<think>` block.
+    Reasoning(String),
+    /// The answer.
+    Content(String),
+}
+
+const OPEN: &str = "<think>";
+const CLOSE: &str = "</think>";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    /// Nothing but blanks and a prefix of `<think>` yet (held).
+    Start,
+    /// Inside the block; `fresh` until its first non-blank character.
+    Inside { fresh: bool },
+    /// After `</think>`, before the content's first non-blank character.
+    AfterBlock,
+    /// Content: passed through.
+    Content,
+}
+
+/// The splitter of one choice; see the module docs.
+#[derive(Debug, Clone)]
+pub struct ReasoningSplitter {
+    state: State,
+    /// Text not yet decided (a partial tag, trailing blanks in the block).
+    held: String,
+}
+
+impl ReasoningSplitter {
+    /// A splitter for a reply whose prompt ended inside an opened block
+    /// (`open`), or that may open one itself.
+    pub fn new(open: bool) -> Self {
+        ReasoningSplitter {
+            state: if open {
+                State::Inside { fresh: true }
+            } else {
+                State::Start
+            },
+            held: String::new(),
+        }
+    }
+
+    /// Whether `prompt`'s end opens a reasoning block (`<think>` then only
+    /// blanks).
+    pub fn prompt_opens_block(prompt: &str) -> bool {
+        prompt.trim_end().ends_with(OPEN)
+    }
+
+    /// Feeds newly decoded text; returns the parts it decided.
+    pub fn push(&mut self, text: &str) -> Vec<ReplyPart> {
+        let mut out = Vec::new();
+        self.held.push_str(text);
+        loop {
+            let buf = std::mem::take(&mut self.held);
+            match self.state {
+                State::Start => {
+                    let t = buf.trim_start();
+                    if let Some(rest) = t.strip_prefix(OPEN) {
+                        self.state = State::Inside { fresh: true };
+                        self.held = rest.to_owned();
+                        continue;
+                    }
+                    if OPEN.starts_with(t) {
+                        self.held = buf;
+                    } else {
+                        self.state = State::Content;
+                        push(&mut out, ReplyPart::Content(buf));
+                    }
+                }
+                State::Inside { fresh } => {
+                    let buf = if fresh {
+                        let t = buf.trim_start();
+                        if t.is_empty() {
+                            return out;
+                        }
+                        self.state = State::Inside { fresh: false };
+                        t.to_owned()
+                    } else {
+                        buf
+                    };
+                    if let Some(at) = buf.find(CLOSE) {
+                        push(
+                            &mut out,
+                            ReplyPart::Reasoning(buf[..at].trim_end().to_owned()),
+                        );
+                        self.state = State::AfterBlock;
+                        self.held = buf[at + CLOSE.len()..].to_owned();
+                        continue;
+                    }
+                    // Hold trailing blanks and a partial `</think>`.
+                    let keep = held_tail(&buf);
+                    let cut = buf.len() - keep;
+                    push(&mut out, ReplyPart::Reasoning(buf[..cut].to_owned()));
+                    self.held = buf[cut..].to_owned();
+                }
+                State::AfterBlock => {
+                    let t = buf.trim_start();
+                    if !t.is_empty() {
+                        self.state = State::Content;
+                        push(&mut out, ReplyPart::Content(t.to_owned()));
+                    }
+                }
+                State::Content => push(&mut out, ReplyPart::Content(buf)),
+            }
+            return out;
+        }
+    }
+
+    /// Ends the reply: what was held is decided now.
+    pub fn finish(&mut self) -> Vec<ReplyPart> {
+        let buf = std::mem::take(&mut self.held);
+        let mut out = Vec::new();
+        match self.state {
+            State::Start | State::Content => push(&mut out, ReplyPart::Content(buf)),
+            State::Inside { .. } => push(&mut out, ReplyPart::Reasoning(buf.trim_end().to_owned())),
+            State::AfterBlock => {}
+        }
+        out
+    }
+}
+
+/// Appends `part` unless it is empty, merging it with a last part of the
+/// same kind.
+fn push(out: &mut Vec<ReplyPart>, part: ReplyPart) {
+    match (out.last_mut(), part) {
+        (_, ReplyPart::Reasoning(t) | ReplyPart::Content(t)) if t.is_empty() => {}
+        (Some(ReplyPart::Reasoning(a)), ReplyPart::Reasoning(b))
+        | (Some(ReplyPart::Content(a)), ReplyPart::Content(b)) => a.push_str(&b),
+        (_, part) => out.push(part),
+    }
+}
+
+/// Bytes at the end of `buf` to hold inside the block: a partial
+/// `</think>` and the blanks before it (trimmed if the tag follows).
+fn held_tail(buf: &str) -> usize {
+    let partial = (1..CLOSE.len())
+        .rev()
+        .find(|&k| buf.ends_with(&CLOSE[..k]))
+        .unwrap_or(0);
+    let before = &buf[..buf.len() - partial];
+    let blanks = before.len() - before.trim_end().len();
+    partial + blanks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parts of `text` fed in pieces cut at `cuts` (byte offsets on
+    /// character boundaries), merged.
+    fn split(open: bool, text: &str, cuts: &[usize]) -> (String, String) {
+        let mut s = ReasoningSplitter::new(open);
+        let mut parts = Vec::new();
+        let mut last = 0;
+        for &c in cuts.iter().chain(std::iter::once(&text.len())) {
+            parts.extend(s.push(&text[last..c]));
+            last = c;
+        }
+        parts.extend(s.finish());
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for p in parts {
+            match p {
+                ReplyPart::Reasoning(t) => reasoning.push_str(&t),
+                ReplyPart::Content(t) => content.push_str(&t),
+            }
+        }
+        (reasoning, content)
+    }
+
+    /// `text` split whole, then cut at every position and at every pair of
+    /// positions: the same parts every time.
+    fn check(open: bool, text: &str, reasoning: &str, content: &str) {
+        let want = (reasoning.to_owned(), content.to_owned());
+        assert_eq!(split(open, text, &[]), want, "whole: {text:?}");
+        let cuts: Vec<usize> = (1..text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .collect();
+        for &a in &cuts {
+            assert_eq!(split(open, text, &[a]), want, "cut at {a}: {text:?}");
+            for &b in cuts.iter().filter(|&&b| b > a) {
+                assert_eq!(split(open, text, &[a, b]), want, "cuts {a},{b}: {text:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_block_then_an_answer() {
+        check(
+            false,
+            "<think>\nLet me add 2 and 2.\n</think>\n\n4.",
+            "Let me add 2 and 2.",
+            "4.",
+        );
+        check(
+            false,
+            "  <think>a < b </thin k></think>yes",
+            "a < b </thin k>",
+            "yes",
+        );
+    }
+
+    #[test]
+    fn a_prompt_that_opened_the_block() {
+        check(true, "\nHmm, é.\n</think>\n\nDone", "Hmm, é.", "Done");
+        assert!(ReasoningSplitter::prompt_opens_block(
+            "<|im_start|>assistant\n<think>\n"
+        ));
+        assert!(!ReasoningSplitter::prompt_opens_block(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
+    }
+
+    #[test]
+    fn a_reply_without_a_block_is_all_content() {
+        check(
+            false,
+            "Plain answer, <think> later.",
+            "",
+            "Plain answer, <think> later.",
+        );
+        check(false, "<thin", "", "<thin");
+        check(false, "  \n", "", "  \n");
+    }
+
+    #[test]
+    fn a_reply_cut_inside_the_block_is_all_reasoning() {
+        check(
+            false,
+            "<think>still thinking </th",
+            "still thinking </th",
+            "",
+        );
+        check(true, "partial", "partial", "");
+    }
+
+    #[test]
+    fn an_empty_block_gives_no_reasoning() {
+        check(false, "<think>\n\n</think>\n\nHi", "", "Hi");
+    }
+}
