@@ -56,14 +56,22 @@ impl Server {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if let Some(addr) = line.split("listening on http://").nth(1) {
-                    let port = addr.trim().rsplit(':').next().and_then(|p| p.parse().ok());
+                let port = line.split("listening on http://").nth(1).map(|addr| {
+                    addr.trim()
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| p.parse::<u16>().ok())
+                });
+                let ready = line.contains("ready: serving requests");
+                // Logged before it is announced: a test that reads the log
+                // once the server is ready finds the ready line in it.
+                sink.lock().unwrap().push(line);
+                if let Some(port) = port {
                     let _ = port_tx.send(port);
                 }
-                if line.contains("ready: serving requests") {
+                if ready {
                     let _ = port_tx.send(None);
                 }
-                sink.lock().unwrap().push(line);
             }
         });
         let mut server = Server {
