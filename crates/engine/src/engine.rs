@@ -19,9 +19,9 @@ use crate::api::{
 use crate::chat_template::ChatTemplate;
 use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
 use crate::output::forced_call_prefix;
-use crate::scheduler::{worst_case_blocks, SchedulerConfig};
+use crate::scheduler::SchedulerConfig;
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
-use crate::worker::{request_blocks, Job, Message, ToolCallOutput, Worker, WorkerConfig};
+use crate::worker::{Job, Message, ToolCallOutput, Worker, WorkerConfig};
 use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, WeightMode};
@@ -588,36 +588,15 @@ impl InferenceService for Engine {
         if prompt.len() >= self.context_length {
             return Err(too_long());
         }
-        let fits = |max_tokens: usize| {
-            let (need, _) = request_blocks(
-                &self.worker,
-                self.info.kv_block_size,
-                prompt.len(),
-                max_tokens,
-                n,
-            );
-            need <= self.info.kv_blocks
-        };
-        if !fits(1) {
-            return Err(too_long());
-        }
-        let mut max_tokens = request
+        let want = request
             .max_tokens
             .min(self.context_length - prompt.len())
             .max(1);
-        if !fits(max_tokens) {
-            // The largest budget that fits (`fits` grows with it).
-            let (mut lo, mut hi) = (1, max_tokens);
-            while lo < hi {
-                let mid = lo + (hi - lo).div_ceil(2);
-                if fits(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            max_tokens = lo;
-        }
+        let max_tokens = self
+            .worker
+            .admission(self.info.kv_block_size)
+            .max_new_tokens(prompt.len(), n, self.info.kv_blocks, want)
+            .ok_or_else(too_long)?;
         request.max_tokens = max_tokens;
         // Constrained output (a schema, a forced call) is all content.
         let reasoning = (chat && self.split_reasoning && grammar.is_none()).then(|| {
@@ -888,7 +867,7 @@ impl ThreadPlan {
             .budget
             .unwrap_or_else(|| (per_seq * self.worker.parallel).min(physical_memory_bytes() / 4));
         let blocks = KvCacheConfig::blocks_for_budget(layout, self.block_size, budget);
-        let slack = worst_case_blocks(0, self.block_size, self.worker.scheduler.prefill_tile);
+        let slack = self.worker.admission(self.block_size).slack();
         if blocks <= slack {
             return Err(EngineError::Config(format!(
                 "a KV cache budget of {budget} bytes holds {blocks} blocks of {} tokens; \
@@ -912,18 +891,16 @@ impl ThreadPlan {
 
     fn loaded(&self, kv: &KvCache) -> Loaded {
         let c = kv.config();
-        let slack = worst_case_blocks(0, c.block_size, self.worker.scheduler.prefill_tile);
-        let pool_tokens = (c.num_blocks - slack) * c.block_size;
-        // With a KV window a request holds at most the window plus a chunk,
-        // whatever its length.
-        let windowed = self.worker.max_kv_size.is_some_and(|max| {
-            max + self.worker.scheduler.prefill_chunk_size + c.block_size <= pool_tokens
-        });
         Loaded {
             backend: c.backend,
             blocks: c.num_blocks,
             block_size: c.block_size,
-            max_request_tokens: if windowed { usize::MAX } else { pool_tokens },
+            // With a KV window a request holds at most the window plus a
+            // chunk, whatever its length.
+            max_request_tokens: self
+                .worker
+                .admission(c.block_size)
+                .max_request_tokens(c.num_blocks),
         }
     }
 }

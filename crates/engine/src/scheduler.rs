@@ -123,14 +123,6 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
     StepPlan { rows }
 }
 
-/// Pool blocks a sequence may need over its life: `tokens` (prompt plus
-/// maximum completion) plus room for a tile's pad tokens and one
-/// copy-on-write block.
-pub fn worst_case_blocks(tokens: usize, block_size: usize, tile: usize) -> usize {
-    // A padded chunk ends before `real end + tile`.
-    (tokens + tile.saturating_sub(1)).div_ceil(block_size) + 1
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,11 +230,5 @@ mod tests {
     #[test]
     fn idle_sequences_plan_nothing() {
         assert!(plan_step(&[p(5, 5)], cfg(16, 0)).rows.is_empty());
-    }
-
-    #[test]
-    fn worst_case_covers_pads_and_a_copy() {
-        assert_eq!(worst_case_blocks(64, 32, 0), 3);
-        assert_eq!(worst_case_blocks(33, 32, 32), 3);
     }
 }

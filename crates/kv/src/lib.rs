@@ -18,10 +18,13 @@
 //!   [`SequenceBlocks::truncate_tail`] and [`SequenceBlocks::drop_front`].
 //! - [`PrefixCache`] (prefix.rs): longest-prefix lookup and donation of full
 //!   blocks, and its counters.
+//! - [`Admission`] (admission.rs): the worst case a request may hold and
+//!   the most tokens it may generate in a pool, in closed form.
 //!
 //! The engine thread owns one pool; every call is synchronous and O(blocks
 //! touched), except the `counts`/`check_invariants` helpers, O(pool).
 
+mod admission;
 mod cache;
 mod error;
 mod hash;
@@ -31,6 +34,7 @@ mod sequence;
 mod step;
 mod storage;
 
+pub use admission::{Admission, RequestBlocks};
 pub use cache::{
     KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome, RowReserve,
     StepReservation, StorageBackend,

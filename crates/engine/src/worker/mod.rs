@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use mlxcel_kv::{KvCache, KvSequence};
+use mlxcel_kv::{Admission, KvCache, KvSequence};
 use mlxcel_model::{AttentionPath, Model};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -25,7 +25,7 @@ use crate::reasoning::ReasoningSplitter;
 mod emit;
 mod step;
 use crate::sampler::Sampler;
-use crate::scheduler::{worst_case_blocks, SchedulerConfig};
+use crate::scheduler::SchedulerConfig;
 use crate::Text;
 
 /// One queued request, tokenized and validated by the handle.
@@ -222,32 +222,19 @@ struct Fork {
     constraint: Option<ConstrainedDecoder>,
 }
 
-/// KV blocks a request of `prompt` tokens and `n` choices of up to
-/// `max_tokens` may hold at once under `config` (its worst case), and what
-/// each choice after the first may hold beyond the shared prompt. A choice
-/// holds all its tokens or, with a KV window, the window plus one chunk
-/// (and one more block, as the window starts mid-block); the other choices
-/// share the prompt's blocks and copy one.
-///
-/// The engine thread admits a request when this many blocks are free; the
-/// handle refuses or clamps requests that could never fit the pool.
-pub(crate) fn request_blocks(
-    config: &WorkerConfig,
-    block_size: usize,
-    prompt: usize,
-    max_tokens: usize,
-    n: usize,
-) -> (usize, usize) {
-    let tile = config.scheduler.prefill_tile;
-    let worst = |tokens: usize| {
-        let held = match config.max_kv_size {
-            Some(max) => tokens.min(max + config.scheduler.prefill_chunk_size) + block_size,
-            None => tokens,
-        };
-        worst_case_blocks(held, block_size, tile)
-    };
-    let own = worst(max_tokens + block_size);
-    (worst(prompt + max_tokens) + n.saturating_sub(1) * own, own)
+impl WorkerConfig {
+    /// How requests are charged against a pool of `block_size`-token
+    /// blocks under this configuration (`mlxcel_kv::Admission`): the
+    /// engine thread admits a request when its worst case is free; the
+    /// handle refuses or clamps requests that could never fit the pool.
+    pub(crate) fn admission(&self, block_size: usize) -> Admission {
+        Admission::new(
+            block_size,
+            self.scheduler.prefill_tile,
+            self.max_kv_size,
+            self.scheduler.prefill_chunk_size,
+        )
+    }
 }
 
 /// What happened to a sequence after its token was emitted.
@@ -381,13 +368,11 @@ impl<'m> Worker<'m> {
             if slots + job.request.n.max(1) > self.config.parallel {
                 break;
             }
-            let (need, _) = request_blocks(
-                &self.config,
-                bs,
-                job.prompt.len(),
-                job.request.max_tokens,
-                job.request.n,
-            );
+            let need = self
+                .config
+                .admission(bs)
+                .request(job.prompt.len(), job.request.max_tokens, job.request.n)
+                .total;
             let promised: usize = self
                 .running
                 .iter()
@@ -516,7 +501,8 @@ impl<'m> Worker<'m> {
         };
         // Each child may hold `own` blocks beyond the prompt's; choice 0
         // now promises only its own tokens.
-        let (parent_worst, own) = request_blocks(&self.config, bs, prompt, max_tokens, 1);
+        let rule = self.config.admission(bs).request(prompt, max_tokens, 1);
+        let (parent_worst, own) = (rule.total, rule.per_extra_choice);
         for fork in forks {
             let parent = &self.running[seq];
             let kv = self.kv.fork(&parent.kv).map_err(|e| e.to_string())?;
