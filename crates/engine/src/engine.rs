@@ -699,6 +699,7 @@ fn mark_client_text(
         m.content.iter_mut().for_each(&mut mark);
         m.name.iter_mut().for_each(&mut mark);
         m.tool_call_id.iter_mut().for_each(&mut mark);
+        m.reasoning_content.iter_mut().for_each(&mut mark);
         for call in &mut m.tool_calls {
             mark(&mut call.id);
             mark(&mut call.name);

@@ -91,7 +91,14 @@ impl ReasoningSplitter {
                 State::Inside { fresh } => {
                     let buf = if fresh {
                         let t = buf.trim_start();
-                        if t.is_empty() {
+                        // A model may write `<think>` again after a prompt
+                        // that opened the block: it is not reasoning.
+                        if let Some(rest) = t.strip_prefix(OPEN) {
+                            self.held = rest.to_owned();
+                            continue;
+                        }
+                        if t.is_empty() || OPEN.starts_with(t) {
+                            self.held = t.to_owned();
                             return out;
                         }
                         self.state = State::Inside { fresh: false };
@@ -223,6 +230,9 @@ mod tests {
     #[test]
     fn a_prompt_that_opened_the_block() {
         check(true, "\nHmm, é.\n</think>\n\nDone", "Hmm, é.", "Done");
+        // The model opens it again: the tag is not reasoning.
+        check(true, "<think>\nHmm.</think>Done", "Hmm.", "Done");
+        check(true, "<thin", "<thin", "");
         assert!(ReasoningSplitter::prompt_opens_block(
             "<|im_start|>assistant\n<think>\n"
         ));

@@ -17,20 +17,21 @@
 //! tokens, each other choice its own tokens and a copy of the prompt's last
 //! block (the prompt's full blocks are shared).
 
-/// The admission rule of one KV cache and scheduler configuration.
+/// The admission rule of one KV cache and scheduler configuration
+/// (built with [`Admission::new`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Admission {
     /// Tokens per block (at least 1).
-    pub block_size: usize,
+    block_size: usize,
     /// Pad tokens a prefill chunk may write past its real end: the prefill
     /// tile minus one, 0 without tiles.
-    pub pad: usize,
+    pad: usize,
     /// Keys a sequence keeps between steps (`--max-kv-size`, a model's
     /// window); `None`: all of them.
-    pub window: Option<usize>,
+    window: Option<usize>,
     /// The longest prefill chunk, in tokens (what a windowed sequence
     /// holds on top of its window during a step).
-    pub chunk: usize,
+    chunk: usize,
 }
 
 /// Blocks a request may hold at worst ([`Admission::request`]).
@@ -141,9 +142,7 @@ impl Admission {
         };
         // `fits(1)` holds and `fits(want)` does not: the answer is in
         // `[1, want)`; the closed form lands there (checked in tests).
-        let m = largest.clamp(1, want as i128 - 1) as usize;
-        debug_assert!(fits(m) && !fits(m + 1), "admission closed form at m = {m}");
-        Some(m)
+        Some(largest.clamp(1, want as i128 - 1) as usize)
     }
 }
 

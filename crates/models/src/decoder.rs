@@ -259,7 +259,7 @@ impl Decoder {
                 target: "mlxcel::progress",
                 stage = "loading weights",
                 done = i + 1,
-                total = config.num_hidden_layers
+                total = config.num_hidden_layers + 1
             );
             layers.push(layer);
         }
@@ -280,6 +280,13 @@ impl Decoder {
             rest.extend(h.arrays());
         }
         mlxcel_mlx::eval(&rest)?;
+        // The embedding, final norm and head: the last step of the bar.
+        tracing::debug!(
+            target: "mlxcel::progress",
+            stage = "loading weights",
+            done = config.num_hidden_layers + 1,
+            total = config.num_hidden_layers + 1
+        );
         let unused: Vec<String> = weights
             .remaining()
             .into_iter()

@@ -22,6 +22,7 @@
 
 use serde::Deserialize;
 
+use mlxcel_mlx::Dtype;
 use mlxcel_model::attention::{AttentionSpec, QkNorm};
 use mlxcel_model::config::RopeScaling;
 use mlxcel_model::layers::Activation;
@@ -71,7 +72,11 @@ fn default_query_scalar() -> f32 {
 /// The windows are per layer (see the module docs); checks the keys.
 fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
     let keys: Gemma3Keys = crate::own_keys(config)?;
-    local_layers(&keys, config.num_hidden_layers)?;
+    crate::sliding_layers(
+        keys.layer_types.as_deref(),
+        config.num_hidden_layers,
+        keys.sliding_window_pattern,
+    )?;
     if let Some(act) = keys.hidden_activation.as_deref() {
         if act != "gelu_pytorch_tanh" {
             return Err(ModelError::Config(format!(
@@ -81,40 +86,6 @@ fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
     }
     config.sliding_window = None;
     Ok(())
-}
-
-/// Which layers are local (windowed).
-///
-/// # Errors
-/// A `layer_types` list of the wrong length or with an unknown kind, or a
-/// zero pattern.
-fn local_layers(keys: &Gemma3Keys, layers: usize) -> Result<Vec<bool>, ModelError> {
-    match &keys.layer_types {
-        Some(types) => {
-            if types.len() != layers {
-                return Err(ModelError::Config(format!(
-                    "gemma3: {} layer_types for {layers} layers",
-                    types.len()
-                )));
-            }
-            types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "sliding_attention" => Ok(true),
-                    "full_attention" => Ok(false),
-                    other => Err(ModelError::Config(format!(
-                        "gemma3: unknown layer type {other:?}"
-                    ))),
-                })
-                .collect()
-        }
-        None if keys.sliding_window_pattern == 0 => Err(ModelError::Config(
-            "gemma3: sliding_window_pattern is 0".into(),
-        )),
-        None => Ok((0..layers)
-            .map(|i| (i + 1) % keys.sliding_window_pattern != 0)
-            .collect()),
-    }
 }
 
 /// `v` rounded to the nearest bfloat16 (ties to even), as a float32.
@@ -129,8 +100,18 @@ fn load(
     weights: &mut Weights,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
+    if options.dtype == Dtype::Float16 {
+        // The residual stream overflows float16 (mlx_lm clips it there).
+        return Err(ModelError::Config(
+            "gemma3: float16 overflows its residual stream; use bfloat16 or float32".into(),
+        ));
+    }
     let keys: Gemma3Keys = crate::own_keys(&config)?;
-    let local = local_layers(&keys, config.num_hidden_layers)?;
+    let local = crate::sliding_layers(
+        keys.layer_types.as_deref(),
+        config.num_hidden_layers,
+        keys.sliding_window_pattern,
+    )?;
     config.tie_word_embeddings = !weights.contains("lm_head.weight");
     let global = AttentionSpec {
         qk_norm: Some(QkNorm {
@@ -168,27 +149,6 @@ fn load(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn keys(json: &str) -> Gemma3Keys {
-        serde_json::from_str(json).unwrap()
-    }
-
-    #[test]
-    fn the_pattern_makes_every_sixth_layer_global() {
-        let local = local_layers(&keys("{}"), 12).unwrap();
-        let global: Vec<usize> = (0..12).filter(|&i| !local[i]).collect();
-        assert_eq!(global, vec![5, 11]);
-    }
-
-    #[test]
-    fn layer_types_win_over_the_pattern_and_are_checked() {
-        let k = keys(r#"{"layer_types": ["full_attention", "sliding_attention"]}"#);
-        assert_eq!(local_layers(&k, 2).unwrap(), vec![false, true]);
-        assert!(local_layers(&k, 3).is_err(), "wrong length");
-        let k = keys(r#"{"layer_types": ["chunked_attention"]}"#);
-        assert!(local_layers(&k, 1).is_err(), "unknown kind");
-        assert!(local_layers(&keys(r#"{"sliding_window_pattern": 0}"#), 2).is_err());
-    }
 
     #[test]
     fn the_embedding_scale_is_rounded_as_bfloat16() {

@@ -108,7 +108,73 @@ fn own_keys<T: serde::de::DeserializeOwned>(config: &ModelConfig) -> Result<T, M
     serde_json::from_value(config.raw.clone()).map_err(|e| ModelError::Config(e.to_string()))
 }
 
+/// Which layers attend within a sliding window: as `layer_types` lists
+/// them (`sliding_attention` or `full_attention`, Hugging Face's key), or
+/// else every `pattern`-th layer global and the others windowed (Gemma's
+/// `sliding_window_pattern`; a pattern of 0 is refused, `usize::MAX` makes
+/// every layer windowed).
+///
+/// # Errors
+/// A `layer_types` list of the wrong length or with an unknown kind, or a
+/// zero pattern.
+pub(crate) fn sliding_layers(
+    layer_types: Option<&[String]>,
+    layers: usize,
+    pattern: usize,
+) -> Result<Vec<bool>, ModelError> {
+    match layer_types {
+        Some(types) => {
+            if types.len() != layers {
+                return Err(ModelError::Config(format!(
+                    "{} layer_types for {layers} layers",
+                    types.len()
+                )));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(ModelError::Config(format!("unknown layer type {other:?}"))),
+                })
+                .collect()
+        }
+        None if pattern == 0 => Err(ModelError::Config("sliding_window_pattern is 0".into())),
+        None => Ok((0..layers).map(|i| (i + 1) % pattern != 0).collect()),
+    }
+}
+
 /// Nothing to adjust.
 fn keep(_: &mut ModelConfig) -> Result<(), ModelError> {
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sliding_layers_follow_layer_types_or_the_pattern() {
+        let global = |v: Vec<bool>| -> Vec<usize> { (0..v.len()).filter(|&i| !v[i]).collect() };
+        assert_eq!(
+            global(super::sliding_layers(None, 12, 6).unwrap()),
+            vec![5, 11]
+        );
+        let types = vec![
+            "full_attention".to_string(),
+            "sliding_attention".to_string(),
+        ];
+        assert_eq!(
+            super::sliding_layers(Some(&types), 2, 6).unwrap(),
+            vec![false, true]
+        );
+        assert!(
+            super::sliding_layers(Some(&types), 3, 6).is_err(),
+            "wrong length"
+        );
+        let odd = vec!["chunked_attention".to_string()];
+        assert!(
+            super::sliding_layers(Some(&odd), 1, 6).is_err(),
+            "unknown kind"
+        );
+        assert!(super::sliding_layers(None, 2, 0).is_err(), "zero pattern");
+    }
 }

@@ -44,22 +44,16 @@ fn layer_windows(keys: &LlamaKeys, config: &ModelConfig) -> Result<Vec<Option<us
     let Some(types) = &keys.layer_types else {
         return Ok(vec![config.sliding_window; layers]);
     };
-    if types.len() != layers {
-        return Err(ModelError::Config(format!(
-            "{} layer_types for {layers} layers",
-            types.len()
-        )));
+    let sliding = crate::sliding_layers(Some(types), layers, usize::MAX)?;
+    if sliding.iter().any(|&s| s) && keys.sliding_window.is_none() {
+        return Err(ModelError::Config(
+            "sliding_attention without sliding_window".into(),
+        ));
     }
-    types
-        .iter()
-        .map(|t| match t.as_str() {
-            "full_attention" => Ok(None),
-            "sliding_attention" => keys.sliding_window.map(Some).ok_or_else(|| {
-                ModelError::Config("sliding_attention without sliding_window".into())
-            }),
-            other => Err(ModelError::Config(format!("unknown layer type {other:?}"))),
-        })
-        .collect()
+    Ok(sliding
+        .into_iter()
+        .map(|s| if s { keys.sliding_window } else { None })
+        .collect())
 }
 
 /// Keeps `sliding_window` only when every layer has that window.
@@ -98,10 +92,11 @@ mod tests {
     use super::*;
 
     fn config(json: &str) -> ModelConfig {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "mlxcel-llama-windows-{}-{}",
             std::process::id(),
-            json.len()
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("config.json"), json).unwrap();

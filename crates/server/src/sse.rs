@@ -99,7 +99,8 @@ impl<F: ChunkFormat> SseState<F> {
 /// When the request offered tools, a choice's role chunk waits for its
 /// first piece: a choice that calls a tool opens with `content: null` and
 /// the call, as OpenAI's streams do; one that answers in text opens with
-/// `content: ""`, as without tools.
+/// `content: ""`, as without tools; one that reasons first opens with
+/// `content: null` and its first `reasoning_content`.
 pub struct ChatChunks {
     /// Id, time and model of every chunk.
     pub meta: CompletionMeta,
@@ -177,6 +178,16 @@ impl ChunkFormat for ChatChunks {
                 reasoning,
                 logprobs,
             } => {
+                if text.is_empty() && self.open(index) {
+                    // Reasoning opens a message whose content is not known
+                    // yet (a tool call may follow): `content: null`.
+                    let delta = ChunkDelta {
+                        content: Some(None),
+                        reasoning_content: Some(reasoning),
+                        ..Self::role_delta(None)
+                    };
+                    return vec![self.event(index, delta, &logprobs, None)];
+                }
                 let delta = ChunkDelta {
                     content: (!text.is_empty()).then_some(Some(text)),
                     reasoning_content: (!reasoning.is_empty()).then_some(reasoning),

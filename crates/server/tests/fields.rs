@@ -25,7 +25,8 @@ async fn a_full_chat_request_reaches_the_engine() {
                  "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
             ]},
             {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18C"},
-            {"role": "assistant", "content": "It is 18C.", "tool_calls": []},
+            {"role": "assistant", "content": "It is 18C.", "tool_calls": [],
+             "reasoning_content": "The tool said 18C."},
         ],
         "max_completion_tokens": 50,
         "temperature": 0.5,
@@ -73,13 +74,17 @@ async fn a_full_chat_request_reaches_the_engine() {
                 }],
                 tool_call_id: None,
                 name: None,
+                reasoning_content: None,
             },
             ChatMessage {
                 tool_call_id: Some("call_1".into()),
                 name: Some("get_weather".into()),
                 ..ChatMessage::text("tool", "18C")
             },
-            ChatMessage::text("assistant", "It is 18C."),
+            ChatMessage {
+                reasoning_content: Some("The tool said 18C.".into()),
+                ..ChatMessage::text("assistant", "It is 18C.")
+            },
         ]),
         sampling: SamplingParams {
             temperature: 0.5,
@@ -250,6 +255,10 @@ async fn each_new_chat_rule_names_its_param() {
         (
             json!({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}),
             "messages[0].tool_call_id",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]}),
+            "messages[0].reasoning_content",
         ),
         // Missing: a tool message without its call id; null content
         // without tool calls.

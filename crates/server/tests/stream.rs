@@ -204,3 +204,68 @@ async fn dropping_a_non_streamed_request_drops_the_receiver() {
         "the receiver outlived the request"
     );
 }
+
+/// A delta carrying reasoning (a reasoning model's `<think>` block).
+fn reasoning_delta(reasoning: &str, text: &str) -> GenerationEvent {
+    GenerationEvent::Delta {
+        index: 0,
+        token: 1,
+        text: text.to_owned(),
+        reasoning: reasoning.to_owned(),
+        logprobs: None,
+    }
+}
+
+/// Reasoning streams as `reasoning_content` deltas before the answer; a
+/// token that completes both sends both in one chunk; the whole reply
+/// gathers each apart. With tools offered, a reply that reasons and then
+/// calls a tool opens with `content: null`.
+#[tokio::test]
+async fn reasoning_streams_as_reasoning_content() {
+    let script = vec![
+        reasoning_delta("Two and ", ""),
+        reasoning_delta("two.", "Four"),
+        delta("."),
+        finished(FinishReason::Stop),
+    ];
+    let reply = post_json(app(FakeService::new(script.clone())), stream_request(None)).await;
+    let deltas: Vec<Value> = sse_json(&reply)
+        .iter()
+        .map(|c| c["choices"][0]["delta"].clone())
+        .collect();
+    assert_eq!(
+        deltas,
+        [
+            json!({"role": "assistant", "content": ""}),
+            json!({"reasoning_content": "Two and "}),
+            json!({"content": "Four", "reasoning_content": "two."}),
+            json!({"content": "."}),
+            json!({}),
+        ]
+    );
+    let whole = post_json(app(FakeService::new(script)), hello_request()).await;
+    let message = &whole.json()["choices"][0]["message"];
+    assert_eq!(message["content"], "Four.");
+    assert_eq!(message["reasoning_content"], "Two and two.");
+
+    let mut body = stream_request(None);
+    body["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+    let script = vec![
+        reasoning_delta("Call f.", ""),
+        tool_call_at(0, "call_1", "f"),
+        tool_args_at(0, "{}"),
+        finished(FinishReason::ToolCalls),
+    ];
+    let reply = post_json(app(FakeService::new(script.clone())), body.clone()).await;
+    let first = &sse_json(&reply)[0]["choices"][0]["delta"];
+    assert_eq!(
+        first,
+        &json!({"role": "assistant", "content": null, "reasoning_content": "Call f."})
+    );
+    body["stream"] = json!(false);
+    let whole = post_json(app(FakeService::new(script)), body).await;
+    let message = &whole.json()["choices"][0]["message"];
+    assert_eq!(message["content"], Value::Null);
+    assert_eq!(message["reasoning_content"], "Call f.");
+    assert_eq!(message["tool_calls"][0]["function"]["name"], "f");
+}

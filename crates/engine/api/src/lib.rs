@@ -24,6 +24,11 @@ pub struct ChatMessage {
     /// Optional participant name (on `tool` messages: the function's name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An earlier assistant reply's reasoning, as clients send the reply
+    /// back (`reasoning_content`); the chat template sees it under that
+    /// name (Qwen3's reads it, most ignore it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {

@@ -52,6 +52,9 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<ToolCallRequest>>,
     /// A tool message's answered call.
     pub tool_call_id: Option<String>,
+    /// An assistant reply's reasoning, as this server returned it (clients
+    /// send replies back unchanged); passed to the chat template.
+    pub reasoning_content: Option<String>,
     /// Keys that are not fields.
     #[serde(flatten)]
     pub unknown: Unknown,

@@ -250,6 +250,9 @@ fn parse_message(at: &str, message: message::ChatMessage) -> Result<ChatMessage,
         }
         id => id,
     };
+    if message.reasoning_content.is_some() && role != "assistant" {
+        return Err(misplaced(at, "reasoning_content", role));
+    }
     let content = match message.content {
         Some(content) => Some(join_content(at, content)?),
         // Only an assistant message that calls tools may leave it out.
@@ -263,6 +266,7 @@ fn parse_message(at: &str, message: message::ChatMessage) -> Result<ChatMessage,
         tool_calls,
         tool_call_id,
         name: message.name,
+        reasoning_content: message.reasoning_content,
     })
 }
 
