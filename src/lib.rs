@@ -308,9 +308,10 @@ fn default_kernel_cache_dir() -> Option<PathBuf> {
 
 /// OpenAI-compatible LLM inference server on MLX.
 ///
-/// Serves the OpenAI API (chat and text completions, models, streaming)
-/// for one MLX model, plus /health, /metrics (Prometheus), /v1/cache/stats,
-/// /v1/cache/reset and /openapi.json. Flags can also be set in a TOML file
+/// Serves the OpenAI API (chat and text completions, responses, models,
+/// streaming) for one MLX model, plus /health, /metrics (Prometheus),
+/// /tokenize, /detokenize, /v1/cache/stats, /v1/cache/reset and
+/// /openapi.json. Flags can also be set in a TOML file
 /// (--config).
 #[derive(Debug, clap::Parser)]
 #[command(name = "mlxcel-server", version)]
@@ -360,6 +361,12 @@ pub struct ServeArgs {
     /// ended. A second signal exits at once.
     #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
     pub shutdown_timeout: std::time::Duration,
+    /// Most responses of `POST /v1/responses` kept in memory for
+    /// `previous_response_id` and `GET /v1/responses/{id}`; storing one
+    /// more evicts the oldest. 0 turns the store off (then `store: true`
+    /// and `previous_response_id` are a 400).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub responses_store_size: usize,
 }
 
 /// A non-negative number of seconds (decimals allowed).
@@ -545,6 +552,7 @@ async fn serve_on(
         api_key: args.api_key.map(|key| key.0),
         allowed_origins: args.allowed_origins.unwrap_or_default(),
         shutdown_grace: args.shutdown_timeout,
+        responses_store_size: args.responses_store_size,
         ..HttpConfig::default()
     };
     let state = AppState::with_config(Arc::clone(&slot) as Arc<dyn InferenceService>, config);

@@ -25,7 +25,7 @@ MAX_TOKENS = 4
 MAX_CHOICES = 2
 MAX_PROMPTS = 2
 
-_GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
+_GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 
 
 @schemathesis.hook
@@ -38,7 +38,13 @@ def before_load_schema(context: schemathesis.HookContext, raw_schema: dict[str, 
         return
     pinned = {"type": "string", "enum": [SERVED_MODEL]}
     schemas = raw_schema.get("components", {}).get("schemas", {})
-    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest"):
+    for name in (
+        "CreateChatCompletionRequest",
+        "CreateCompletionRequest",
+        "CreateResponseRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+    ):
         properties = schemas.get(name, {}).get("properties")
         if properties is not None and "model" in properties:
             properties["model"] = dict(pinned)
@@ -66,6 +72,7 @@ def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwar
     body = case.body
     _clamp_int(body, "max_tokens", MAX_TOKENS)
     _clamp_int(body, "max_completion_tokens", MAX_TOKENS)
+    _clamp_int(body, "max_output_tokens", MAX_TOKENS)
     _clamp_int(body, "n", MAX_CHOICES)
     _clamp_int(body, "best_of", MAX_CHOICES)
     if case.operation.path == "/v1/completions":

@@ -1,8 +1,8 @@
 """Client libraries people put in front of an OpenAI-compatible server, unchanged.
 
 langchain-openai, instructor, litellm and the OpenAI Agents SDK (its
-``OpenAIChatCompletionsModel``: Chat Completions, not the Responses API) each
-drive the real mlxcel server through three things: a forced tool call, a
+``OpenAIChatCompletionsModel``: Chat Completions) each drive the real mlxcel
+server through three things: a forced tool call, a
 streamed tool call and structured output. The model is tiny, so its answers
 are not smart, but forced tool choices and json_schema are decoded under a
 grammar: the shapes are guaranteed, and the tests assert them: the called
@@ -16,6 +16,10 @@ Where a library hides the wire (instructor, the Agents SDK, the ``type`` of a
 langchain tool-call delta), a recording httpx transport keeps a copy of the
 request it sent and of the bytes it got back, without changing either; the
 library itself still reads the response as usual.
+
+The Agents SDK's default model (``OpenAIResponsesModel``, the Responses API)
+runs an agent with one function tool through a whole run: the forced call,
+the tool's result sent back as a ``function_call_output``, and the answer.
 
 Nothing here may reach the internet: litellm uses its bundled model-cost map
 and no telemetry, and the Agents SDK's tracing is off.
@@ -44,9 +48,13 @@ import instructor
 import litellm
 from agents import (
     Agent,
+    MessageOutputItem,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIProvider,
+    OpenAIResponsesModel,
     Runner,
+    ToolCallOutputItem,
     ToolCallItem,
     function_tool,
     set_tracing_disabled,
@@ -556,3 +564,55 @@ def test_agents_structured_output(v1, api_key, model):
     choice = sent.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert City.model_validate_json(choice["message"]["content"]) == result.final_output
+
+
+# --- OpenAI Agents SDK, its default model (the Responses API) --------------------
+
+
+def test_agents_default_responses_model_runs_a_tool_round_trip(v1, api_key, model):
+    recorder = Recorder()
+    calls.clear()
+    client = openai.AsyncOpenAI(
+        base_url=v1, api_key=api_key, max_retries=0, timeout=TIMEOUT_S,
+        http_client=recorder.async_client(),
+    )
+    # What a new user gets: the default provider's model for a name.
+    responses_model = OpenAIProvider(openai_client=client).get_model(model)
+    assert isinstance(responses_model, OpenAIResponsesModel)
+    agent = Agent(
+        name="weather",
+        instructions="Answer weather questions with the get_weather tool.",
+        model=responses_model,
+        tools=[get_weather],
+        # Forced on the first turn; the SDK resets it to auto after the call,
+        # and the second turn answers from the tool's result.
+        model_settings=ModelSettings(
+            tool_choice="get_weather", parallel_tool_calls=False, temperature=0, max_tokens=24,
+        ),
+    )
+    result = asyncio.run(Runner.run(agent, QUESTION, max_turns=3))
+    sent = [e for e in recorder.exchanges if e.path.endswith("/responses")]
+    assert len(sent) >= 2 and all(e.status == 200 for e in sent)
+    first, second = sent[0], sent[1]
+    assert first.request["tool_choice"] == {"type": "function", "name": "get_weather"}
+    assert first.request["tools"][0]["name"] == "get_weather"
+    [call] = [i.raw_item for i in result.new_items if isinstance(i, ToolCallItem)]
+    args = json.loads(call.arguments)
+    jsonschema.validate(args, get_weather.params_json_schema)
+    assert calls == [args["city"]]
+    assert first.json()["output"][0]["call_id"] == call.call_id
+    [output] = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
+    assert output.output == f"sunny in {args['city']}"
+    # The second turn sends the call and its output back as input items.
+    kinds = [item.get("type") for item in second.request["input"]]
+    assert "function_call" in kinds and "function_call_output" in kinds
+    sent_output = next(i for i in second.request["input"] if i.get("type") == "function_call_output")
+    assert sent_output["call_id"] == call.call_id
+    # The run ends with a text answer, which is the final output.
+    messages = [i for i in result.new_items if isinstance(i, MessageOutputItem)]
+    assert messages, [type(i).__name__ for i in result.new_items]
+    answer = sent[-1].json()
+    text = "".join(p["text"] for item in answer["output"] if item["type"] == "message" for p in item["content"])
+    assert isinstance(result.final_output, str) and result.final_output == text and text.strip()
+    usage = answer["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]

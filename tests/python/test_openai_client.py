@@ -403,3 +403,176 @@ def test_echoed_prompt_logprobs_match_mlx_lm(client, model, mlxcel_server):
     assert first.text == r.choices[0].text[: len(first.text)] and first.logprobs.token_logprobs[0] is None
     assert len(first.logprobs.tokens) == len(ids)
     assert first.logprobs.token_logprobs == r.choices[0].logprobs.token_logprobs[: len(ids)]
+
+
+# --- the Responses API --------------------------------------------------------
+
+# The chat tools above in the Responses API's flat shape.
+R_WEATHER = {"type": "function", **WEATHER["function"]}
+R_TIME = {"type": "function", **TIME["function"]}
+
+
+def response_text(response):
+    return "".join(p.text for item in response.output if item.type == "message" for p in item.content)
+
+
+def test_responses_text_equals_the_chat_completion_of_the_same_messages(client, model):
+    # The Responses API runs through the chat path: instructions and input
+    # are the system and user messages, so greedy text and prompt tokens
+    # are those of the chat request.
+    response = client.responses.create(
+        model=model, instructions="Answer in one sentence.", input="What is the capital of France?",
+        max_output_tokens=12, temperature=0,
+    )
+    chat = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=12,
+        messages=[{"role": "system", "content": "Answer in one sentence."}, *ask("What is the capital of France?")],
+    )
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.output_text.strip()
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    u = response.usage
+    assert u.input_tokens == chat.usage.prompt_tokens
+    assert u.output_tokens == chat.usage.completion_tokens
+    assert u.total_tokens == u.input_tokens + u.output_tokens
+    assert 0 <= u.input_tokens_details.cached_tokens <= u.input_tokens
+    expected = {"length": "incomplete", "stop": "completed"}[chat.choices[0].finish_reason]
+    assert response.status == expected
+    # Stored by default: it reads back as answered.
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+
+
+def test_responses_json_schema_output_validates(client, model):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    response = client.responses.create(
+        model=model, input="Describe the weather in Paris as JSON.", max_output_tokens=40, temperature=0,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}},
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
+
+
+def test_responses_function_call_round_trip(client, model):
+    question = "What is the weather in Paris?"
+    first = client.responses.create(
+        model=model, input=question, tools=[R_WEATHER, R_TIME], temperature=0, max_output_tokens=40,
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    args = json.loads(call.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    result = {"type": "function_call_output", "call_id": call.call_id,
+              "output": json.dumps({"city": args["city"], "temperature_c": 21})}
+    # The whole conversation sent again...
+    replayed = client.responses.create(
+        model=model, input=[{"role": "user", "content": question}, call.model_dump(exclude_none=True), result],
+        tools=[R_WEATHER, R_TIME], tool_choice="none", temperature=0, max_output_tokens=16,
+    )
+    # ... and the same continued from the stored response: the same prompt.
+    continued = client.responses.create(
+        model=model, previous_response_id=first.id, input=[result],
+        tools=[R_WEATHER, R_TIME], tool_choice="none", temperature=0, max_output_tokens=16,
+    )
+    assert replayed.output_text.strip()
+    assert all(item.type == "message" for item in replayed.output)
+    assert continued.output_text == replayed.output_text
+    assert continued.usage.input_tokens == replayed.usage.input_tokens
+    # The call and its result are rendered into the prompt.
+    alone = client.responses.create(
+        model=model, input=question, tools=[R_WEATHER, R_TIME], tool_choice="none", max_output_tokens=1,
+    )
+    assert continued.usage.input_tokens > alone.usage.input_tokens + 20
+    assert continued.previous_response_id == first.id
+    # The chat request with the same messages renders the same prompt.
+    chat = client.chat.completions.create(
+        model=model, tools=[WEATHER, TIME], tool_choice="none", temperature=0, max_tokens=16,
+        messages=[*ask(question),
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": result["output"]}],
+    )
+    assert chat.usage.prompt_tokens == replayed.usage.input_tokens
+    assert chat.choices[0].message.content == replayed.output_text
+
+
+def test_responses_stream_events_in_order_text_and_usage(client, model):
+    kw = dict(model=model, input="Tell me about the sea.", max_output_tokens=10, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    n = len(deltas)
+    assert n >= 1 and kinds[4:4 + n] == ["response.output_text.delta"] * n
+    assert kinds[4 + n:] == ["response.output_text.done", "response.content_part.done",
+                             "response.output_item.done", "response." + whole.status]
+    text = "".join(d.delta for d in deltas)
+    assert text == whole.output_text == events[4 + n].text
+    final = events[-1].response
+    assert final.output_text == text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.total_tokens == final.usage.input_tokens + final.usage.output_tokens
+
+
+def test_responses_stream_helper_with_a_forced_call(client, model):
+    with client.responses.stream(
+        model=model, input="What is the weather in Paris?", tools=[R_WEATHER], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=40, temperature=0,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    [call] = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert "".join(deltas) == call.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
+        (dict(input="hi", tools=[{"type": "web_search"}]), "tools[0].type"),
+        (dict(input="hi", background=True), "background"),
+        (dict(input="hi", previous_response_id="resp_none"), "previous_response_id"),
+        (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input[0].call_id"),
+    ],
+)
+def test_responses_bad_requests_are_400_naming_the_field(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, max_output_tokens=2, **kw)
+    assert e.value.body["param"] == param, e.value.body
+
+
+# --- /tokenize and /detokenize ------------------------------------------------
+
+
+def test_tokenize_counts_the_prompt_tokens_of_the_same_chat_request(client, model, mlxcel_server):
+    import httpx
+
+    messages = [{"role": "system", "content": "Be brief."}, *ask("What is the weather in Paris?")]
+    with httpx.Client(base_url=mlxcel_server.base_url, headers=mlxcel_server.headers(), timeout=60) as http:
+        for tools in ([], [WEATHER]):
+            body = {"model": model, "messages": messages, **({"tools": tools} if tools else {})}
+            counted = http.post("/tokenize", json=body).json()
+            chat = client.chat.completions.create(model=model, messages=messages, max_tokens=1, **({"tools": tools} if tools else {}))
+            assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+            assert counted["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+        text = "The sea is blue."
+        counted = http.post("/tokenize", json={"prompt": text}).json()
+        completion = client.completions.create(model=model, prompt=text, max_tokens=1)
+        assert counted["count"] == completion.usage.prompt_tokens
+        assert http.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"].endswith(text)

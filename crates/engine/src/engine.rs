@@ -14,7 +14,7 @@
 
 use crate::api::{
     CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, RequestField,
-    ResponseFormat, SubmitError, ToolChoice, ToolDefinition,
+    ResponseFormat, SubmitError, TokenizeRequest, ToolChoice, ToolDefinition,
 };
 use crate::chat_template::ChatTemplate;
 use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
@@ -406,27 +406,34 @@ impl Engine {
         prompt: &Prompt,
         tools: &[ToolDefinition],
     ) -> Result<Vec<u32>, SubmitError> {
-        self.tokenize_request_prompt(prompt, tools, &serde_json::Map::new(), "")
+        self.tokenize_request_prompt(prompt, tools, &serde_json::Map::new(), Encoding::RUN)
     }
 
     /// [`Engine::tokenize_prompt`] with extra chat template variables
     /// (`chat_template_kwargs`; client text, marked like the messages) and
-    /// `reply` (markup of the engine's own, such as a forced call's start)
-    /// after a chat prompt's generation prompt.
+    /// the choices of `encoding`.
     fn tokenize_request_prompt(
         &self,
         prompt: &Prompt,
         tools: &[ToolDefinition],
         kwargs: &serde_json::Map<String, serde_json::Value>,
-        reply: &str,
+        encoding: Encoding<'_>,
     ) -> Result<Vec<u32>, SubmitError> {
         let invalid = |e: crate::tokenizer::TextError| SubmitError::InvalidRequest {
             message: e.to_string(),
             field: Some(RequestField::Prompt),
         };
+        let Encoding {
+            generation_prompt,
+            special_tokens,
+            reply,
+        } = encoding;
         match prompt {
             Prompt::Tokens(ids) => Ok(ids.clone()),
-            Prompt::Text(t) => self.text.tokenizer.encode_text_prompt(t).map_err(invalid),
+            Prompt::Text(t) if special_tokens => {
+                self.text.tokenizer.encode_text_prompt(t).map_err(invalid)
+            }
+            Prompt::Text(t) => self.text.tokenizer.encode(t, false).map_err(invalid),
             Prompt::Chat(messages) => {
                 let template =
                     self.text
@@ -446,14 +453,14 @@ impl Engine {
                     // Nothing typed looks like a control token: the plain path.
                     None => {
                         let rendered = template
-                            .render_with_kwargs(messages, tools, true, kwargs)
+                            .render_with_kwargs(messages, tools, generation_prompt, kwargs)
                             .map_err(invalid)?
                             + reply;
                         tokenizer.encode_chat_prompt(&rendered).map_err(invalid)
                     }
                     Some((messages, tools, kwargs)) => {
                         let rendered = template
-                            .render_with_kwargs(&messages, &tools, true, &kwargs)
+                            .render_with_kwargs(&messages, &tools, generation_prompt, &kwargs)
                             .map_err(invalid)?
                             + reply;
                         tokenizer
@@ -482,6 +489,27 @@ impl Engine {
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.text.eos
     }
+}
+
+/// How a prompt is turned into tokens.
+#[derive(Debug, Clone, Copy)]
+struct Encoding<'a> {
+    /// Chat: end with the assistant turn's header.
+    generation_prompt: bool,
+    /// Text: add the tokenizer's special tokens (a BOS).
+    special_tokens: bool,
+    /// Chat: markup of the engine's own after the generation prompt (a
+    /// forced call's start).
+    reply: &'a str,
+}
+
+impl Encoding<'_> {
+    /// As a request runs: the generation prompt, special tokens, no reply.
+    const RUN: Encoding<'static> = Encoding {
+        generation_prompt: true,
+        special_tokens: true,
+        reply: "",
+    };
 }
 
 impl InferenceService for Engine {
@@ -571,7 +599,10 @@ impl InferenceService for Engine {
             &request.prompt,
             tools,
             &request.chat_template_kwargs,
-            reply.as_deref().unwrap_or(""),
+            Encoding {
+                reply: reply.as_deref().unwrap_or(""),
+                ..Encoding::RUN
+            },
         )?;
         if prompt.is_empty() {
             return Err(invalid(RequestField::Prompt, "the prompt is empty".into()));
@@ -632,6 +663,34 @@ impl InferenceService for Engine {
                 message: e.to_string(),
                 field: Some(RequestField::Prompt),
             })
+    }
+
+    fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError> {
+        let chat = matches!(request.prompt, Prompt::Chat(_));
+        if !chat && !request.tools.is_empty() {
+            return Err(SubmitError::InvalidRequest {
+                message: "tools need chat messages".into(),
+                field: Some(RequestField::Tools),
+            });
+        }
+        if !chat && !request.chat_template_kwargs.is_empty() {
+            return Err(SubmitError::InvalidRequest {
+                message: "chat_template_kwargs need chat messages".into(),
+                field: Some(RequestField::ChatTemplateKwargs),
+            });
+        }
+        let tokens = self.tokenize_request_prompt(
+            &request.prompt,
+            &request.tools,
+            &request.chat_template_kwargs,
+            Encoding {
+                generation_prompt: request.add_generation_prompt,
+                special_tokens: request.add_special_tokens,
+                reply: "",
+            },
+        )?;
+        self.check_token_ids(&tokens)?;
+        Ok(tokens)
     }
 
     fn stats(&self) -> EngineStats {

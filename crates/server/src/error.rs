@@ -59,6 +59,10 @@ pub enum ApiError {
     /// `GET /v1/models/{id}` for a model this server does not serve.
     #[error("The model `{0}` does not exist")]
     UnknownModel(String),
+    /// `GET`/`DELETE /v1/responses/{id}` for a response the store does
+    /// not hold (never stored, evicted, or deleted).
+    #[error("Response with id '{0}' not found")]
+    UnknownResponse(String),
     /// No route matches the path.
     #[error("Invalid URL ({method} {path})")]
     RouteNotFound {
@@ -146,7 +150,7 @@ impl ApiError {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE
             }
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
+            Self::RouteNotFound { .. } | Self::UnknownResponse(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::GenerationFailed(_) | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -181,6 +185,9 @@ impl ApiError {
             Self::Validation(ValidationError::UnrecognizedParameter { .. }) => {
                 Some("unrecognized_parameter")
             }
+            Self::Validation(ValidationError::PreviousResponseNotFound(_)) => {
+                Some("previous_response_not_found")
+            }
             Self::InvalidApiKey => Some("invalid_api_key"),
             Self::OriginNotAllowed(_) => Some("origin_not_allowed"),
             Self::UnsupportedContentEncoding(_) => Some("unsupported_content_encoding"),
@@ -212,6 +219,11 @@ pub enum Route {
     /// `/v1/completions`; `prompt` is the index of the prompt submitted
     /// when the request had several (`prompt[i]`).
     Completions { prompt: Option<usize> },
+    /// `/v1/responses`: the prompt is `input`, the output format
+    /// `text.format`.
+    Responses,
+    /// `/detokenize`: the prompt is `tokens`.
+    Detokenize,
 }
 
 impl Route {
@@ -220,6 +232,9 @@ impl Route {
         match (self, field) {
             (Self::Completions { prompt: Some(i) }, RequestField::Prompt) => format!("prompt[{i}]"),
             (Self::Completions { .. }, RequestField::Prompt) => "prompt".to_owned(),
+            (Self::Responses, RequestField::Prompt) => "input".to_owned(),
+            (Self::Responses, RequestField::ResponseFormat) => "text.format".to_owned(),
+            (Self::Detokenize, _) => "tokens".to_owned(),
             (_, field) => field.chat_name().to_owned(),
         }
     }

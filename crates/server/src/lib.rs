@@ -10,6 +10,10 @@
 //! With an API key configured, [`auth`] refuses every request but
 //! `GET /health` that lacks it; [`cors`] lets browsers of allowed origins
 //! call the API. `GET /openapi.json` describes every route ([`openapi`]).
+//! `POST /v1/responses` (the Responses API) runs through the chat path and
+//! keeps its answers in a bounded in-memory store
+//! ([`HttpConfig::responses_store_size`]); `POST /tokenize` and
+//! `POST /detokenize` count and decode against the served tokenizer.
 //! [`shutdown`] lets open requests finish (or fail, at the deadline) when
 //! [`serve`] stops.
 
@@ -22,9 +26,11 @@ mod extract;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
+mod responses;
 mod routes;
 pub mod shutdown;
 mod sse;
+mod tokenize;
 pub mod validate;
 
 use std::future::{Future, IntoFuture};
@@ -63,6 +69,11 @@ pub struct HttpConfig {
     pub api_key: Option<String>,
     /// Origins whose browser pages may call the API (see [`cors`]).
     pub allowed_origins: cors::AllowedOrigins,
+    /// Most responses of `POST /v1/responses` kept for
+    /// `previous_response_id` and `GET /v1/responses/{id}`; storing one
+    /// more evicts the oldest. 0 turns the store off (then `store: true`
+    /// and `previous_response_id` are a 400).
+    pub responses_store_size: usize,
 }
 
 impl Default for HttpConfig {
@@ -74,6 +85,7 @@ impl Default for HttpConfig {
             shutdown_grace: Duration::from_secs(30),
             api_key: None,
             allowed_origins: cors::AllowedOrigins::Disabled,
+            responses_store_size: 256,
         }
     }
 }
@@ -87,6 +99,7 @@ impl std::fmt::Debug for HttpConfig {
             .field("shutdown_grace", &self.shutdown_grace)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("allowed_origins", &self.allowed_origins)
+            .field("responses_store_size", &self.responses_store_size)
             .finish()
     }
 }
@@ -106,6 +119,8 @@ struct Inner {
     config: HttpConfig,
     started_at: u64,
     metrics: Arc<metrics::Metrics>,
+    /// Stored responses of the Responses API.
+    responses: Arc<responses::store::ResponseStore>,
 }
 
 impl AppState {
@@ -122,6 +137,9 @@ impl AppState {
             inner: Arc::new(Inner {
                 service: Arc::new(shutdown::DrainingService::new(service, phase_rx)),
                 phase,
+                responses: Arc::new(responses::store::ResponseStore::new(
+                    config.responses_store_size,
+                )),
                 config,
                 started_at: openai::unix_now(),
                 metrics: Arc::new(metrics::Metrics::new()),
@@ -154,6 +172,11 @@ impl AppState {
         &self.inner.metrics
     }
 
+    /// The store of the Responses API.
+    fn responses(&self) -> &Arc<responses::store::ResponseStore> {
+        &self.inner.responses
+    }
+
     fn keep_alive(&self) -> KeepAlive {
         KeepAlive::new().interval(self.inner.config.keep_alive_interval)
     }
@@ -184,6 +207,23 @@ fn api_routes() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
             "/v1/completions",
             post(completions::completions),
         ),
+        (
+            Method::POST,
+            "/v1/responses",
+            post(responses::create_response),
+        ),
+        (
+            Method::GET,
+            "/v1/responses/{id}",
+            get(responses::retrieve_response),
+        ),
+        (
+            Method::DELETE,
+            "/v1/responses/{id}",
+            axum::routing::delete(responses::delete_response),
+        ),
+        (Method::POST, "/tokenize", post(tokenize::tokenize)),
+        (Method::POST, "/detokenize", post(tokenize::detokenize)),
         (Method::GET, "/v1/models", get(routes::list_models)),
         (Method::GET, "/v1/models/{*id}", get(routes::retrieve_model)),
         (Method::GET, "/v1/cache/stats", get(routes::cache_stats)),

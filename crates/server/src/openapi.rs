@@ -35,10 +35,21 @@ use crate::openai::chat::{
 };
 use crate::openai::completion::{finished_text_choice, LegacyLogprobs, TextChoice};
 use crate::openai::request::{json_schema, ChatCompletionRequest, CompletionRequest};
+use crate::openai::response_object::{
+    stream_event_json, FunctionCallItem, IncompleteDetails, InputTokensDetails, ItemStatus,
+    OutputItem, OutputMessage, OutputText, OutputTokensDetails, ResponseError, ResponseObject,
+    ResponseStatus, ResponseUsage,
+};
+use crate::openai::responses::{
+    InputItem, InputPart, NamedFunction, ResponseStreamOptions, ResponseTool, ResponsesRequest,
+    TextConfig, TextFormat,
+};
+use crate::openai::tokenize::{DetokenizeBody, DetokenizeResponse, TokenizeBody, TokenizeResponse};
 use crate::openai::{
     BlockCounts, CacheReset, CacheStats, Completion, CompletionKind, Health, ModelCard, ModelList,
     PromptTokensDetails, UsageBody,
 };
+use crate::responses::ResponseDeleted;
 
 /// The document's operations and schemas.
 #[derive(OpenApi)]
@@ -51,6 +62,11 @@ use crate::openai::{
     paths(
         crate::completions::chat_completions,
         crate::completions::completions,
+        crate::responses::create_response,
+        crate::responses::retrieve_response,
+        crate::responses::delete_response,
+        crate::tokenize::tokenize,
+        crate::tokenize::detokenize,
         crate::routes::list_models,
         crate::routes::retrieve_model,
         crate::routes::cache_stats,
@@ -90,6 +106,32 @@ use crate::openai::{
             Health,
             ErrorBody,
             ErrorDetail,
+            ResponsesRequest,
+            InputItem,
+            InputPart,
+            ResponseTool,
+            NamedFunction,
+            TextConfig,
+            TextFormat,
+            ResponseStreamOptions,
+            ResponseObject,
+            ResponseStatus,
+            ResponseError,
+            IncompleteDetails,
+            ResponseUsage,
+            InputTokensDetails,
+            OutputTokensDetails,
+            OutputItem,
+            ItemStatus,
+            OutputMessage,
+            OutputText,
+            FunctionCallItem,
+            ResponseStreamEvent,
+            ResponseDeleted,
+            TokenizeBody,
+            TokenizeResponse,
+            DetokenizeBody,
+            DetokenizeResponse,
         ),
         responses(
             BadRequest,
@@ -100,6 +142,7 @@ use crate::openai::{
             UnsupportedMediaType,
             InternalError,
             Unavailable,
+            ResponseNotFound,
         ),
     ),
     modifiers(&ApiKey),
@@ -196,6 +239,9 @@ fn close_request_objects(document: &mut Value) {
     let mut pending: Vec<String> = vec![
         ChatCompletionRequest::name().into_owned(),
         CompletionRequest::name().into_owned(),
+        ResponsesRequest::name().into_owned(),
+        TokenizeBody::name().into_owned(),
+        DetokenizeBody::name().into_owned(),
     ];
     let mut seen = std::collections::BTreeSet::new();
     while let Some(name) = pending.pop() {
@@ -315,6 +361,34 @@ document_schema!(
 );
 
 document_schema!(
+    /// The data of one event of a streamed response.
+    ResponseStreamEvent = "ResponseStreamEvent",
+    RefOr::T(json_schema(stream_event_json()))
+);
+
+document_schema!(
+    /// A server-sent event of a streamed response: `event: <type>` and
+    /// the event as data.
+    ResponseStreamSse = "ResponseStreamSse",
+    ObjectBuilder::new()
+        .description(Some(
+            "One server-sent event of a streamed response (comment lines keep the connection alive): `event: <type>` and `data: <ResponseStreamEvent JSON>`; the stream ends after response.completed, response.incomplete or response.failed, without [DONE].",
+        ))
+        .property("event", ObjectBuilder::new().schema_type(Type::String))
+        .property(
+            "data",
+            json_schema(serde_json::json!({
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"$ref": "#/components/schemas/ResponseStreamEvent"},
+            })),
+        )
+        .required("event")
+        .required("data")
+        .into()
+);
+
+document_schema!(
     /// The body of `GET /openapi.json`.
     OpenApiDocument = "OpenApiDocument",
     ObjectBuilder::new()
@@ -388,6 +462,11 @@ error_response!(
     /// 404 on a model.
     ModelNotFound,
     "The model is not the one this server serves (code model_not_found)."
+);
+error_response!(
+    /// 404 on a response id.
+    ResponseNotFound,
+    "No stored response has this id (never stored, store false, evicted from the bounded store, or deleted)."
 );
 error_response!(
     /// 413.

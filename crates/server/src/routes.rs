@@ -24,7 +24,12 @@ use crate::AppState;
     responses((status = 200, description = "The served model (one)", body = ModelList)),
 )]
 pub async fn list_models(State(state): State<AppState>) -> Response {
-    let card = ModelCard::new(state.service().model_id(), state.started_at());
+    let service = state.service();
+    let card = ModelCard::new(
+        service.model_id(),
+        state.started_at(),
+        service.context_length(),
+    );
     Json(ModelList {
         object: "list",
         data: vec![card],
@@ -59,7 +64,12 @@ pub async fn retrieve_model(
     if id != model_id {
         return Err(ApiError::UnknownModel(id));
     }
-    Ok(Json(ModelCard::new(model_id, state.started_at())).into_response())
+    let card = ModelCard::new(
+        model_id,
+        state.started_at(),
+        state.service().context_length(),
+    );
+    Ok(Json(card).into_response())
 }
 
 /// `GET /health`: `{"status":"ok"}` once the engine serves, `503

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use mlxcel_engine_api::{
     CacheReset, EngineStats, EventStream, GenerationEvent, GenerationRequest, InferenceService,
-    SubmitError,
+    SubmitError, TokenizeRequest,
 };
 use tokio::sync::watch;
 
@@ -77,6 +77,10 @@ impl InferenceService for DrainingService {
 
     fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {
         self.inner.detokenize(tokens)
+    }
+
+    fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError> {
+        self.inner.tokenize(request)
     }
 
     fn stats(&self) -> EngineStats {

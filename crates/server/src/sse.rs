@@ -29,6 +29,18 @@ pub trait ChunkFormat: Send + 'static {
     fn piece(&mut self, piece: Piece) -> Vec<Event>;
     /// The usage event after the last finish, if the client asked for one.
     fn usage(&self, usage: Usage) -> Option<Event>;
+    /// The events after the last piece: by default the usage event, if
+    /// any, then `data: [DONE]`.
+    fn closing(&mut self, usage: Usage) -> Vec<Event> {
+        let mut events: Vec<Event> = self.usage(usage).into_iter().collect();
+        events.push(Event::default().data("[DONE]"));
+        events
+    }
+    /// The last event of a failed stream: by default the OpenAI error body
+    /// as data.
+    fn failure(&mut self, error: ApiError) -> Event {
+        error_event(error)
+    }
 }
 
 /// The SSE response of `choices`, shaped by `format`.
@@ -81,12 +93,11 @@ impl<F: ChunkFormat> SseState<F> {
                     self.ended = true;
                     let usage = self.choices.usage();
                     tracing::debug!(?usage, "stream finished");
-                    self.queue.extend(self.format.usage(usage));
-                    self.queue.push_back(Event::default().data("[DONE]"));
+                    self.queue.extend(self.format.closing(usage));
                 }
                 Err(error) => {
                     self.ended = true;
-                    return Some(error_event(error));
+                    return Some(self.format.failure(error));
                 }
             }
         }

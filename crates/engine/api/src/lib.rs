@@ -102,6 +102,28 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// A prompt to count, as `/tokenize` asks: rendered and encoded exactly
+/// as [`InferenceService::submit`] would run it, so that its length is the
+/// `prompt_tokens` of the same request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizeRequest {
+    /// Chat messages (rendered through the chat template), text, or token
+    /// ids (checked against the vocabulary and returned as they are).
+    pub prompt: Prompt,
+    /// Chat prompts: end with the header of an assistant turn, as every
+    /// generation does (vLLM's default, true).
+    pub add_generation_prompt: bool,
+    /// Text prompts: add the tokenizer's special tokens (a BOS the text
+    /// does not already start with), as `/v1/completions` does.
+    pub add_special_tokens: bool,
+    /// Functions rendered with a chat prompt, as a request offering them
+    /// renders them.
+    pub tools: Vec<ToolDefinition>,
+    /// Extra chat template variables (see
+    /// [`GenerationRequest::chat_template_kwargs`]).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
 /// Sampling parameters of one request. Validated by the front end.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
@@ -445,6 +467,10 @@ pub trait InferenceService: Send + Sync + 'static {
     /// tokenizer decodes them: `/v1/completions` echoes token prompts with
     /// it. Errors: an id outside the vocabulary (`InvalidRequest`).
     fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError>;
+    /// The token ids of a prompt, rendered and encoded as `submit` would
+    /// (`/tokenize`). Errors: template and tokenizer failures, ids outside
+    /// the vocabulary, tools with a text prompt (`InvalidRequest`).
+    fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError>;
     /// The engine's counters and gauges now.
     fn stats(&self) -> EngineStats;
     /// Frees every prefix-cache block no running request holds.
@@ -503,6 +529,9 @@ impl InferenceService for ServiceSlot {
     }
     fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {
         self.engine()?.detokenize(tokens)
+    }
+    fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError> {
+        self.engine()?.tokenize(request)
     }
     fn stats(&self) -> EngineStats {
         self.engine().map(|e| e.stats()).unwrap_or_default()

@@ -1,11 +1,17 @@
 //! The wire types, with OpenAI's field names: request bodies in [`request`]
 //! and [`message`]; response bodies: what every answer shares here, the
-//! chat and text completion objects in [`chat`] and [`completion`].
+//! chat and text completion objects in [`chat`] and [`completion`]; the
+//! Responses API's request in [`responses`] and its `response` object and
+//! stream events in [`response_object`]; `/tokenize` and `/detokenize` in
+//! [`tokenize`].
 
 pub mod chat;
 pub mod completion;
 pub mod message;
 pub mod request;
+pub mod response_object;
+pub mod responses;
+pub mod tokenize;
 
 use mlxcel_engine_api::Usage;
 use serde::Serialize;
@@ -253,16 +259,21 @@ pub struct ModelCard<'a> {
     pub created: u64,
     /// Always `mlxcel`.
     pub owned_by: &'static str,
+    /// The model's context length in tokens: prompt and completion
+    /// together (vLLM's field).
+    pub max_model_len: usize,
 }
 
 impl<'a> ModelCard<'a> {
-    /// The card of `id`, served since `created`.
-    pub fn new(id: &'a str, created: u64) -> Self {
+    /// The card of `id`, served since `created`, with a context of
+    /// `max_model_len` tokens.
+    pub fn new(id: &'a str, created: u64, max_model_len: usize) -> Self {
         Self {
             id,
             object: "model",
             created,
             owned_by: "mlxcel",
+            max_model_len,
         }
     }
 }

@@ -116,7 +116,7 @@ impl ValidatedChatRequest {
 
 /// `chat_template_kwargs`: extra template variables, none of them one the
 /// server sets itself.
-fn check_template_kwargs(
+pub(super) fn check_template_kwargs(
     kwargs: Map<String, Value>,
 ) -> Result<Map<String, Value>, ValidationError> {
     let reserved = mlxcel_engine_api::RESERVED_TEMPLATE_VARIABLES;
@@ -128,7 +128,7 @@ fn check_template_kwargs(
 
 /// `metadata`: at most 16 string pairs, keys of at most 64 characters and
 /// values of at most 512 (OpenAI's limits). Accepted and not stored.
-fn check_metadata(map: &BTreeMap<String, String>) -> Result<(), ValidationError> {
+pub(super) fn check_metadata(map: &BTreeMap<String, String>) -> Result<(), ValidationError> {
     if map.len() > 16 {
         return Err(ValidationError::MetadataLimit {
             param: "metadata".into(),
@@ -189,7 +189,9 @@ fn parse_logprobs(
     Ok(logprobs.then_some(top))
 }
 
-fn parse_messages(items: Vec<message::ChatMessage>) -> Result<Vec<ChatMessage>, ValidationError> {
+pub(super) fn parse_messages(
+    items: Vec<message::ChatMessage>,
+) -> Result<Vec<ChatMessage>, ValidationError> {
     if items.is_empty() {
         return Err(ValidationError::EmptyMessages);
     }

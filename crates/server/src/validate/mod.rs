@@ -14,10 +14,14 @@
 mod chat;
 mod completion;
 mod params;
+mod responses;
+mod tokenize;
 mod tools;
 
 pub use chat::ValidatedChatRequest;
 pub use completion::ValidatedCompletionRequest;
+pub use responses::{ConversationItem, ValidatedResponsesRequest};
+pub use tokenize::{ValidatedDetokenizeRequest, ValidatedTokenizeRequest};
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -245,6 +249,54 @@ pub enum ValidationError {
         /// The field.
         param: String,
     },
+    /// `/tokenize` with both or neither of `prompt` and `messages`.
+    #[error("Exactly one of 'prompt' and 'messages' is required")]
+    PromptOrMessages,
+    /// A field that only applies together with another one.
+    #[error("'{param}' is only allowed with '{with}'")]
+    OnlyWith {
+        /// The field.
+        param: String,
+        /// The field it needs.
+        with: &'static str,
+    },
+    /// A Responses input item whose `type` (or content part type) mlxcel
+    /// does not serve (reasoning, images, item references, built-in tool
+    /// calls).
+    #[error("Invalid value for '{param}': '{kind}' (supported: {supported})")]
+    UnsupportedItemType {
+        /// The field (`input[i].type`).
+        param: String,
+        /// The type sent.
+        kind: String,
+        /// The types that are served.
+        supported: &'static str,
+    },
+    /// A `function_call_output` whose `call_id` answers no earlier
+    /// `function_call`.
+    #[error("No tool call found for function call output with call_id '{call_id}'")]
+    UnknownCallId {
+        /// The field (`input[i].call_id`).
+        param: String,
+        /// The id sent.
+        call_id: String,
+    },
+    /// `previous_response_id` names no stored response (never stored,
+    /// evicted, or deleted).
+    #[error("Previous response with id '{0}' not found")]
+    PreviousResponseNotFound(String),
+    /// `store: true` (or `previous_response_id`) on a server whose
+    /// response store is off (`--responses-store-size 0`).
+    #[error("'{0}' needs the response store, which this server has turned off (--responses-store-size 0)")]
+    StoreDisabled(&'static str),
+    /// A named tool choice whose function is not among `tools`.
+    #[error("Invalid value for '{param}': '{name}' is not among 'tools'")]
+    NotAmongTools {
+        /// The field (`tool_choice.name`).
+        param: &'static str,
+        /// The name sent.
+        name: String,
+    },
 }
 
 impl ValidationError {
@@ -265,7 +317,13 @@ impl ValidationError {
             | Self::TokenIdOutOfRange { param, .. }
             | Self::UnsupportedParameter { param }
             | Self::MetadataLimit { param, .. }
-            | Self::UnrecognizedParameter { param } => param.as_str(),
+            | Self::UnrecognizedParameter { param }
+            | Self::OnlyWith { param, .. }
+            | Self::UnsupportedItemType { param, .. }
+            | Self::UnknownCallId { param, .. } => param.as_str(),
+            Self::PromptOrMessages => "prompt",
+            Self::PreviousResponseNotFound(_) => "previous_response_id",
+            Self::StoreDisabled(param) | Self::NotAmongTools { param, .. } => param,
             Self::MinTokensAboveMax { .. } => "min_tokens",
             Self::ReservedTemplateVariable(key) => {
                 return Some(format!("chat_template_kwargs.{key}"))
@@ -433,6 +491,7 @@ fn is_default_value(key: &str, value: &Value) -> bool {
     generic
         || match key {
             "service_tier" => matches!(value.as_str(), Some("auto" | "default")),
+            "truncation" => value.as_str() == Some("disabled"),
             "modalities" => {
                 value.as_array().map(|m| m.as_slice()) == Some(&[Value::from("text")][..])
             }

@@ -40,7 +40,10 @@ pub(super) fn parse_tools(
 }
 
 /// `type` is `function`.
-fn check_function_type(kind: &Tag<FunctionType>, at: &str) -> Result<(), ValidationError> {
+pub(super) fn check_function_type(
+    kind: &Tag<FunctionType>,
+    at: &str,
+) -> Result<(), ValidationError> {
     match kind {
         Tag::Known(FunctionType::Function) => Ok(()),
         Tag::Other(kind) => Err(ValidationError::UnsupportedToolType {
@@ -51,7 +54,7 @@ fn check_function_type(kind: &Tag<FunctionType>, at: &str) -> Result<(), Validat
 }
 
 /// `name`, matching `^[a-zA-Z0-9_-]{1,64}$`.
-fn check_name(name: String, at: &str) -> Result<String, ValidationError> {
+pub(super) fn check_name(name: String, at: &str) -> Result<String, ValidationError> {
     let valid = (1..=64).contains(&name.len())
         && name
             .bytes()

@@ -9,7 +9,8 @@ use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
     CacheReset, EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest,
-    InferenceService, RequestField, SampledLogprobs, SubmitError, Timings, TokenLogprob, Usage,
+    InferenceService, Prompt, RequestField, SampledLogprobs, SubmitError, Timings, TokenLogprob,
+    TokenizeRequest, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -145,6 +146,25 @@ impl InferenceService for FakeService {
                 }
             })
             .collect()
+    }
+
+    /// Text: one token per character (its code point); chat: one token
+    /// per character of `role: content` lines, plus 3 for the generation
+    /// prompt.
+    fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError> {
+        let text = match &request.prompt {
+            Prompt::Text(text) => text.clone(),
+            Prompt::Tokens(ids) => return Ok(ids.clone()),
+            Prompt::Chat(messages) => messages
+                .iter()
+                .map(|m| format!("{}: {}\n", m.role, m.content.as_deref().unwrap_or("")))
+                .collect(),
+        };
+        let mut ids: Vec<u32> = text.chars().map(|c| c as u32).collect();
+        if matches!(request.prompt, Prompt::Chat(_)) && request.add_generation_prompt {
+            ids.extend([1, 2, 3]);
+        }
+        Ok(ids)
     }
 
     fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
