@@ -51,8 +51,9 @@ pub enum DeviceArg {
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json),
-    /// or a hub repository id (`org/name`), taken from the local hub cache or
-    /// downloaded into it.
+    /// a GGUF file (`model.gguf`: weights, tokenizer and chat template from
+    /// the one file), or a hub repository id (`org/name`), taken from the
+    /// local hub cache or downloaded into it.
     #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL", value_hint = clap::ValueHint::AnyPath)]
     pub model: PathBuf,
     /// Compute dtype.
@@ -233,9 +234,10 @@ impl ModelArgs {
             anyhow::bail!("--device gpu: this MLX build has no GPU backend here");
         }
         let dir = model_source::resolve(&self.model, None)?;
-        // A hub snapshot's directory name is a commit hash: serve the repo id.
-        let alias = alias
-            .or_else(|| (!self.model.is_dir()).then(|| self.model.to_string_lossy().into_owned()));
+        // A hub snapshot's directory name is a commit hash: serve the repo id
+        // (a GGUF file is served under its file name).
+        let local = self.model.is_dir() || mlxcel_engine::loader::is_gguf(&self.model);
+        let alias = alias.or_else(|| (!local).then(|| self.model.to_string_lossy().into_owned()));
         let mut c = EngineConfig::new(dir);
         c.alias = alias;
         c.dtype = match self.dtype {

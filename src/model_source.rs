@@ -1,4 +1,4 @@
-//! Where `-m` points: a local checkpoint directory, or a Hugging Face hub
+//! Where `-m` points: a local checkpoint directory, a GGUF file, or a Hugging Face hub
 //! repository id (`org/name`) resolved through the local hub cache and
 //! downloaded with `hf-hub` when missing.
 
@@ -21,7 +21,7 @@ const INDEX: &str = "model.safetensors.index.json";
 /// The weights of a single-file checkpoint.
 const SINGLE: &str = "model.safetensors";
 
-/// Resolves `-m`: an existing directory is used as is; `org/name` is looked
+/// Resolves `-m`: an existing directory or `.gguf` file is used as is; `org/name` is looked
 /// up in the hub cache (`cache_dir`, default `$HF_HOME/hub` or
 /// `~/.cache/huggingface/hub`) and downloaded into it when any file is
 /// missing (progress in the log). Returns the checkpoint directory.
@@ -30,12 +30,12 @@ const SINGLE: &str = "model.safetensors";
 /// A path that is neither a directory nor a repository id, a repository
 /// without `config.json`/`tokenizer.json`/weights, or a failed download.
 pub fn resolve(model: &Path, cache_dir: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    if model.is_dir() {
+    if model.is_dir() || mlxcel_engine::loader::is_gguf(model) {
         return Ok(model.to_path_buf());
     }
     let Some(repo_id) = repo_id(model) else {
         bail!(
-            "{} is not a model directory (or a hub id like org/name)",
+            "{} is not a model directory or .gguf file (or a hub id like org/name)",
             model.display()
         );
     };

@@ -252,13 +252,18 @@ impl Engine {
         let started = Instant::now();
         let dir = config.model_dir.clone();
         let model_config = crate::loader::read_config(&dir)?;
-        let tokenizer = TextTokenizer::from_model_dir(&dir)?;
-        let template = match &config.chat_template {
-            Some(path) => Some(ChatTemplate::from_file(path, &dir)?),
-            None => ChatTemplate::from_model_dir(&dir)?,
+        let (tokenizer, template, eos) = if mlxcel_model::gguf::is_gguf(&dir) {
+            crate::loader::gguf_text(&dir, config.chat_template.as_deref())?
+        } else {
+            let tokenizer = TextTokenizer::from_model_dir(&dir)?;
+            let template = match &config.chat_template {
+                Some(path) => Some(ChatTemplate::from_file(path, &dir)?),
+                None => ChatTemplate::from_model_dir(&dir)?,
+            };
+            // generation_config.json, config.json and the tokenizer's EOS.
+            let eos = eos_token_ids(&dir, &tokenizer);
+            (tokenizer, template, eos)
         };
-        // generation_config.json, config.json and the tokenizer's EOS.
-        let eos = eos_token_ids(&dir, &tokenizer);
         let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
         mlxcel_mlx::set_cudnn_attention(config.cudnn_attention)?;
         if let Some(dir) = &config.kernel_cache_dir {

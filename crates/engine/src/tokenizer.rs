@@ -130,6 +130,16 @@ impl TextTokenizer {
                 message: e.to_string(),
             })?;
         let (bos_token, eos_token) = bos_eos_strings(dir)?;
+        Ok(Self::from_tokenizer(inner, bos_token, eos_token))
+    }
+
+    /// Wraps a `tokenizers` tokenizer built elsewhere (a GGUF's metadata,
+    /// `crate::gguf_text`), with its BOS/EOS strings.
+    pub fn from_tokenizer(
+        inner: tokenizers::Tokenizer,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Self {
         let mut special_ids: Vec<u32> = inner
             .get_added_tokens_decoder()
             .iter()
@@ -159,7 +169,7 @@ impl TextTokenizer {
         specials.sort_by(|a, b| b.content.len().cmp(&a.content.len()).then(a.id.cmp(&b.id)));
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
-        Ok(Self {
+        Self {
             inner,
             plain,
             specials,
@@ -167,7 +177,7 @@ impl TextTokenizer {
             eos_token,
             special_ids,
             byte_fallback_ids,
-        })
+        }
     }
 
     /// The wrapped `tokenizers` tokenizer, for adapters that need the whole

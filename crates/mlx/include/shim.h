@@ -95,6 +95,7 @@ bool paged_attention_available();
 
 // io
 std::unique_ptr<TensorMap> load_safetensors(rust::Str path);
+std::unique_ptr<TensorMap> load_gguf_tensors(rust::Str path);
 rust::Vec<rust::String> tensor_names(const TensorMap& m);
 ArrayPtr tensor_take(TensorMap& m, rust::Str name);
 void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,

@@ -127,6 +127,7 @@ pub(crate) mod bridge {
         ) -> Result<UniquePtr<array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<TensorMap>>;
+        fn load_gguf_tensors(path: &str) -> Result<UniquePtr<TensorMap>>;
         fn tensor_names(m: &TensorMap) -> Result<Vec<String>>;
         fn tensor_take(m: Pin<&mut TensorMap>, name: &str) -> Result<UniquePtr<array>>;
         fn save_safetensors(path: &str, names: &[String], arrays: &ArrayList) -> Result<()>;

@@ -103,6 +103,27 @@ impl SafeTensors {
         Ok(SafeTensors(m))
     }
 
+    /// Loads the tensors of a GGUF file with MLX's reader (read eagerly):
+    /// Q4_0, Q4_1, Q4_K and Q8_0 tensors become MLX affine quantized
+    /// triples `{name}` (uint32 packed), `{prefix}.scales` and
+    /// `{prefix}.biases` (float16, group size 32; `prefix` is `name` without
+    /// `.weight`); F32, F16, I8, I16 and I32 tensors keep their type; MLX
+    /// dequantizes other types to float16. Shapes are row-major (GGUF's
+    /// dimension order reversed).
+    ///
+    /// The caller must have checked the file first (mlxcel-model's GGUF
+    /// reader): MLX's C reader trusts the header's offsets and tensor
+    /// types.
+    ///
+    /// # Errors
+    /// Missing or malformed file, a tensor type MLX cannot read.
+    pub fn load_gguf(path: &std::path::Path) -> Result<SafeTensors> {
+        let p = path
+            .to_str()
+            .ok_or_else(|| Error(format!("non-UTF-8 path {}", path.display())))?;
+        Ok(SafeTensors(bridge::load_gguf_tensors(p)?))
+    }
+
     /// Names of the tensors not yet taken.
     pub fn names(&self) -> Vec<String> {
         self.0

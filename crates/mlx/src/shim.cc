@@ -171,6 +171,16 @@ std::unique_ptr<TensorMap> load_safetensors(rust::Str path) {
   m->metadata = std::move(metadata);
   return m;
 }
+// The tensors of a GGUF file (MLX's reader; the metadata is read in Rust,
+// crates/model/src/gguf). Q4_0, Q4_1, Q4_K and Q8_0 come back as MLX affine
+// quantized triples (`name.weight`, `name.scales`, `name.biases`, group size
+// 32); F32/F16 as they are; other types MLX dequantizes to float16.
+std::unique_ptr<TensorMap> load_gguf_tensors(rust::Str path) {
+  auto loaded = mx::load_gguf(std::string(path));
+  auto m = std::make_unique<TensorMap>();
+  m->tensors = std::move(loaded.first);
+  return m;
+}
 rust::Vec<rust::String> tensor_names(const TensorMap& m) {
   rust::Vec<rust::String> out;
   for (auto& kv : m.tensors) out.push_back(rust::String(kv.first));

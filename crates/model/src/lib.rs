@@ -1,10 +1,12 @@
 //! The model layer of mlxcel: the [`Model`] trait, `config.json` parsing,
-//! weight loading (MLX-format safetensors, quantized or not), and the shared
+//! weight loading (MLX-format safetensors, quantized or not; GGUF files
+//! through [`gguf`]), and the shared
 //! layers (linear, embedding, RMSNorm, RoPE, gated MLP, and the one attention
 //! layer that talks to the KV view). Families (`crates/models`) are wiring.
 
 pub mod attention;
 pub mod config;
+pub mod gguf;
 pub mod layers;
 pub mod profile;
 pub mod rope;

@@ -1,5 +1,6 @@
 //! Weight loading from MLX-format safetensors (single file or sharded with
-//! `model.safetensors.index.json`).
+//! `model.safetensors.index.json`), or from tensors already read (a GGUF
+//! file, `crate::gguf`).
 
 use crate::ModelError;
 use mlxcel_mlx::{Array, SafeTensors};
@@ -10,6 +11,8 @@ use std::path::{Path, PathBuf};
 pub struct Weights {
     files: Vec<SafeTensors>,
     index: HashMap<String, usize>,
+    /// Tensors held in memory, by checkpoint name.
+    arrays: HashMap<String, Array>,
 }
 
 impl Weights {
@@ -31,12 +34,25 @@ impl Weights {
             }
             files.push(st);
         }
-        Ok(Weights { files, index })
+        Ok(Weights {
+            files,
+            index,
+            arrays: HashMap::new(),
+        })
+    }
+
+    /// Tensors already read, by checkpoint name.
+    pub fn from_arrays(arrays: HashMap<String, Array>) -> Self {
+        Weights {
+            files: Vec::new(),
+            index: HashMap::new(),
+            arrays,
+        }
     }
 
     /// Whether tensor `name` exists (and was not taken yet).
     pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(name) || self.arrays.contains_key(name)
     }
 
     /// Removes and returns tensor `name`.
@@ -44,6 +60,9 @@ impl Weights {
     /// # Errors
     /// [`ModelError::MissingWeight`] when the checkpoint has no such tensor.
     pub fn take(&mut self, name: &str) -> Result<Array, ModelError> {
+        if let Some(a) = self.arrays.remove(name) {
+            return Ok(a);
+        }
         let i = self
             .index
             .remove(name)
@@ -62,7 +81,12 @@ impl Weights {
 
     /// Names not taken yet (a model checks that none of its own are left).
     pub fn remaining(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.index.keys().cloned().collect();
+        let mut v: Vec<String> = self
+            .index
+            .keys()
+            .chain(self.arrays.keys())
+            .cloned()
+            .collect();
         v.sort();
         v
     }

@@ -20,6 +20,7 @@ mod qwen3;
 
 use std::path::Path;
 
+use mlxcel_model::gguf::{self, GgufModel};
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 
 /// One family: its `model_type`s, how it adjusts the shared config, and how
@@ -76,19 +77,25 @@ pub fn supported() -> Vec<&'static str> {
         .collect()
 }
 
-/// Reads `dir/config.json` as its family reads it.
+/// Reads `dir/config.json` as its family reads it; when `dir` is a GGUF
+/// file, the config its metadata describes (`mlxcel_model::gguf`).
 ///
 /// # Errors
 /// Missing or malformed `config.json`, an unsupported `model_type`, or a
-/// family's refusal of the config.
+/// family's refusal of the config; for GGUF, an invalid file or an
+/// unsupported architecture or tensor type (named).
 pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
-    let mut config = ModelConfig::from_model_dir(dir)?;
+    let mut config = if gguf::is_gguf(dir) {
+        GgufModel::open(dir)?.config()?
+    } else {
+        ModelConfig::from_model_dir(dir)?
+    };
     (family(&config.model_type)?.configure)(&mut config)?;
     Ok(config)
 }
 
-/// Loads the model in `dir` (its config from [`read_config`]) with its
-/// family.
+/// Loads the model in `dir` (a checkpoint directory or a GGUF file; its
+/// config from [`read_config`]) with its family.
 ///
 /// # Errors
 /// An unsupported `model_type`, or any loading error of the family.
@@ -98,7 +105,11 @@ pub fn load_model(
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
     let family = family(&config.model_type)?;
-    let mut weights = Weights::open(dir)?;
+    let mut weights = if gguf::is_gguf(dir) {
+        GgufModel::open(dir)?.weights(&config)?
+    } else {
+        Weights::open(dir)?
+    };
     tracing::info!(family = family.name, model_type = %config.model_type, "loading model");
     (family.load)(config, &mut weights, options)
 }
