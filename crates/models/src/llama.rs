@@ -92,17 +92,8 @@ mod tests {
     use super::*;
 
     fn config(json: &str) -> ModelConfig {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "mlxcel-llama-windows-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("config.json"), json).unwrap();
-        let mut c = ModelConfig::from_model_dir(&dir).unwrap();
+        let mut c = ModelConfig::from_json_str(json).unwrap();
         configure(&mut c).unwrap();
-        std::fs::remove_dir_all(&dir).ok();
         c
     }
 
