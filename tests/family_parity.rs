@@ -44,36 +44,47 @@ fn step(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]) -
     logits.to_vec_f32().expect("logits")
 }
 
+/// `golden.json` of `dir`, which `script` (run by `scripts/setup.sh`)
+/// writes; missing is a failure.
+fn read_golden(dir: &std::path::Path, script: &str) -> Value {
+    let text = std::fs::read_to_string(dir.join("golden.json")).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; run scripts/setup.sh (scripts/{script})",
+            dir.display()
+        )
+    });
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The token ids at `key`.
+fn ids(golden: &Value, key: &str) -> Vec<u32> {
+    golden[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// The numbers at `key`, as float32.
+fn floats(golden: &Value, key: &str) -> Vec<f32> {
+    golden[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect()
+}
+
 fn argmax(v: &[f32]) -> u32 {
     (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap() as u32
 }
 
 fn check_family(name: &str) {
     let dir = tiny_models().join(name);
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("golden.json")).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}; run scripts/setup.sh (scripts/make_tiny_models.py)",
-                dir.display()
-            )
-        }),
-    )
-    .unwrap();
-    let ids = |key: &str| -> Vec<u32> {
-        golden[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let (prompt, want) = (ids("prompt"), ids("greedy"));
-    let want_logits: Vec<f32> = golden["last_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect();
+    let golden = read_golden(&dir, "make_tiny_models.py");
+    let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
+    let want_logits = floats(&golden, "last_logits");
     let config = read_config(&dir).expect("config");
     // Quantized checkpoints run both ways: dequantized at load (the CPU
     // default) and kept quantized.
@@ -194,15 +205,7 @@ fn check_real_model(env: &str, dir: &str) {
             .join("models")
             .join(dir)
     });
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("golden.json")).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}; run scripts/setup.sh (scripts/prepare_real_models.py)",
-                dir.display()
-            )
-        }),
-    )
-    .unwrap();
+    let golden = read_golden(&dir, "prepare_real_models.py");
     let config = read_config(&dir).expect("config");
     let options = LoadOptions {
         dtype: Dtype::Float32,
@@ -212,27 +215,14 @@ fn check_real_model(env: &str, dir: &str) {
     let prompts = golden["prompts"].as_array().expect("prompts");
     assert_eq!(prompts.len(), 2);
     for case in prompts {
-        let ids = |key: &str| -> Vec<u32> {
-            case[key]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        };
-        let logits: Vec<f32> = case["last_logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
-        let prompt = ids("prompt");
+        let logits = floats(case, "last_logits");
+        let prompt = ids(case, "prompt");
         let name = format!("{}, {} prompt tokens", dir.display(), prompt.len());
         check_model(
             &name,
             model.as_ref(),
             &prompt,
-            &ids("greedy"),
+            &ids(case, "greedy"),
             &logits,
             1e-3,
         );
