@@ -19,6 +19,7 @@ pub mod output;
 pub mod reasoning;
 pub mod sampler;
 pub mod scheduler;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod warmup;
 mod worker;
@@ -28,4 +29,5 @@ pub use engine::{
     auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, ReasoningParser,
 };
 pub use mlxcel_kv::StorageBackend;
+pub use tensor_parallel::{run_follower, TensorParallelConfig};
 pub use mlxcel_model::AttentionPath;
