@@ -417,7 +417,12 @@ fn join_group(args: &ServeArgs, config: &mut EngineConfig) -> anyhow::Result<usi
         )
     })?;
     let (rank, size) = (group.rank(), group.size());
-    tracing::info!(rank, ranks = size, backend, "joined the tensor-parallel group");
+    tracing::info!(
+        rank,
+        ranks = size,
+        backend,
+        "joined the tensor-parallel group"
+    );
     if size > 1 {
         config.tensor_parallel = Some(mlxcel_engine::TensorParallelConfig {
             shard: mlxcel_model::TensorParallel::new(rank, size)?,

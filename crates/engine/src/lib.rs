@@ -29,5 +29,5 @@ pub use engine::{
     auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, ReasoningParser,
 };
 pub use mlxcel_kv::StorageBackend;
-pub use tensor_parallel::{run_follower, TensorParallelConfig};
 pub use mlxcel_model::AttentionPath;
+pub use tensor_parallel::{run_follower, TensorParallelConfig};

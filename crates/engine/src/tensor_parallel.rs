@@ -326,10 +326,9 @@ impl Leader {
     /// fires); a failure breaks the group.
     pub(crate) fn send(&self, plan: &Plan) -> Result<(), TpError> {
         self.check()?;
-        broadcast(Some(plan)).map(drop).map_err(|e| {
-            self.health.mark_broken(&e.0);
-            e
-        })
+        broadcast(Some(plan))
+            .map(drop)
+            .inspect_err(|e| self.health.mark_broken(&e.to_string()))
     }
 
     /// An error when the group is broken.
@@ -488,7 +487,11 @@ mod tests {
                 blocks: vec![1, 9],
             }],
         };
-        let plan = Plan::Step(StepPlan::new(&rows, layout.clone(), AttentionPath::PagedDecode));
+        let plan = Plan::Step(StepPlan::new(
+            &rows,
+            layout.clone(),
+            AttentionPath::PagedDecode,
+        ));
         let json = serde_json::to_vec(&plan).unwrap();
         let back: Plan = serde_json::from_slice(&from_words(&to_words(&json)).unwrap()).unwrap();
         assert_eq!(back, plan);

@@ -159,7 +159,7 @@ impl KvReplica {
             }
         };
         for r in &layout.rows {
-            let span = r.end.checked_sub(r.start).unwrap_or(0);
+            let span = r.end.saturating_sub(r.start);
             if r.new == 0 || r.new > span {
                 return Err(KvError::Invariant(format!(
                     "bad replica row [{}, {}) with {} new tokens",

@@ -93,7 +93,7 @@ impl Group {
     }
 }
 
-fn group_or_world<'a>(group: Option<&'a Group>) -> Result<&'a Group> {
+fn group_or_world(group: Option<&Group>) -> Result<&Group> {
     match group {
         Some(g) => Ok(g),
         None => world()

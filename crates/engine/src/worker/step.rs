@@ -612,15 +612,20 @@ impl Worker<'_> {
                                 (Some(group), Some((layout, events))) => {
                                     // Built without error: now the other
                                     // ranks run it with this rank.
-                                    let step = crate::tensor_parallel::StepPlan::new(
-                                        &rows, layout?, path,
-                                    );
+                                    let step =
+                                        crate::tensor_parallel::StepPlan::new(&rows, layout?, path);
                                     group.watchdog.arm(events);
                                     let ran = group
                                         .send(&crate::tensor_parallel::Plan::Step(step))
                                         .map_err(|e| e.to_string())
                                         .and_then(|()| {
-                                            sample_rows(&logits, wanted, view.storage())
+                                            sample_rows(&logits, wanted, view.storage()).map_err(
+                                                |e| {
+                                                    format!(
+                                                        "tensor parallelism: a step failed: {e}"
+                                                    )
+                                                },
+                                            )
                                         });
                                     group.watchdog.disarm();
                                     if let Err(e) = &ran {
