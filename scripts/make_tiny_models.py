@@ -14,6 +14,12 @@ ids, the last-position logits of the prompt, and 16 greedy tokens, both from
 mlx_lm's model with its KV cache (``make_prompt_cache``), as ``mlx_lm
 generate`` runs it. No tokenizer is involved: the test feeds token ids.
 
+``llama_chat`` is a Llama with SmolLM2's vocabulary (49152 tokens), whose
+tokenizer and chat template files are copied from
+``models/SmolLM2-135M-Instruct`` (``setup.sh`` fetches it first): a model
+the server can serve, with head counts (4 query, 2 K/V) that split over
+two tensor-parallel ranks (tests/tensor_parallel.rs).
+
 Idempotent: a family whose directory already holds a golden made by this
 version of the script is skipped.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -47,6 +54,17 @@ BASE = {
     "rope_theta": 10000.0,
     "torch_dtype": "float32",
 }
+
+REPO = Path(__file__).resolve().parent.parent
+# Tokenizer, template and generation files a served model needs.
+CHAT_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+]
+CHAT_SOURCE = REPO / "models" / "SmolLM2-135M-Instruct"
 
 # name -> (mlx_lm module, config overrides)
 FAMILIES = {
@@ -120,6 +138,18 @@ FAMILIES = {
             "sliding_window_pattern": 2,
         },
     ),
+    # A servable Llama: SmolLM2's vocabulary and tokenizer, even head counts.
+    "llama_chat": (
+        "llama",
+        {
+            "model_type": "llama",
+            "tie_word_embeddings": True,
+            "vocab_size": 49152,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "max_position_embeddings": 2048,
+        },
+    ),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
     "phi3_q4": (
         "phi3",
@@ -182,6 +212,10 @@ def main() -> None:
         weights = dict(tree_flatten(model.parameters()))
         mx.save_safetensors(str(d / "model.safetensors"), weights)
         (d / "config.json").write_text(json.dumps(config, indent=2))
+        if config.get("vocab_size") == 49152:
+            for f in CHAT_FILES:
+                if (CHAT_SOURCE / f).is_file():
+                    shutil.copy(CHAT_SOURCE / f, d / f)
         logits, tokens = greedy(model)
         golden.write_text(
             json.dumps(

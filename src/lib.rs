@@ -369,6 +369,76 @@ pub struct ServeArgs {
     /// and `previous_response_id` are a 400).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub responses_store_size: usize,
+    /// Split the model over the processes `mlx.launch` started, one per
+    /// rank (tensor parallelism: attention heads and MLP columns): rank 0
+    /// serves HTTP, the others run their shard of each step. See
+    /// docs/distributed.md.
+    #[arg(long)]
+    pub tensor_parallel: bool,
+    /// MLX distributed backend of `--tensor-parallel`: `any` (the one the
+    /// launcher configured), `ring` (TCP), `jaccl` (RDMA over
+    /// Thunderbolt), `mpi`, `nccl` (NVIDIA).
+    #[arg(long, value_enum, default_value_t = DistributedBackendArg::Any)]
+    pub distributed_backend: DistributedBackendArg,
+    /// With `--tensor-parallel`: seconds one step of the group may take
+    /// before rank 0 gives up on it (a rank that stopped answering can
+    /// block a collective for as long as the backend waits); its requests
+    /// then fail and `/health` reports unhealthy.
+    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub tensor_parallel_timeout: std::time::Duration,
+}
+
+/// `--distributed-backend`: MLX's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DistributedBackendArg {
+    Any,
+    Ring,
+    Jaccl,
+    Mpi,
+    Nccl,
+}
+
+impl DistributedBackendArg {
+    /// The name MLX's `distributed::init` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DistributedBackendArg::Any => "any",
+            DistributedBackendArg::Ring => "ring",
+            DistributedBackendArg::Jaccl => "jaccl",
+            DistributedBackendArg::Mpi => "mpi",
+            DistributedBackendArg::Nccl => "nccl",
+        }
+    }
+}
+
+/// Joins the tensor-parallel group `args` asks for and sets
+/// `config.tensor_parallel`; returns this process's rank (0 without
+/// `--tensor-parallel`).
+fn join_group(args: &ServeArgs, config: &mut EngineConfig) -> anyhow::Result<usize> {
+    if !args.tensor_parallel {
+        return Ok(0);
+    }
+    let backend = args.distributed_backend.name();
+    let group = mlxcel_mlx::distributed::init(backend, true).with_context(|| {
+        format!(
+            "--tensor-parallel: joining the `{backend}` group (start every rank with \
+             `mlx.launch`, see docs/distributed.md)"
+        )
+    })?;
+    let (rank, size) = (group.rank(), group.size());
+    tracing::info!(
+        rank,
+        ranks = size,
+        backend,
+        "joined the tensor-parallel group"
+    );
+    if size > 1 {
+        config.tensor_parallel = Some(mlxcel_engine::TensorParallelConfig {
+            shard: mlxcel_model::TensorParallel::new(rank, size)?,
+            timeout: args.tensor_parallel_timeout,
+        });
+    }
+    Ok(rank)
 }
 
 /// A non-negative number of seconds (decimals allowed).
@@ -514,7 +584,14 @@ pub fn init_logging() {
 /// the engine thread, and returns. The caller should then leave through
 /// [`exit`]: an ordinary process exit can hang in OpenBLAS's exit handler.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let engine_config = args.model.engine_config(args.alias.clone())?;
+    let mut engine_config = args.model.engine_config(args.alias.clone())?;
+    if join_group(&args, &mut engine_config)? > 0 {
+        // A follower rank: no HTTP, its shard of every step until rank 0
+        // stops.
+        mlxcel_engine::run_follower(&engine_config)?;
+        tracing::info!("follower stopped");
+        return Ok(());
+    }
     let context_length =
         mlxcel_engine::loader::read_config(&engine_config.model_dir)?.max_position_embeddings;
     let slot = Arc::new(ServiceSlot::new(engine_config.model_id(), context_length));

@@ -15,6 +15,7 @@ fn main() {
         .file("src/paged_attention.cc")
         .file("src/gemv_forward.cc")
         .file("src/skinny_gemm.cc")
+        .file("src/distributed.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
@@ -35,4 +36,6 @@ fn main() {
     println!("cargo:rerun-if-changed=src/skinny_gemm.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.h");
     println!("cargo:rerun-if-changed=include/shim.h");
+    println!("cargo:rerun-if-changed=src/distributed.cc");
+    println!("cargo:rerun-if-changed=include/distributed.h");
 }

@@ -91,6 +91,12 @@ pub struct EngineConfig {
     /// Where MLX's CUDA backend keeps compiled kernels across restarts (a
     /// subdirectory per MLX version is used); `None`: MLX's default.
     pub kernel_cache_dir: Option<PathBuf>,
+    /// Tensor parallelism (`--tensor-parallel`): this process's rank of
+    /// the group. Rank 0 runs this engine; other ranks run
+    /// [`crate::tensor_parallel::run_follower`]. Forces the paged KV
+    /// backend and turns the decode pipeline off (each step's inputs must
+    /// be known on the host to be broadcast).
+    pub tensor_parallel: Option<crate::tensor_parallel::TensorParallelConfig>,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub fault: crate::fault::FaultInjection,
@@ -137,6 +143,7 @@ impl EngineConfig {
             cudnn_attention: false,
             kernel_cache_dir: None,
             chat_template: None,
+            tensor_parallel: None,
             #[cfg(feature = "fault-injection")]
             fault: crate::fault::FaultInjection::default(),
         }
@@ -220,6 +227,9 @@ pub struct Engine {
     /// Joined on drop, so no MLX work outlives the handle.
     thread: Option<std::thread::JoinHandle<()>>,
     stats: Arc<Mutex<EngineStats>>,
+    /// Tensor parallelism: the group's health (requests are refused once
+    /// it is broken).
+    group: Option<Arc<crate::tensor_parallel::GroupHealth>>,
     /// What was loaded, for logs and `/v1/models`.
     pub info: EngineInfo,
 }
@@ -271,14 +281,23 @@ impl Engine {
             mlxcel_mlx::set_kernel_cache_dir(&dir)?;
         }
         mlxcel_mlx::use_device(gpu)?;
-        let dtype = config
-            .dtype
-            .unwrap_or_else(|| mlxcel_model::auto_dtype(&model_config, gpu));
-        let weight_mode = config.weight_mode.unwrap_or(if gpu {
-            WeightMode::Quantized
-        } else {
-            WeightMode::Dequantized
-        });
+        let (dtype, weight_mode) = compute_types(&config, &model_config, gpu);
+        let mut model_config = model_config;
+        let group = match config.tensor_parallel {
+            Some(tp) => {
+                model_config.tensor_parallel = Some(tp.shard);
+                // Followers address the pool by block id; the next step's
+                // inputs must be on the host to be broadcast.
+                config.storage_backend = Some(StorageBackend::Paged);
+                config.pipeline = false;
+                let health = Arc::new(crate::tensor_parallel::GroupHealth::default());
+                let watchdog =
+                    crate::tensor_parallel::Watchdog::start(tp.timeout, Arc::clone(&health))?;
+                Some(crate::tensor_parallel::Leader { health, watchdog })
+            }
+            None => None,
+        };
+        let group_health = group.as_ref().map(|g| Arc::clone(&g.health));
         let model_id = config.model_id();
         let context_length = model_config.max_position_embeddings;
         let vocab_size = model_config.vocab_size;
@@ -324,7 +343,22 @@ impl Engine {
                     mlxcel_mlx::use_device(gpu)?;
                     tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
                     let model = crate::loader::load_model(&dir, model_config, options)?;
-                    let kv = plan.kv_cache(model.as_ref())?;
+                    let mut kv = plan.kv_cache(model.as_ref())?;
+                    if let Some(leader) = &group {
+                        // Followers allocate the same pool and mirror its copies.
+                        kv.record_block_copies(true);
+                        let c = kv.config();
+                        let setup = crate::tensor_parallel::Plan::Setup {
+                            model_type: model.config().model_type.clone(),
+                            layers: model.config().num_hidden_layers,
+                            dtype: crate::tensor_parallel::dtype_code(model.dtype()),
+                            num_blocks: c.num_blocks,
+                            block_size: c.block_size,
+                        };
+                        leader
+                            .send(&setup)
+                            .map_err(|e| EngineError::Config(e.to_string()))?;
+                    }
                     Ok::<_, EngineError>((model, kv))
                 })();
                 match setup {
@@ -332,7 +366,8 @@ impl Engine {
                         let loaded = plan.loaded(&kv);
                         let _ = ready_tx.send(Ok(loaded));
                         let worker =
-                            Worker::new(model.as_ref(), &thread_text, kv, plan.worker, thread_stats);
+                            Worker::new(model.as_ref(), &thread_text, kv, plan.worker, thread_stats)
+                                .with_group(group);
                         worker.run(&queue);
                     }
                     Err(e) => {
@@ -384,6 +419,7 @@ impl Engine {
             jobs: Some(jobs),
             thread: Some(thread),
             stats,
+            group: group_health,
             info,
         };
         if config.warmup.unwrap_or(gpu) {
@@ -534,6 +570,9 @@ impl InferenceService for Engine {
             message,
             field: Some(field),
         };
+        if let Some(reason) = self.group.as_ref().and_then(|g| g.broken()) {
+            return Err(SubmitError::Unavailable(reason));
+        }
         let n = request.n.max(1);
         if n > self.worker.parallel {
             return Err(invalid(
@@ -702,6 +741,10 @@ impl InferenceService for Engine {
         self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    fn unhealthy(&self) -> Option<String> {
+        self.group.as_ref().and_then(|g| g.broken())
+    }
+
     fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
         let gone = || SubmitError::Unavailable("the engine has stopped".into());
         let (reply, outcome) = mpsc::channel();
@@ -865,6 +908,25 @@ fn grammar_of(
         (grammar, RequestField::ToolChoice),
         Some(forced_call_prefix(only.as_deref())),
     )))
+}
+
+/// The compute dtype and weight mode `config` asks for on this device
+/// (`auto`: float32 and dequantized weights on a CPU, the checkpoint's
+/// dtype and quantized weights on a GPU).
+pub(crate) fn compute_types(
+    config: &EngineConfig,
+    model_config: &mlxcel_model::ModelConfig,
+    gpu: bool,
+) -> (Dtype, WeightMode) {
+    let dtype = config
+        .dtype
+        .unwrap_or_else(|| mlxcel_model::auto_dtype(model_config, gpu));
+    let weight_mode = config.weight_mode.unwrap_or(if gpu {
+        WeightMode::Quantized
+    } else {
+        WeightMode::Dequantized
+    });
+    (dtype, weight_mode)
 }
 
 /// What the engine thread builds after loading, decided from the config.

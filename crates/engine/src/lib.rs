@@ -20,6 +20,7 @@ pub mod output;
 pub mod reasoning;
 pub mod sampler;
 pub mod scheduler;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod warmup;
 mod worker;
@@ -30,3 +31,4 @@ pub use engine::{
 };
 pub use mlxcel_kv::StorageBackend;
 pub use mlxcel_model::AttentionPath;
+pub use tensor_parallel::{run_follower, TensorParallelConfig};

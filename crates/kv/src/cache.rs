@@ -21,7 +21,7 @@ use crate::error::KvError;
 use crate::hash::BlockHash;
 use crate::pool::BlockPool;
 use crate::prefix::{PrefixCache, PrefixCacheStats};
-use crate::sequence::SequenceBlocks;
+use crate::sequence::{BlockCopy, SequenceBlocks};
 use crate::step::StepKv;
 use crate::storage::{DenseStorage, KvLayout, PagedStorage};
 
@@ -144,6 +144,9 @@ pub struct KvCache {
     next_id: u64,
     released: Rc<RefCell<Vec<u64>>>,
     prefix: Option<(PrefixCache, PrefixCacheConfig)>,
+    /// Block copies made since last taken, when recording (tensor
+    /// parallelism's rank 0: see replica.rs).
+    pub(crate) copy_log: Option<Vec<BlockCopy>>,
 }
 
 impl KvCache {
@@ -174,6 +177,7 @@ impl KvCache {
             next_id: 0,
             released: Rc::default(),
             prefix,
+            copy_log: None,
         })
     }
 
@@ -412,7 +416,12 @@ impl KvCache {
         let appended = state.blocks.append_slots(&mut self.pool, n)?;
         let grown = match (&mut state.dense, &mut self.paged, appended.copy) {
             (Some(d), _, _) => d.reserve(state.blocks.start(), state.blocks.end()),
-            (None, Some(p), Some(copy)) => p.copy_block(copy),
+            (None, Some(p), Some(copy)) => {
+                if let Some(log) = &mut self.copy_log {
+                    log.push(copy);
+                }
+                p.copy_block(copy)
+            }
             _ => Ok(()),
         };
         if let Err(e) = grown {

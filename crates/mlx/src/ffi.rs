@@ -151,4 +151,19 @@ pub(crate) mod bridge {
         fn version() -> Result<String>;
         fn device_name(gpu: bool) -> Result<String>;
     }
+
+    unsafe extern "C++" {
+        include!("mlxcel-mlx/include/distributed.h");
+
+        type DistGroup;
+
+        fn distributed_is_available(backend: &str) -> Result<bool>;
+        fn distributed_init(backend: &str, strict: bool) -> Result<UniquePtr<DistGroup>>;
+        fn group_rank(g: &DistGroup) -> Result<i32>;
+        fn group_size(g: &DistGroup) -> Result<i32>;
+        fn dist_all_sum(x: &array, g: &DistGroup) -> Result<UniquePtr<array>>;
+        fn dist_all_gather(x: &array, g: &DistGroup) -> Result<UniquePtr<array>>;
+        fn dist_send(x: &array, dst: i32, g: &DistGroup) -> Result<UniquePtr<array>>;
+        fn dist_recv_like(like: &array, src: i32, g: &DistGroup) -> Result<UniquePtr<array>>;
+    }
 }

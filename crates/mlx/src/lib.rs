@@ -16,6 +16,7 @@
 //! so the engine must never ask for it: the KV pool is sized from a memory
 //! budget and prefill is chunked, which bounds every step's allocations.
 
+pub mod distributed;
 mod dtype;
 mod ffi;
 mod ops;

@@ -2,7 +2,7 @@
 //! attention layer that talks to the KV view. The mask is built here, from
 //! the number of live keys the view returns (docs/architecture.md invariant 3).
 
-use crate::layers::{Linear, LoadContext, RmsNorm};
+use crate::layers::{Linear, LoadContext, RmsNorm, ShardAxis};
 use crate::profile::mark;
 use crate::rope::{Rope, RopeSpec};
 use crate::step::Step;
@@ -96,12 +96,29 @@ pub struct Attention {
 
 impl Attention {
     /// Loads `{path}.{q,k,v,o}_proj` (and `{path}.{q,k}_norm`) as `spec`
-    /// describes.
+    /// describes. Under tensor parallelism (`ctx.shard`) it keeps this
+    /// rank's query and K/V heads (q/k/v output rows, o input columns).
+    ///
+    /// # Errors
+    /// Missing tensors; head counts that do not divide by the world size;
+    /// q/k norms over the whole projection (OLMo 2) under tensor
+    /// parallelism, which would need their own collective.
     pub fn load(
         ctx: &mut LoadContext<'_>,
         path: &str,
         spec: &AttentionSpec,
     ) -> Result<Self, ModelError> {
+        let tp = ctx.shard;
+        let ranks = tp.map_or(1, |t| t.size);
+        if let Some(t) = tp {
+            t.part(spec.heads, "num_attention_heads")?;
+            t.part(spec.kv_heads, "num_key_value_heads")?;
+            if spec.qk_norm.is_some_and(|n| !n.per_head) {
+                return Err(ModelError::Unsupported(
+                    "tensor parallelism with q/k norms over the whole projection (OLMo 2)".into(),
+                ));
+            }
+        }
         let norm = |ctx: &mut LoadContext<'_>, name: &str| {
             spec.qk_norm
                 .map(|n| {
@@ -133,17 +150,23 @@ impl Attention {
                 Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?,
             )
         };
+        let (q_proj, k_proj, v_proj) = (
+            q_proj.shard_if(ShardAxis::Output, tp)?,
+            k_proj.shard_if(ShardAxis::Output, tp)?,
+            v_proj.shard_if(ShardAxis::Output, tp)?,
+        );
         Ok(Attention {
             q_proj,
             k_proj,
             v_proj,
-            o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?,
+            o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?
+                .shard_if(ShardAxis::Input, tp)?,
             q_norm: norm(ctx, "q_norm")?,
             k_norm: norm(ctx, "k_norm")?,
             qk_norm_per_head: spec.qk_norm.is_some_and(|n| n.per_head),
             rope: Rope::new(&spec.rope)?,
-            heads: spec.heads as i32,
-            kv_heads: spec.kv_heads as i32,
+            heads: (spec.heads / ranks) as i32,
+            kv_heads: (spec.kv_heads / ranks) as i32,
             head_dim: spec.head_dim as i32,
             scale: spec.scale,
             scale_array: Array::from_f32(&[spec.scale], &[1])?,

@@ -156,6 +156,10 @@ pub struct ModelConfig {
     pub quantization: Quantization,
     /// The whole `config.json`, for the keys only one family reads.
     pub raw: serde_json::Value,
+    /// This process's shard of the model under tensor parallelism (not in
+    /// `config.json`: the engine sets it before loading); `None` loads the
+    /// whole model.
+    pub tensor_parallel: Option<crate::TensorParallel>,
 }
 
 impl ModelConfig {
@@ -218,6 +222,7 @@ impl ModelConfig {
             torch_dtype: raw.torch_dtype,
             sliding_window,
             raw: json,
+            tensor_parallel: None,
         })
     }
 }

@@ -2,7 +2,7 @@
 //! load), embedding, RMSNorm, the gated SiLU MLP. Each has `load(ctx, path)` with `path` mirroring the
 //! checkpoint's tensor names, and `forward`.
 
-use crate::{config::QuantSpec, ModelError, Weights};
+use crate::{config::QuantSpec, ModelError, TensorParallel, Weights};
 use mlxcel_mlx::{Array, Dtype};
 
 /// How quantized weights are used at run time.
@@ -24,6 +24,9 @@ pub struct LoadContext<'a> {
     /// Dtype activations and dense weights are computed in.
     pub dtype: Dtype,
     pub mode: WeightMode,
+    /// This rank's shard under tensor parallelism; `None` loads whole
+    /// layers.
+    pub shard: Option<TensorParallel>,
 }
 
 impl LoadContext<'_> {
@@ -146,6 +149,21 @@ impl Matrix {
 pub struct Linear {
     pub weight: Matrix,
     pub bias: Option<Array>,
+    /// Sharded-to-all under tensor parallelism: `x Wᵀ` is this rank's
+    /// partial sum, summed over the ranks (`all_sum`) before the bias.
+    pub all_sum: bool,
+}
+
+/// How [`Linear::shard`] splits a layer over tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardAxis {
+    /// All-to-sharded: each rank keeps its slice of the output rows (q, k,
+    /// v, gate, up), bias included.
+    Output,
+    /// Sharded-to-all: each rank keeps its slice of the input columns (o,
+    /// down) and the outputs are summed over the ranks; the bias is kept
+    /// whole and added once, after the sum.
+    Input,
 }
 
 impl Linear {
@@ -158,7 +176,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            all_sum: false,
+        })
     }
 
     /// Loads the fused linear `path` (`{path}.weight`, quantized or not,
@@ -210,15 +232,80 @@ impl Linear {
                 .as_ref()
                 .map(|b| rows(b, start, len))
                 .transpose()?;
-            parts.push(Linear { weight, bias });
+            parts.push(Linear {
+                weight,
+                bias,
+                all_sum: false,
+            });
             start += len;
         }
         Ok(parts)
     }
 
+    /// This rank's shard of the layer along `axis` (see [`ShardAxis`]).
+    /// Quantized matrices split along their packed columns and their
+    /// scale/bias groups, so the input slice must cover whole groups
+    /// ([`TensorParallel::check`]).
+    ///
+    /// # Errors
+    /// A dimension that does not divide by the world size.
+    pub fn shard(self, axis: ShardAxis, tp: TensorParallel) -> Result<Self, ModelError> {
+        let cut = |a: &Array, dim: usize, what: &str| -> Result<Array, ModelError> {
+            let mut stop = a.shape();
+            let n = stop.get(dim).copied().unwrap_or(0) as usize;
+            let (start, len) = tp.part(n, what)?;
+            let mut begin = vec![0; stop.len()];
+            begin[dim] = start as i32;
+            stop[dim] = (start + len) as i32;
+            Ok(a.slice(&begin, &stop)?.contiguous()?)
+        };
+        let dim = match axis {
+            ShardAxis::Output => 0,
+            ShardAxis::Input => 1,
+        };
+        let weight = match &self.weight {
+            Matrix::Dense(w) => Matrix::Dense(cut(w, dim, "a linear layer's size")?),
+            Matrix::Quantized(q) => Matrix::Quantized(QuantizedMatrix {
+                weight: cut(&q.weight, dim, "a quantized layer's packed size")?,
+                scales: cut(&q.scales, dim, "a quantized layer's groups")?,
+                biases: cut(&q.biases, dim, "a quantized layer's groups")?,
+                spec: q.spec,
+            }),
+        };
+        Ok(match axis {
+            ShardAxis::Output => Linear {
+                weight,
+                bias: self
+                    .bias
+                    .as_ref()
+                    .map(|b| cut(b, 0, "a bias"))
+                    .transpose()?,
+                all_sum: false,
+            },
+            ShardAxis::Input => Linear {
+                weight,
+                bias: self.bias,
+                all_sum: true,
+            },
+        })
+    }
+
+    /// [`Linear::shard`] when `tp` is set, else the layer unchanged.
+    pub fn shard_if(self, axis: ShardAxis, tp: Option<TensorParallel>) -> Result<Self, ModelError> {
+        match tp {
+            Some(tp) => self.shard(axis, tp),
+            None => Ok(self),
+        }
+    }
+
     /// `[..., in] -> [..., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
         let y = self.weight.apply(x)?;
+        let y = if self.all_sum {
+            mlxcel_mlx::distributed::all_sum(&y, None)?
+        } else {
+            y
+        };
         match &self.bias {
             Some(b) => Ok(y.add(b)?),
             None => Ok(y),
@@ -331,11 +418,17 @@ pub struct Mlp {
 
 impl Mlp {
     /// Loads `{path}.gate_proj`, `{path}.up_proj`, `{path}.down_proj`.
+    /// Under tensor parallelism (`ctx.shard`), gate and up keep this
+    /// rank's intermediate columns and down the matching input columns.
     pub fn load(ctx: &mut LoadContext<'_>, path: &str, bias: bool) -> Result<Self, ModelError> {
+        let tp = ctx.shard;
         Ok(Mlp {
-            gate_proj: Linear::load(ctx, &format!("{path}.gate_proj"), bias)?,
-            up_proj: Linear::load(ctx, &format!("{path}.up_proj"), bias)?,
-            down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?,
+            gate_proj: Linear::load(ctx, &format!("{path}.gate_proj"), bias)?
+                .shard_if(ShardAxis::Output, tp)?,
+            up_proj: Linear::load(ctx, &format!("{path}.up_proj"), bias)?
+                .shard_if(ShardAxis::Output, tp)?,
+            down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?
+                .shard_if(ShardAxis::Input, tp)?,
             activation: Activation::Silu,
         })
     }
@@ -359,13 +452,15 @@ impl Mlp {
             bias,
             &[intermediate, intermediate],
         )?;
+        let tp = ctx.shard;
         let up_proj = gate_up.pop();
         let gate_proj = gate_up.pop();
         match (gate_proj, up_proj) {
             (Some(gate_proj), Some(up_proj)) => Ok(Mlp {
-                gate_proj,
-                up_proj,
-                down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?,
+                gate_proj: gate_proj.shard_if(ShardAxis::Output, tp)?,
+                up_proj: up_proj.shard_if(ShardAxis::Output, tp)?,
+                down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?
+                    .shard_if(ShardAxis::Input, tp)?,
                 activation: Activation::Silu,
             }),
             _ => Err(ModelError::Weights(format!(

@@ -11,11 +11,13 @@ pub mod layers;
 pub mod profile;
 pub mod rope;
 pub mod step;
+pub mod tensor_parallel;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use layers::WeightMode;
 pub use step::{AttentionPath, Step, StepRow};
+pub use tensor_parallel::TensorParallel;
 pub use weights::Weights;
 
 use mlxcel_kv::{AttentionKv, KvLayout};
@@ -103,12 +105,14 @@ pub trait Model: Send {
     /// Compute dtype.
     fn dtype(&self) -> Dtype;
 
-    /// One token's K/V shape, for sizing the KV cache.
+    /// One token's K/V shape, for sizing the KV cache (under tensor
+    /// parallelism, this rank's K/V heads only).
     fn kv_layout(&self) -> KvLayout {
         let c = self.config();
+        let ranks = c.tensor_parallel.map_or(1, |tp| tp.size);
         KvLayout {
             layers: c.num_hidden_layers,
-            kv_heads: c.num_key_value_heads,
+            kv_heads: c.num_key_value_heads / ranks,
             head_dim: c.head_dim,
             dtype: self.dtype(),
         }

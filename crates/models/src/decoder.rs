@@ -241,11 +241,15 @@ impl Decoder {
                 config.num_hidden_layers
             )));
         }
+        if let Some(tp) = config.tensor_parallel {
+            tp.check(&config)?;
+        }
         let mut ctx = LoadContext {
             weights,
             quantization: &config.quantization,
             dtype: options.dtype,
             mode: options.weight_mode,
+            shard: config.tensor_parallel,
         };
         let embed_tokens = Embedding::load(&mut ctx, "model.embed_tokens")?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);

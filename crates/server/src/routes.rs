@@ -73,18 +73,30 @@ pub async fn retrieve_model(
 }
 
 /// `GET /health`: `{"status":"ok"}` once the engine serves, `503
-/// {"status":"starting"}` while the model loads and warms up.
+/// {"status":"starting"}` while the model loads and warms up, `503
+/// {"status":"unhealthy"}` once it can no longer serve (a tensor-parallel
+/// rank died).
 #[utoipa::path(
     get,
     path = "/health",
     operation_id = "getHealth",
-    summary = "Readiness probe: 200 once the model is loaded and warmed up, 503 while starting; never needs an API key",
+    summary = "Readiness probe: 200 once the model is loaded and warmed up, 503 while starting or once unhealthy; never needs an API key",
     responses(
         (status = 200, description = "The engine serves requests", body = Health),
-        (status = 503, description = "The model is still loading or warming up", body = Health),
+        (status = 503, description = "The model is still loading or warming up (`starting`), or the engine can no longer serve (`unhealthy`: a tensor-parallel rank died or stopped answering)", body = Health),
     ),
 )]
 pub async fn health(State(state): State<AppState>) -> Response {
+    if let Some(reason) = state.service().unhealthy() {
+        tracing::debug!(reason, "health: unhealthy");
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(Health {
+                status: HealthStatus::Unhealthy,
+            }),
+        )
+            .into_response();
+    }
     if state.service().ready() {
         Json(Health {
             status: HealthStatus::Ok,

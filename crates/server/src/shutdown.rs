@@ -94,6 +94,10 @@ impl InferenceService for DrainingService {
     fn ready(&self) -> bool {
         self.inner.ready()
     }
+
+    fn unhealthy(&self) -> Option<String> {
+        self.inner.unhealthy()
+    }
 }
 
 /// Passes `events` on to `tx` until the request ends, its client goes away,

@@ -480,6 +480,11 @@ pub trait InferenceService: Send + Sync + 'static {
     fn ready(&self) -> bool {
         true
     }
+    /// Why the engine can no longer serve, when it can't (`GET /health`
+    /// answers 503 `unhealthy`): e.g. a tensor-parallel rank that died.
+    fn unhealthy(&self) -> Option<String> {
+        None
+    }
 }
 
 /// An [`InferenceService`] that exists before its engine: a server listens
@@ -541,6 +546,9 @@ impl InferenceService for ServiceSlot {
     }
     fn ready(&self) -> bool {
         self.engine.get().is_some_and(|e| e.ready())
+    }
+    fn unhealthy(&self) -> Option<String> {
+        self.engine.get().and_then(|e| e.unhealthy())
     }
 }
 

@@ -261,6 +261,8 @@ pub(crate) struct Worker<'m> {
     pipeline_paused: bool,
     counters: EngineStats,
     published: Arc<Mutex<EngineStats>>,
+    /// Tensor parallelism: rank 0's side of the group.
+    group: Option<crate::tensor_parallel::Leader>,
 }
 
 impl<'m> Worker<'m> {
@@ -289,9 +291,37 @@ impl<'m> Worker<'m> {
             pipeline_paused: false,
             counters,
             published,
+            group: None,
         };
         w.publish();
         w
+    }
+
+    /// The worker of rank 0 of a tensor-parallel group (`None`: a single
+    /// process).
+    pub(crate) fn with_group(mut self, group: Option<crate::tensor_parallel::Leader>) -> Self {
+        self.group = group;
+        self
+    }
+
+    /// Tensor parallelism: once the group is broken, every request still
+    /// here fails (none can run any more); returns whether it is.
+    fn fail_all_if_broken(&mut self) -> bool {
+        let Some(reason) = self.group.as_ref().and_then(|g| g.health.broken()) else {
+            return false;
+        };
+        for job in self.waiting.drain(..) {
+            let _ = job.events.send(GenerationEvent::Failed {
+                message: reason.clone(),
+            });
+        }
+        for s in self.running.drain(..) {
+            let _ = s.job.events.send(GenerationEvent::Failed {
+                message: reason.clone(),
+            });
+        }
+        self.inflight = None;
+        true
     }
 
     /// Serves `queue` until every sender is gone and no request is left.
@@ -311,13 +341,26 @@ impl<'m> Worker<'m> {
                 // Every sequence of a queued step left: nothing to read.
                 self.inflight = None;
             }
+            if self.fail_all_if_broken() {
+                self.reclaim();
+                self.publish();
+                continue;
+            }
             self.reclaim();
             self.admit();
             if !self.running.is_empty() {
                 self.guarded_step();
             }
+            self.fail_all_if_broken();
             self.reclaim();
             self.publish();
+        }
+        if let Some(group) = &self.group {
+            if group.check().is_ok() {
+                if let Err(e) = group.send(&crate::tensor_parallel::Plan::Stop) {
+                    tracing::warn!(error = %e, "telling the other ranks to stop");
+                }
+            }
         }
         tracing::info!("engine thread stopping");
     }

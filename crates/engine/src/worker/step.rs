@@ -81,7 +81,9 @@ impl Worker<'_> {
             Err(message) => {
                 self.counters.failed_steps += 1;
                 tracing::error!(error = %message, rows = plan.rows.len(), "step failed");
-                if let [row] = plan.rows[..] {
+                if self.group.as_ref().is_some_and(|g| g.check().is_err()) {
+                    // The group is broken: the run loop fails every request.
+                } else if let [row] = plan.rows[..] {
                     self.fail(row.seq, &message);
                 } else {
                     self.isolate(&plan);
@@ -563,12 +565,36 @@ impl Worker<'_> {
         #[cfg(feature = "fault-injection")]
         self.config.fault.check(&inputs)?;
         let path = self.attention_path();
+        // Tensor parallelism: the step's inputs for the other ranks, and
+        // the requests the watchdog fails if the group stops answering.
+        let group_step = match &self.group {
+            None => None,
+            Some(_) => {
+                let kv_rows: Vec<(&KvSequence, usize)> = plan
+                    .rows
+                    .iter()
+                    .map(|r| (&self.running[r.seq].kv, r.padded))
+                    .collect();
+                let mut layout = self.kv.step_layout(&kv_rows).map_err(|e| e.to_string());
+                if let Ok(l) = &mut layout {
+                    l.copies = self.kv.take_block_copies();
+                }
+                let events = self
+                    .running
+                    .iter()
+                    .map(|s| s.job.events.clone())
+                    .chain(self.waiting.iter().map(|j| j.events.clone()))
+                    .collect::<Vec<_>>();
+                Some((layout, events))
+            }
+        };
         let result = {
             let kv_rows: Vec<(&KvSequence, usize)> = plan
                 .rows
                 .iter()
                 .map(|r| (&self.running[r.seq].kv, r.padded))
                 .collect();
+            let group = self.group.as_ref();
             match self.kv.step(&kv_rows) {
                 Err(e) => Err(e.to_string()),
                 Ok(mut view) => {
@@ -582,7 +608,33 @@ impl Worker<'_> {
                                 on_device: &on_device,
                                 scored_at: &scored_at,
                             };
-                            sample_rows(&logits, wanted, view.storage())
+                            match (group, group_step) {
+                                (Some(group), Some((layout, events))) => {
+                                    // Built without error: now the other
+                                    // ranks run it with this rank.
+                                    let step =
+                                        crate::tensor_parallel::StepPlan::new(&rows, layout?, path);
+                                    group.watchdog.arm(events);
+                                    let ran = group
+                                        .send(&crate::tensor_parallel::Plan::Step(step))
+                                        .map_err(|e| e.to_string())
+                                        .and_then(|()| {
+                                            sample_rows(&logits, wanted, view.storage()).map_err(
+                                                |e| {
+                                                    format!(
+                                                        "tensor parallelism: a step failed: {e}"
+                                                    )
+                                                },
+                                            )
+                                        });
+                                    group.watchdog.disarm();
+                                    if let Err(e) = &ran {
+                                        group.health.mark_broken(e);
+                                    }
+                                    ran
+                                }
+                                _ => sample_rows(&logits, wanted, view.storage()),
+                            }
                         })
                 }
             }

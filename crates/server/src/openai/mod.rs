@@ -437,7 +437,8 @@ pub struct CacheReset {
 /// The body of `GET /health`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Health {
-    /// `ok` once the engine serves, `starting` before.
+    /// `ok` once the engine serves, `starting` before, `unhealthy` when it
+    /// can no longer serve (a tensor-parallel rank died).
     pub status: HealthStatus,
 }
 
@@ -449,6 +450,9 @@ pub enum HealthStatus {
     Ok,
     /// The model is loading or warming up.
     Starting,
+    /// The engine can no longer serve: e.g. a rank of a tensor-parallel
+    /// group died or stopped answering (docs/distributed.md).
+    Unhealthy,
 }
 
 #[cfg(test)]
