@@ -5,13 +5,18 @@
 # throughput, for mlxcel-server at 1 rank and at 2 ranks (mlx.launch
 # --backend nccl), and mlx_lm's own tensor-parallel generate
 # (model.shard()) at 1 and 2 ranks, on a random-weight checkpoint of
-# Qwen2.5-1.5B's shape (4-bit, group 64, bfloat16).
+# Qwen2.5-1.5B's shape (4-bit, group 64, bfloat16). Each run's greedy reply
+# is printed as a hash, to compare 1 rank with 2.
 #   bash benches/tensor_parallel_gpu.sh
+# BACKEND=ring runs both ranks over TCP instead (on a one-GPU machine both
+# ranks share the GPU: a correctness check of the sharded forward on the
+# GPU, not a scaling number).
 set -u
 . /tmp/stash/env.sh
 M=/tmp/m/qwen2.5-1.5b; [ -d $M ] || python3 /tmp/stash/mkmodel.py qwen2.5-1.5b $M 64
 GT=${GT:-256}
 LAUNCH="python3 -m mlx._distributed_utils.launch"
+BACKEND=${BACKEND:-nccl}
 cat > /tmp/tp_mlx_lm.py <<'PY'
 import sys, time
 import mlx.core as mx
@@ -41,15 +46,21 @@ def stream(out):
         "logit_bias": {"0": -100, "1": -100, "2": -100}}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
         {"Content-Type": "application/json"})
-    times = []
+    times, text = [], []
     with urllib.request.urlopen(req, timeout=300) as r:
         for line in r:
             if line.startswith(b"data: {") and b'"content"' in line:
                 times.append(time.perf_counter())
+                for c in json.loads(line[6:])["choices"]:
+                    text.append(c["delta"].get("content") or "")
     out.append(times)
+    texts.append("".join(text))
+texts = []
 for run in range(3):
     out = []; stream(out); t = out[0]
-    print(f"{label} single run={run} chunks={len(t)} decode_tok_s={(len(t)-1)/(t[-1]-t[0]):.1f}", flush=True)
+    import hashlib
+    digest = hashlib.sha256(texts[-1].encode()).hexdigest()[:12]
+    print(f"{label} single run={run} chunks={len(t)} decode_tok_s={(len(t)-1)/(t[-1]-t[0]):.1f} reply_sha={digest}", flush=True)
 for run in range(2):
     out = []; start = time.perf_counter()
     th = [threading.Thread(target=stream, args=(out,)) for _ in range(8)]
@@ -59,13 +70,13 @@ for run in range(2):
 PY
 wait_ready() { for i in $(seq 1 240); do curl -sf localhost:$1/health >/dev/null && return 0; sleep 1; done; return 1; }
 echo "=== mlx_lm, 1 rank"; timeout 150 python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
-echo "=== mlx_lm, 2 ranks (nccl)"; timeout 150 $LAUNCH --backend nccl -n 2 -- python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
+echo "=== mlx_lm, 2 ranks ($BACKEND)"; timeout 150 $LAUNCH --backend $BACKEND -n 2 -- python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
 echo "=== mlxcel, 1 rank"
 /tmp/mlxcel-server -m $M --port 18500 --parallel 8 > /tmp/s1.log 2>&1 & P=$!
 wait_ready 18500 && timeout 200 python3 /tmp/tp_client.py 18500 $GT mlxcel-1rank; kill $P; wait $P 2>/dev/null
-echo "=== mlxcel, 2 ranks (nccl)"
+echo "=== mlxcel, 2 ranks ($BACKEND)"
 # Its own process group: the launcher and both ranks stop together.
-setsid $LAUNCH --backend nccl -n 2 -- /tmp/mlxcel-server -m $M --port 18501 --parallel 8 --tensor-parallel > /tmp/s2.log 2>&1 & P=$!
+setsid $LAUNCH --backend $BACKEND -n 2 -- /tmp/mlxcel-server -m $M --port 18501 --parallel 8 --tensor-parallel > /tmp/s2.log 2>&1 & P=$!
 if wait_ready 18501; then timeout 200 python3 /tmp/tp_client.py 18501 $GT mlxcel-2ranks; else tail -20 /tmp/s2.log; fi
 grep -E "joined|ready: serving|rror" /tmp/s2.log | cut -c1-200 | head -6
 kill -- -$P; sleep 2; kill -9 -- -$P 2>/dev/null || true
