@@ -15,7 +15,9 @@ set -u
 . /tmp/stash/env.sh
 M=/tmp/m/qwen2.5-1.5b; [ -d $M ] || python3 /tmp/stash/mkmodel.py qwen2.5-1.5b $M 64
 GT=${GT:-256}
-LAUNCH="python3 -m mlx._distributed_utils.launch"
+# mlx.launch's entry point (the wheel's module has no __main__).
+LAUNCH=(python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; main()')
+RANKS=${RANKS:-"1 2"}
 BACKEND=${BACKEND:-nccl}
 cat > /tmp/tp_mlx_lm.py <<'PY'
 import sys, time
@@ -69,15 +71,19 @@ for run in range(2):
     print(f"{label} serving conc=8 run={run} tokens={n} tok_s={n/wall:.1f}", flush=True)
 PY
 wait_ready() { for i in $(seq 1 240); do curl -sf localhost:$1/health >/dev/null && return 0; sleep 1; done; return 1; }
+if [[ " $RANKS " == *" 1 "* ]]; then
 echo "=== mlx_lm, 1 rank"; timeout 150 python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
-echo "=== mlx_lm, 2 ranks ($BACKEND)"; timeout 150 $LAUNCH --backend $BACKEND -n 2 -- python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
 echo "=== mlxcel, 1 rank"
 /tmp/mlxcel-server -m $M --port 18500 --parallel 8 > /tmp/s1.log 2>&1 & P=$!
 wait_ready 18500 && timeout 200 python3 /tmp/tp_client.py 18500 $GT mlxcel-1rank; kill $P; wait $P 2>/dev/null
+fi
+if [[ " $RANKS " == *" 2 "* ]]; then
+echo "=== mlx_lm, 2 ranks ($BACKEND)"; timeout 150 "${LAUNCH[@]}" --backend $BACKEND -n 2 -- python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
 echo "=== mlxcel, 2 ranks ($BACKEND)"
 # Its own process group: the launcher and both ranks stop together.
-setsid $LAUNCH --backend $BACKEND -n 2 -- /tmp/mlxcel-server -m $M --port 18501 --parallel 8 --tensor-parallel > /tmp/s2.log 2>&1 & P=$!
+setsid "${LAUNCH[@]}" --backend $BACKEND -n 2 -- /tmp/mlxcel-server -m $M --port 18501 --parallel 8 --tensor-parallel > /tmp/s2.log 2>&1 & P=$!
 if wait_ready 18501; then timeout 200 python3 /tmp/tp_client.py 18501 $GT mlxcel-2ranks; else tail -20 /tmp/s2.log; fi
 grep -E "joined|ready: serving|rror" /tmp/s2.log | cut -c1-200 | head -6
 kill -- -$P; sleep 2; kill -9 -- -$P 2>/dev/null || true
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader
