@@ -70,19 +70,20 @@ for run in range(2):
     wall = time.perf_counter() - start; n = sum(len(t) for t in out)
     print(f"{label} serving conc=8 run={run} tokens={n} tok_s={n/wall:.1f}", flush=True)
 PY
-wait_ready() { for i in $(seq 1 240); do curl -sf localhost:$1/health >/dev/null && return 0; sleep 1; done; return 1; }
+# Waits for the server on port $1 whose process is $2 (gives up when it exits).
+wait_ready() { for i in $(seq 1 240); do curl -sf localhost:$1/health >/dev/null && return 0; kill -0 $2 2>/dev/null || return 1; sleep 1; done; return 1; }
 if [[ " $RANKS " == *" 1 "* ]]; then
 echo "=== mlx_lm, 1 rank"; timeout 150 python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
 echo "=== mlxcel, 1 rank"
 /tmp/mlxcel-server -m $M --port 18500 --parallel 8 > /tmp/s1.log 2>&1 & P=$!
-wait_ready 18500 && timeout 200 python3 /tmp/tp_client.py 18500 $GT mlxcel-1rank; kill $P; wait $P 2>/dev/null
+wait_ready 18500 $P && timeout 200 python3 /tmp/tp_client.py 18500 $GT mlxcel-1rank; kill $P; wait $P 2>/dev/null
 fi
 if [[ " $RANKS " == *" 2 "* ]]; then
 echo "=== mlx_lm, 2 ranks ($BACKEND)"; timeout 150 "${LAUNCH[@]}" --backend $BACKEND -n 2 -- python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
 echo "=== mlxcel, 2 ranks ($BACKEND)"
 # Its own process group: the launcher and both ranks stop together.
 setsid "${LAUNCH[@]}" --backend $BACKEND -n 2 -- /tmp/mlxcel-server -m $M --port 18501 --parallel 8 --tensor-parallel > /tmp/s2.log 2>&1 & P=$!
-if wait_ready 18501; then timeout 200 python3 /tmp/tp_client.py 18501 $GT mlxcel-2ranks; else tail -20 /tmp/s2.log; fi
+if wait_ready 18501 $P; then timeout 200 python3 /tmp/tp_client.py 18501 $GT mlxcel-2ranks; else tail -20 /tmp/s2.log; fi
 grep -E "joined|ready: serving|rror" /tmp/s2.log | cut -c1-200 | head -6
 kill -- -$P; sleep 2; kill -9 -- -$P 2>/dev/null || true
 fi
