@@ -11,13 +11,16 @@
 
 use super::reader::TensorType;
 
+/// Decodes one block, appending its elements.
+type BlockDecoder = fn(&[u8], &mut Vec<f32>);
+
 /// Decodes `bytes` (whole blocks of `ty`) to float32, appending to `out`.
 ///
 /// # Errors
 /// A type this module does not decode (named), or `bytes` that are not a
 /// whole number of blocks.
 pub fn dequantize(ty: TensorType, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
-    let (block_bytes, decode): (usize, fn(&[u8], &mut Vec<f32>)) = match ty.0 {
+    let (block_bytes, decode): (usize, BlockDecoder) = match ty.0 {
         0 => (4, |b, o| {
             o.push(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         }),
