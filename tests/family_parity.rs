@@ -7,77 +7,17 @@
 
 use std::path::PathBuf;
 
+mod common;
+
+use common::parity::{check_model, floats, ids, read_golden, real_model_dir};
 use mlxcel_engine::loader::{load_model, read_config};
-use mlxcel_kv::{KvCache, KvCacheConfig, KvSequence, RowReserve, StorageBackend};
 use mlxcel_mlx::Dtype;
-use mlxcel_model::{AttentionPath, LoadOptions, Model, StepRow, WeightMode};
-use serde_json::Value;
+use mlxcel_model::{LoadOptions, WeightMode};
 
 fn tiny_models() -> PathBuf {
     std::env::var_os("MLXCEL_TINY_MODELS")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models"))
-}
-
-/// Runs `tokens` as one row; the logits of its last token.
-fn step(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]) -> Vec<f32> {
-    let n = tokens.len();
-    let reservation = kv
-        .reserve_step(&[RowReserve {
-            seq,
-            real: n,
-            padded: n,
-        }])
-        .expect("reserve");
-    let logits = {
-        let mut view = kv.step(&[(seq, n)]).expect("view");
-        let rows = [StepRow {
-            tokens,
-            logits_at: Some(n - 1),
-            scored: 0,
-        }];
-        model
-            .forward(&rows, &mut view, AttentionPath::PerRow)
-            .expect("forward")
-    };
-    kv.complete_step(reservation, true).expect("complete");
-    logits.to_vec_f32().expect("logits")
-}
-
-/// `golden.json` of `dir`, which `script` (run by `scripts/setup.sh`)
-/// writes; missing is a failure.
-fn read_golden(dir: &std::path::Path, script: &str) -> Value {
-    let text = std::fs::read_to_string(dir.join("golden.json")).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}; run scripts/setup.sh (scripts/{script})",
-            dir.display()
-        )
-    });
-    serde_json::from_str(&text).unwrap()
-}
-
-/// The token ids at `key`.
-fn ids(golden: &Value, key: &str) -> Vec<u32> {
-    golden[key]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
-}
-
-/// The numbers at `key`, as float32.
-fn floats(golden: &Value, key: &str) -> Vec<f32> {
-    golden[key]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap() as u32
 }
 
 fn check_family(name: &str) {
@@ -99,45 +39,6 @@ fn check_family(name: &str) {
         };
         let model = load_model(&dir, config.clone(), options).expect("load");
         check_model(name, model.as_ref(), &prompt, &want, &want_logits, 1e-3);
-    }
-}
-
-/// `prompt`'s last logits within `tolerance` of `want_logits` and its
-/// greedy tokens equal to `want`, on both KV storages.
-fn check_model(
-    name: &str,
-    model: &dyn Model,
-    prompt: &[u32],
-    want: &[u32],
-    want_logits: &[f32],
-    tolerance: f32,
-) {
-    for backend in [StorageBackend::Dense, StorageBackend::Paged] {
-        let mut kv = KvCache::new(KvCacheConfig {
-            layout: model.kv_layout(),
-            block_size: 16,
-            num_blocks: (prompt.len() + want.len()).div_ceil(16) + 2,
-            backend,
-            prefix: None,
-        })
-        .expect("kv");
-        let seq = kv.new_sequence();
-        let logits = step(model, &mut kv, &seq, prompt);
-        assert_eq!(logits.len(), want_logits.len());
-        let diff = logits
-            .iter()
-            .zip(want_logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        eprintln!("{name} ({backend}): max |logit - mlx_lm| = {diff:.2e}");
-        assert!(diff < tolerance, "{name}: logits differ by {diff}");
-        let mut got = Vec::new();
-        let mut token = argmax(&logits);
-        for _ in 0..want.len() {
-            got.push(token);
-            token = argmax(&step(model, &mut kv, &seq, &[token]));
-        }
-        assert_eq!(got, want, "{name} ({backend}): greedy tokens");
     }
 }
 
@@ -200,11 +101,7 @@ fn gemma3_matches_mlx_lm() {
 /// weights: every prompt of its golden (a short one, and one of 600
 /// tokens). Missing weights are a failure.
 fn check_real_model(env: &str, dir: &str) {
-    let dir = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("models")
-            .join(dir)
-    });
+    let dir = real_model_dir(env, dir);
     let golden = read_golden(&dir, "prepare_real_models.py");
     let config = read_config(&dir).expect("config");
     let options = LoadOptions {

@@ -353,19 +353,19 @@ fn bad_and_unsupported_gguf_files_fail_with_errors_that_name_the_problem() {
         "{e}"
     );
 
-    // BF16 (type 30) and Q5_K (type 13) tensors.
+    // Q3_K (type 11) and IQ2_XXS (type 16) tensors.
     let types = dir.join("types.gguf");
     write_gguf(
         &types,
         &[("general.architecture", "llama")],
         &[
-            ("token_embd.weight", &[8, 32], 30, 8 * 32 * 2),
-            ("output.weight", &[256, 8], 13, 8 * 176),
+            ("token_embd.weight", &[256, 8], 11, 8 * 110),
+            ("output.weight", &[256, 8], 16, 8 * 66),
         ],
     );
     let e = error(&types);
     assert!(
-        e.contains("token_embd.weight (BF16)") && e.contains("output.weight (Q5_K)"),
+        e.contains("token_embd.weight (Q3_K)") && e.contains("output.weight (IQ2_XXS)"),
         "{e}"
     );
 

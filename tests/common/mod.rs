@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod parity;
+
 use serde_json::Value;
 use std::path::PathBuf;
 

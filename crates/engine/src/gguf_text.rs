@@ -5,10 +5,11 @@
 //! Vocabularies: `tokenizer.ggml.model` `gpt2` (byte-level BPE: `tokens`,
 //! `merges`, `token_type`) with the pre-tokenizer named by
 //! `tokenizer.ggml.pre` (`smollm`, `gpt-2`/`default`, `llama-bpe`/`llama3`,
-//! `qwen2`). SentencePiece vocabularies (`llama`) and other pre-tokenizers
-//! are refused by name. Token types (llama.cpp's `llama_token_type`):
-//! control (3) and unknown (2) tokens become special added tokens,
-//! user-defined ones (4) plain added tokens.
+//! `qwen2`), and `llama` (SentencePiece BPE: `tokens`, `scores`,
+//! `token_type`, see [`crate::gguf_spm`]). Other tokenizer models and
+//! pre-tokenizers are refused by name. Token types (llama.cpp's
+//! `llama_token_type`): control (3), unknown (2) and unused (5) tokens
+//! become special added tokens, user-defined ones (4) plain added tokens.
 
 use std::path::Path;
 
@@ -117,16 +118,18 @@ fn tokenizer_json(header: &GgufHeader, tokens: &[&str]) -> Result<Json, String> 
         .get("tokenizer.ggml.model")
         .and_then(Value::as_str)
         .ok_or("GGUF has no tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(format!(
-            "tokenizer model {model} (supported: gpt2, byte-level BPE)"
-        ));
+    match model {
+        "gpt2" => byte_level_json(header, tokens),
+        "llama" => crate::gguf_spm::tokenizer_json(header, tokens),
+        other => Err(format!(
+            "tokenizer model {other} (supported: gpt2, byte-level BPE; llama, SentencePiece)"
+        )),
     }
-    let pre = header
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let (normalizer, pre_tokenizer) = pre_tokenizer(pre)?;
+}
+
+/// `tokenizer.ggml.token_type`, one per token (all normal, 1, when the
+/// key is missing).
+pub(crate) fn token_types(header: &GgufHeader, count: usize) -> Result<Vec<i64>, String> {
     let types: Vec<i64> = match header.get("tokenizer.ggml.token_type") {
         Some(Value::Array(items)) => items
             .iter()
@@ -136,15 +139,73 @@ fn tokenizer_json(header: &GgufHeader, tokens: &[&str]) -> Result<Json, String> 
                 _ => Err("tokenizer.ggml.token_type holds a non-integer".to_string()),
             })
             .collect::<Result<_, _>>()?,
-        _ => vec![1; tokens.len()],
+        _ => vec![1; count],
     };
-    if types.len() != tokens.len() {
-        return Err(format!(
-            "{} token types for {} tokens",
-            types.len(),
-            tokens.len()
-        ));
+    if types.len() != count {
+        return Err(format!("{} token types for {count} tokens", types.len()));
     }
+    Ok(types)
+}
+
+/// The id and text of the token whose id is at `key`, if any.
+pub(crate) fn token_at<'a>(
+    header: &GgufHeader,
+    key: &str,
+    tokens: &[&'a str],
+) -> Option<(u64, &'a str)> {
+    let id = header.get(key)?.as_u64()?;
+    Some((id, *tokens.get(usize::try_from(id).ok()?)?))
+}
+
+/// Whether the bool `key` is set (`default` when missing).
+pub(crate) fn flag(header: &GgufHeader, key: &str, default: bool) -> bool {
+    header.get(key).and_then(Value::as_bool).unwrap_or(default)
+}
+
+/// A `TemplateProcessing` post-processor that puts `bos` before and `eos`
+/// after each sequence (either may be absent), or `None` when both are.
+pub(crate) fn template_post_processor(
+    bos: Option<(u64, &str)>,
+    eos: Option<(u64, &str)>,
+) -> Option<Json> {
+    if bos.is_none() && eos.is_none() {
+        return None;
+    }
+    let special = |(_, text): (u64, &str), type_id: u32| json!({"SpecialToken": {"id": text, "type_id": type_id}});
+    let sequence = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+    let mut single = Vec::new();
+    let mut pair = Vec::new();
+    for (items, parts) in [
+        (&mut single, &[("A", 0u32)][..]),
+        (&mut pair, &[("A", 0), ("B", 1)][..]),
+    ] {
+        for &(id, type_id) in parts {
+            items.extend(bos.map(|t| special(t, type_id)));
+            items.push(sequence(id, type_id));
+            items.extend(eos.map(|t| special(t, type_id)));
+        }
+    }
+    let mut special_tokens = serde_json::Map::new();
+    for (id, text) in bos.into_iter().chain(eos) {
+        special_tokens.insert(
+            text.to_string(),
+            json!({"id": text, "ids": [id], "tokens": [text]}),
+        );
+    }
+    Some(json!({
+        "type": "TemplateProcessing", "single": single, "pair": pair,
+        "special_tokens": special_tokens,
+    }))
+}
+
+/// The `tokenizer.json` of a byte-level BPE vocabulary (`gpt2`).
+fn byte_level_json(header: &GgufHeader, tokens: &[&str]) -> Result<Json, String> {
+    let pre = header
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let (normalizer, pre_tokenizer) = pre_tokenizer(pre)?;
+    let types = token_types(header, tokens.len())?;
     let mut vocab = serde_json::Map::new();
     let mut added = Vec::new();
     for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
@@ -157,7 +218,7 @@ fn tokenizer_json(header: &GgufHeader, tokens: &[&str]) -> Result<Json, String> 
         } else {
             vocab.insert(text.to_string(), json!(id));
         }
-        if matches!(ty, 2..=4) {
+        if matches!(ty, 2..=5) {
             added.push(json!({
                 "id": id, "content": text, "single_word": false, "lstrip": false,
                 "rstrip": false, "normalized": false, "special": ty != 4,
@@ -172,27 +233,14 @@ fn tokenizer_json(header: &GgufHeader, tokens: &[&str]) -> Result<Json, String> 
                 .ok_or_else(|| format!("merge {m:?} is not two tokens"))
         })
         .collect::<Result<_, _>>()?;
-    let add_bos = header
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let bos = header
-        .get("tokenizer.ggml.bos_token_id")
-        .and_then(Value::as_u64)
-        .and_then(|id| Some((id, *tokens.get(usize::try_from(id).ok()?)?)));
+    let bos = token_at(header, "tokenizer.ggml.bos_token_id", tokens)
+        .filter(|_| flag(header, "tokenizer.ggml.add_bos_token", false));
+    let eos = token_at(header, "tokenizer.ggml.eos_token_id", tokens)
+        .filter(|_| flag(header, "tokenizer.ggml.add_eos_token", false));
     let byte_level = json!({
         "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false,
     });
-    let post_processor = match (add_bos, bos) {
-        (true, Some((id, text))) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": text, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": text, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": text, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {text: {"id": text, "ids": [id], "tokens": [text]}},
-        }),
-        _ => byte_level.clone(),
-    };
+    let post_processor = template_post_processor(bos, eos).unwrap_or_else(|| byte_level.clone());
     Ok(json!({
         "version": "1.0",
         "truncation": null,

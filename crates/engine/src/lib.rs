@@ -13,6 +13,7 @@ pub mod detokenizer;
 pub mod engine;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+mod gguf_spm;
 pub mod gguf_text;
 pub mod loader;
 pub mod logits;

@@ -3,17 +3,26 @@
 //! `config.json` ([`arch::config_json`]), the tensors get the checkpoint's
 //! names and layout ([`arch::checkpoint_name`], [`Arch::fix_tensor`]).
 //!
-//! The header is read and checked in Rust ([`reader`]); the tensor data is
-//! read by MLX's GGUF loader, which keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX
-//! affine quantized weights (group size 32, float16 scales and biases) and
-//! dequantizes Q6_K to float16. The tokenizer's metadata is read by
-//! mlxcel-engine from [`GgufModel::header`]. Format: ggml's `docs/gguf.md`.
+//! The header is read and checked in Rust ([`reader`]). When MLX's GGUF
+//! loader reads every tensor type of the file, it reads the tensor data:
+//! it keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized weights
+//! (group size 32, float16 scales and biases) and dequantizes Q6_K to
+//! float16. A file with other types (Q5_0, Q5_1, Q5_K, BF16: llama.cpp's
+//! Q4_K_M puts Q5_0 where a row is not a whole number of 256-element
+//! k-quant blocks, as in Gemma 3 270M) makes MLX's loader fail on the whole
+//! file, so such a file is read tensor by tensor by [`dequant`], every
+//! tensor to float32. The tokenizer's metadata is read by mlxcel-engine
+//! from [`GgufModel::header`]. Format: ggml's `docs/gguf.md`.
 
 pub mod arch;
+pub mod dequant;
 pub mod reader;
 
 use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+
+use mlxcel_mlx::Array;
 
 pub use arch::{Arch, ARCHS};
 pub use reader::{GgufHeader, TensorInfo, TensorType, Value};
@@ -62,8 +71,8 @@ impl GgufModel {
             let total = unsupported.len();
             unsupported.truncate(4);
             return Err(ModelError::Unsupported(format!(
-                "GGUF tensor types: {total} tensors, e.g. {} (supported: F32, F16, Q4_0, Q4_1, \
-                 Q4_K, Q8_0, Q6_K)",
+                "GGUF tensor types: {total} tensors, e.g. {} (supported: F32, F16, BF16, Q4_0, \
+                 Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
                 unsupported.join(", ")
             )));
         }
@@ -92,10 +101,16 @@ impl GgufModel {
         self.arch
     }
 
+    /// Whether MLX's loader reads every tensor of the file (see the module
+    /// docs); otherwise [`GgufModel::weights`] decodes them to float32.
+    pub fn mlx_reads_all(&self) -> bool {
+        self.header.tensors.iter().all(|t| t.ty.mlx_reads())
+    }
+
     /// The shared config, before the family's own reading: the metadata's
     /// `config.json` ([`arch::config_json`]) plus the `quantization` of
     /// the tensors MLX keeps quantized (per module: group size 32, 4 or 8
-    /// bits).
+    /// bits; none when [`GgufModel::mlx_reads_all`] is false).
     ///
     /// # Errors
     /// As [`arch::config_json`] and [`ModelConfig::from_json_str`].
@@ -103,7 +118,8 @@ impl GgufModel {
         let arch = self.arch();
         let mut json = arch::config_json(arch, &self.header)?;
         let mut quantization = serde_json::Map::new();
-        for t in &self.header.tensors {
+        let quantized = self.mlx_reads_all();
+        for t in self.header.tensors.iter().filter(|_| quantized) {
             let (Some(bits), Some(name)) = (
                 t.ty.mlx_quantized_bits(),
                 arch::checkpoint_name(arch, &t.name),
@@ -122,15 +138,20 @@ impl GgufModel {
         ModelConfig::from_json_str(&json.to_string())
     }
 
-    /// Reads every tensor with MLX's loader, under its checkpoint name,
-    /// rewritten by the architecture for `config` (the config the family
-    /// has read).
+    /// Reads every tensor (with MLX's loader, or decoded to float32 when
+    /// MLX cannot read the file: see the module docs), under its
+    /// checkpoint name, rewritten by the architecture for `config` (the
+    /// config the family has read).
     ///
     /// # Errors
-    /// MLX failing to read the file, a tensor MLX returns that the
-    /// architecture does not know, or a tensor that does not fit `config`.
+    /// MLX failing to read the file, an I/O error, a tensor MLX returns
+    /// that the architecture does not know, or a tensor that does not fit
+    /// `config`.
     pub fn weights(&self, config: &ModelConfig) -> Result<Weights, ModelError> {
         let arch = self.arch();
+        if !self.mlx_reads_all() {
+            return self.decoded_weights(config);
+        }
         tracing::info!(file = %self.path.display(), arch = arch.name, "loading GGUF tensors");
         let mut file = mlxcel_mlx::SafeTensors::load_gguf(&self.path)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", self.path.display())))?;
@@ -141,6 +162,60 @@ impl GgufModel {
             })?;
             let array = (arch.fix_tensor)(&name, file.take(&gguf)?, config)?;
             arrays.insert(name, array);
+        }
+        Ok(Weights::from_arrays(arrays))
+    }
+}
+
+impl GgufModel {
+    /// Every tensor decoded to float32 by [`dequant`], renamed and
+    /// rewritten as in [`GgufModel::weights`].
+    fn decoded_weights(&self, config: &ModelConfig) -> Result<Weights, ModelError> {
+        let arch = self.arch();
+        tracing::info!(
+            file = %self.path.display(),
+            arch = arch.name,
+            "decoding GGUF tensors to float32 (types MLX's reader does not read)"
+        );
+        let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
+        let mut file = std::fs::File::open(&self.path).map_err(io)?;
+        let mut arrays = HashMap::new();
+        let mut bytes = Vec::new();
+        for t in &self.header.tensors {
+            let name = arch::checkpoint_name(arch, &t.name).ok_or_else(|| {
+                ModelError::Unsupported(format!(
+                    "GGUF tensor {} ({} architecture)",
+                    t.name, arch.name
+                ))
+            })?;
+            let size = t
+                .shape
+                .iter()
+                .product::<u64>()
+                .checked_mul(t.ty.block_bytes())
+                .and_then(|b| b.checked_div(t.ty.block_elements()))
+                .ok_or_else(|| ModelError::Weights(format!("tensor {}: size overflows", t.name)))?;
+            bytes.resize(
+                usize::try_from(size)
+                    .map_err(|_| ModelError::Weights(format!("tensor {}: {size} bytes", t.name)))?,
+                0,
+            );
+            file.seek(SeekFrom::Start(self.header.data_start + t.offset))
+                .map_err(io)?;
+            file.read_exact(&mut bytes).map_err(io)?;
+            let mut values = Vec::new();
+            dequant::dequantize(t.ty, &bytes, &mut values)
+                .map_err(|e| ModelError::Weights(format!("tensor {}: {e}", t.name)))?;
+            let shape = t
+                .shape
+                .iter()
+                .map(|&d| i32::try_from(d))
+                .collect::<Result<Vec<i32>, _>>()
+                .map_err(|_| {
+                    ModelError::Weights(format!("tensor {}: dimension too large", t.name))
+                })?;
+            let array = Array::from_f32(&values, &shape)?;
+            arrays.insert(name.clone(), (arch.fix_tensor)(&name, array, config)?);
         }
         Ok(Weights::from_arrays(arrays))
     }

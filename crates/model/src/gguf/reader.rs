@@ -99,6 +99,16 @@ impl TensorType {
             .unwrap_or_else(|| format!("type {}", self.0))
     }
 
+    /// Elements per block (1 for plain types; 0 for an unknown id).
+    pub fn block_elements(self) -> u64 {
+        self.layout().map_or(0, |l| l.1)
+    }
+
+    /// Bytes per block (0 for an unknown id).
+    pub fn block_bytes(self) -> u64 {
+        self.layout().map_or(0, |l| l.2)
+    }
+
     /// `(name, elements per block, bytes per block)` of the types ggml
     /// defines (ggml's `ggml.h` and `ggml-common.h`).
     fn layout(self) -> Option<(&'static str, u64, u64)> {
@@ -139,12 +149,19 @@ impl TensorType {
         })
     }
 
-    /// Whether mlxcel loads this type: F32 and F16 as they are; Q4_0,
-    /// Q4_1, Q4_K and Q8_0 as MLX affine quantized weights (group size
-    /// 32); Q6_K dequantized to float16 by MLX's reader. Other types
-    /// (BF16, Q5_*, the other k-quants, the i-quants, ...) are refused by
-    /// name before MLX reads the file.
+    /// Whether mlxcel loads this type: F32, F16, BF16, Q4_0, Q4_1, Q5_0,
+    /// Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. Other types (Q2_K, Q3_K, Q8_K,
+    /// the i-quants, ...) are refused by name before any tensor is read.
     pub fn is_supported(self) -> bool {
+        super::dequant::decodes(self)
+    }
+
+    /// Whether MLX's GGUF reader reads this type: F32 and F16 as they
+    /// are; Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized weights
+    /// (group size 32); Q6_K dequantized to float16. A file with any other
+    /// type (its reader fails on the whole file) is read by mlxcel's own
+    /// decoder ([`super::dequant`]) instead, every tensor to float32.
+    pub fn mlx_reads(self) -> bool {
         matches!(self.0, 0 | 1 | 2 | 3 | 8 | 12 | 14)
     }
 
@@ -183,6 +200,9 @@ pub struct GgufHeader {
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
+    /// Byte offset of the data section in the file (tensor offsets count
+    /// from here).
+    pub data_start: u64,
 }
 
 /// Largest dimension count ggml writes.
@@ -262,6 +282,7 @@ impl GgufHeader {
             version,
             metadata,
             tensors,
+            data_start,
         })
     }
 

@@ -1,0 +1,212 @@
+//! Gemma 3 270M served from its GGUF file (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0
+//! and F32 tensors) directly, against `models/gemma-3-270m` (or
+//! `MLXCEL_GEMMA3_MODEL`), which `scripts/prepare_real_models.py` made from
+//! the same file: `model.safetensors` (every tensor dequantized to float32
+//! by the `gguf` package, 1 taken off the norms) and mlx_lm's greedy
+//! tokens and last logits on it (`golden.json`). The tokenizer built from
+//! the GGUF's SentencePiece metadata is checked against the one
+//! transformers builds from the same metadata
+//! (tests/goldens/gemma3_gguf_tokenizer.json, made by
+//! scripts/make_gemma3_tokenizer_golden.py). Missing files are failures.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::parity::{check_model, floats, ids, read_golden, real_model_dir};
+use mlxcel_engine::api::{InferenceService, Prompt};
+use mlxcel_engine::gguf_text::GgufText;
+use mlxcel_engine::loader::{load_model, read_config};
+use mlxcel_engine::{Engine, EngineConfig};
+use mlxcel_mlx::Dtype;
+use mlxcel_model::gguf::GgufModel;
+use mlxcel_model::{LoadOptions, WeightMode, Weights};
+use serde_json::Value;
+
+const GGUF_NAME: &str = "gemma-3-270m-q4_k_m.gguf";
+
+fn dir() -> PathBuf {
+    real_model_dir("MLXCEL_GEMMA3_MODEL", "gemma-3-270m")
+}
+
+fn gguf() -> PathBuf {
+    let path = dir().join(GGUF_NAME);
+    assert!(
+        path.is_file(),
+        "{} missing: run scripts/setup.sh (step 7)",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn the_metadata_describes_the_converted_config() {
+    let ours = read_config(&gguf()).expect("config from GGUF metadata");
+    let theirs = read_config(&dir()).expect("converted config");
+    let shape = |c: &mlxcel_model::ModelConfig| {
+        (
+            c.model_type.clone(),
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            c.vocab_size,
+            c.rope_theta,
+            c.max_position_embeddings,
+        )
+    };
+    assert_eq!(shape(&ours), shape(&theirs));
+    for key in [
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "sliding_window_pattern",
+        "rope_local_base_freq",
+        "hidden_activation",
+    ] {
+        let as_f64 = |v: &Value| v.as_f64().map(Value::from).unwrap_or(v.clone());
+        assert_eq!(
+            as_f64(&ours.raw[key]),
+            as_f64(&theirs.raw[key]),
+            "config key {key}"
+        );
+    }
+    assert_eq!(ours.raw["query_pre_attn_scalar"], 256);
+    // No tensor stays quantized: MLX's reader cannot read Q5_0, so the
+    // file is decoded to float32.
+    assert!(ours
+        .raw
+        .get("quantization")
+        .is_none_or(|q| q.as_object().is_some_and(|o| o.is_empty())));
+}
+
+#[test]
+fn decoded_tensors_equal_the_float32_conversion() {
+    let model = GgufModel::open(&gguf()).expect("open GGUF");
+    assert!(!model.mlx_reads_all(), "the file has Q5_0 tensors");
+    let config = read_config(&gguf()).unwrap();
+    let mut ours = model.weights(&config).expect("decode GGUF");
+    let mut theirs = Weights::open(&dir()).expect("converted weights");
+    let mut names = ours.remaining();
+    names.sort();
+    let mut want = theirs.remaining();
+    want.sort();
+    assert_eq!(names, want);
+    let mut worst = (0.0f32, String::new());
+    for name in &names {
+        let a = ours.take(name).unwrap();
+        let b = theirs.take(name).unwrap();
+        assert_eq!(a.shape(), b.shape(), "{name}");
+        let (a, b) = (a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap());
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        if diff >= worst.0 {
+            worst = (diff, name.clone());
+        }
+    }
+    eprintln!(
+        "max |GGUF decoded - converted| = {:.2e} ({})",
+        worst.0, worst.1
+    );
+    // Both sides compute ggml's d · q (- m) in float32 from the same
+    // bytes, in the same order: equal (measured: 0 for every tensor).
+    assert_eq!(worst.0, 0.0, "{} differs", worst.1);
+}
+
+#[test]
+fn the_gguf_file_served_directly_matches_mlx_lm() {
+    let path = gguf();
+    let golden = read_golden(&dir(), "prepare_real_models.py");
+    let config = read_config(&path).expect("config");
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+    };
+    let model = load_model(&path, config, options).expect("load GGUF");
+    let prompts = golden["prompts"].as_array().expect("prompts");
+    assert_eq!(prompts.len(), 2);
+    for case in prompts {
+        let prompt = ids(case, "prompt");
+        let name = format!("{GGUF_NAME}, {} prompt tokens", prompt.len());
+        // The same float32 weights as mlx_lm's (see the test above): the
+        // logits differ only by float32 summation order (measured: 2.2e-5
+        // and 3.3e-5 for the two prompts).
+        check_model(
+            &name,
+            model.as_ref(),
+            &prompt,
+            &ids(case, "greedy"),
+            &floats(case, "last_logits"),
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn the_sentencepiece_tokenizer_matches_the_reference() {
+    let path = gguf();
+    let header = GgufModel::open(&path).unwrap().header;
+    let text = GgufText::from_header(&path, &header).expect("tokenizer from metadata");
+    let tok = &text.tokenizer;
+    assert_eq!(tok.vocab_size(), 262_144);
+    assert_eq!(text.bos_token.as_deref(), Some("<bos>"));
+    assert_eq!(text.eos_ids, vec![1]);
+    let golden_path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/goldens/gemma3_gguf_tokenizer.json");
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(golden_path).unwrap()).unwrap();
+    let samples = golden["samples"].as_array().unwrap();
+    assert!(samples.len() >= 10);
+    for sample in samples {
+        let s = sample["text"].as_str().unwrap();
+        let want = ids(sample, "ids");
+        assert_eq!(tok.encode(s, false).unwrap(), want, "{s:?}");
+        // add_bos_token: <bos> (id 2) in front.
+        let mut with_bos = vec![2];
+        with_bos.extend(&want);
+        assert_eq!(tok.encode(s, true).unwrap(), with_bos, "{s:?}");
+        assert_eq!(
+            tok.decode(&want, false).unwrap(),
+            sample["decoded"].as_str().unwrap(),
+            "{s:?}"
+        );
+    }
+    // The whitespace-run pieces are spelled with ▁, as the reference has
+    // them; the others as the file has them.
+    for (id, piece) in golden["id_to_token"].as_object().unwrap() {
+        let id: u32 = id.parse().unwrap();
+        assert_eq!(tok.id_to_token(id).as_deref(), piece.as_str(), "id {id}");
+    }
+    // The prompt of mlx_lm's golden (ids looked up in the vocabulary).
+    let golden = read_golden(&dir(), "prepare_real_models.py");
+    let counting = ids(&golden["prompts"][0], "prompt");
+    assert_eq!(
+        tok.encode_text_prompt("One, two, three, four,").unwrap(),
+        counting
+    );
+}
+
+#[test]
+fn the_engine_serves_the_gguf_file_with_its_own_tokenizer() {
+    let path = gguf();
+    let golden = read_golden(&dir(), "prepare_real_models.py");
+    let case = &golden["prompts"][0];
+    let engine = Engine::start(EngineConfig::new(path)).expect("engine on the GGUF file");
+    assert_eq!(engine.eos_token_ids(), &[1]);
+    let prompt = Prompt::Text("One, two, three, four,".into());
+    assert_eq!(
+        engine.tokenize_prompt(&prompt, &[]).unwrap(),
+        ids(case, "prompt")
+    );
+    let want = ids(case, "greedy");
+    let stream = engine
+        .submit(common::greedy_request(prompt, want.len()))
+        .unwrap();
+    let (got, _) = common::collect_tokens(stream).expect("generation");
+    assert_eq!(got, want, "served tokens");
+}
