@@ -332,6 +332,20 @@ warmup = "off"
     }
 
     #[test]
+    fn quantize_takes_bits_from_the_file_and_refuses_a_directory() {
+        let file = "model = \"/srv/m.gguf\"\nquantize = \"8\"\n";
+        let args = parse(file, &[], &[]).unwrap();
+        assert_eq!(args.model.quantize, crate::QuantizeArg::Q8);
+        let args = parse(file, &["--quantize", "none"], &[]).unwrap();
+        assert_eq!(args.model.quantize, crate::QuantizeArg::None);
+        // A checkpoint directory is already in MLX's format.
+        let dir = std::env::temp_dir();
+        let args = parse(file, &["--quantize", "4", "-m", dir.to_str().unwrap()], &[]).unwrap();
+        let err = args.model.engine_config(None).unwrap_err().to_string();
+        assert!(err.contains("--quantize 4 applies to GGUF files"), "{err}");
+    }
+
+    #[test]
     fn an_unknown_key_is_an_error_naming_it_and_its_line() {
         let file = "model = \"m\"\nport = 1\n\n  kv-cache-bugdet = \"1G\"\n";
         let err = parse(file, &[], &[]).unwrap_err();

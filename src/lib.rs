@@ -9,7 +9,9 @@ pub mod progress;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use mlxcel_engine::api::{EngineStats, InferenceService, ServiceSlot};
-use mlxcel_engine::{AttentionPath, Engine, EngineConfig, ReasoningParser, StorageBackend};
+use mlxcel_engine::{
+    AttentionPath, Engine, EngineConfig, GgufQuantize, ReasoningParser, StorageBackend,
+};
 use mlxcel_http::cors::AllowedOrigins;
 use mlxcel_http::{AppState, HttpConfig};
 use mlxcel_mlx::Dtype;
@@ -38,6 +40,21 @@ pub enum WeightsArg {
     Dequantized,
 }
 
+/// `--quantize`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizeArg {
+    /// 4 bits on a GPU, none on a CPU.
+    Auto,
+    /// 4-bit MLX affine quantization.
+    #[value(name = "4")]
+    Q4,
+    /// 8-bit MLX affine quantization.
+    #[value(name = "8")]
+    Q8,
+    /// Keep them as the file has them.
+    None,
+}
+
 /// `--device`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
@@ -62,6 +79,12 @@ pub struct ModelArgs {
     /// How quantized weights are used.
     #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
     pub weights: WeightsArg,
+    /// A GGUF file's floating-point matrices (types MLX does not keep
+    /// quantized, such as Q6_K or Q5_0) quantized at load to 4 or 8 bits
+    /// (group size 32), or kept (`none`). `auto`: 4 on a GPU, none on a
+    /// CPU. Only for GGUF files.
+    #[arg(long, value_enum, default_value_t = QuantizeArg::Auto)]
+    pub quantize: QuantizeArg,
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
@@ -250,6 +273,24 @@ impl ModelArgs {
             WeightsArg::Auto => None,
             WeightsArg::Quantized => Some(WeightMode::Quantized),
             WeightsArg::Dequantized => Some(WeightMode::Dequantized),
+        };
+        c.quantize = match self.quantize {
+            QuantizeArg::Auto => GgufQuantize::Auto,
+            QuantizeArg::None => GgufQuantize::Off,
+            QuantizeArg::Q4 | QuantizeArg::Q8 if !mlxcel_engine::loader::is_gguf(&c.model_dir) => {
+                anyhow::bail!(
+                    "--quantize {} applies to GGUF files; {} is a checkpoint directory \
+                     (quantize it with mlx_lm.convert -q)",
+                    if self.quantize == QuantizeArg::Q4 {
+                        4
+                    } else {
+                        8
+                    },
+                    c.model_dir.display()
+                )
+            }
+            QuantizeArg::Q4 => GgufQuantize::Bits(4),
+            QuantizeArg::Q8 => GgufQuantize::Bits(8),
         };
         c.use_gpu = self.device != DeviceArg::Cpu;
         let gpu = c.use_gpu && mlxcel_mlx::gpu_available();

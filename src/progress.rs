@@ -265,6 +265,7 @@ mod tests {
             let options = mlxcel_model::LoadOptions {
                 dtype: mlxcel_mlx::Dtype::Float32,
                 weight_mode: mlxcel_model::WeightMode::Dequantized,
+                quantize: None,
             };
             mlxcel_engine::loader::load_model(&dir, config, options).expect("tiny llama loads");
         });

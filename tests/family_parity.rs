@@ -36,6 +36,7 @@ fn check_family(name: &str) {
         let options = LoadOptions {
             dtype: Dtype::Float32,
             weight_mode,
+            quantize: None,
         };
         let model = load_model(&dir, config.clone(), options).expect("load");
         check_model(name, model.as_ref(), &prompt, &want, &want_logits, 1e-3);
@@ -107,6 +108,7 @@ fn check_real_model(env: &str, dir: &str) {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,
+        quantize: None,
     };
     let model = load_model(&dir, config, options).expect("load");
     let prompts = golden["prompts"].as_array().expect("prompts");

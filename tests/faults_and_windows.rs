@@ -235,6 +235,7 @@ fn after_a_front_trim_masks_use_the_live_key_count() {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,
+        quantize: None,
     };
     let model = mlxcel_engine::loader::load_model(&dir, config, options).expect("model");
     for backend in [StorageBackend::Dense, StorageBackend::Paged] {

@@ -186,6 +186,7 @@ fn gguf_served_directly_matches_its_float32_conversion() {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,
+        quantize: None,
     };
     let model = load_model(&path, config.clone(), options).expect("load GGUF");
     for g in &goldens {
@@ -200,6 +201,7 @@ fn gguf_served_directly_matches_its_float32_conversion() {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Quantized,
+        quantize: None,
     };
     let model = load_model(&path, config, options).expect("load GGUF quantized");
     let g = &goldens[0];

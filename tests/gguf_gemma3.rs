@@ -19,6 +19,7 @@ use mlxcel_engine::gguf_text::GgufText;
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_engine::{Engine, EngineConfig};
 use mlxcel_mlx::Dtype;
+use mlxcel_model::config::QuantSpec;
 use mlxcel_model::gguf::GgufModel;
 use mlxcel_model::{LoadOptions, WeightMode, Weights};
 use serde_json::Value;
@@ -126,6 +127,7 @@ fn the_gguf_file_served_directly_matches_mlx_lm() {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,
+        quantize: None,
     };
     let model = load_model(&path, config, options).expect("load GGUF");
     let prompts = golden["prompts"].as_array().expect("prompts");
@@ -145,6 +147,70 @@ fn the_gguf_file_served_directly_matches_mlx_lm() {
             1e-4,
         );
     }
+}
+
+/// `--quantize 8`: every floating-point matrix of the file (Gemma 3 270M
+/// has no tensor MLX keeps quantized: its Q5_0 tensors make MLX's reader
+/// refuse the file, so all are decoded to float32) becomes an 8-bit MLX
+/// matrix, which stays close to mlx_lm's float32 logits and keeps its
+/// greedy tokens. Run dequantized (the CPU's way), so the check is of the
+/// quantization itself.
+#[test]
+fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
+    let path = gguf();
+    let spec = QuantSpec {
+        group_size: 32,
+        bits: 8,
+    };
+    let mut config = read_config(&path).expect("config");
+    let layers = config.num_hidden_layers;
+    let (mut weights, quantized) = GgufModel::open(&path)
+        .unwrap()
+        .weights_requantized(&mut config, spec)
+        .expect("re-quantized");
+    // q, k, v, o, gate, up, down per layer, and the (tied) embedding.
+    assert_eq!(quantized, layers * 7 + 1);
+    for module in [
+        "model.embed_tokens",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.17.mlp.down_proj",
+    ] {
+        assert_eq!(
+            config.quantization.for_module(module),
+            Some(spec),
+            "{module}"
+        );
+        let w = weights.take(&format!("{module}.weight")).unwrap();
+        assert_eq!(w.dtype(), Dtype::Uint32, "{module} packed");
+        assert!(weights.contains(&format!("{module}.scales")), "{module}");
+    }
+    // Norm weights (1-D) stay float.
+    assert_eq!(
+        config
+            .quantization
+            .for_module("model.layers.0.input_layernorm"),
+        None
+    );
+
+    let golden = read_golden(&dir(), "prepare_real_models.py");
+    let case = &golden["prompts"][0];
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+        quantize: Some(spec),
+    };
+    let model = load_model(&path, read_config(&path).unwrap(), options).expect("load");
+    // 8-bit groups of 32 move the logits by rounding only (measured: 0.34
+    // at most, over 262 144 logits: the tied embedding, which Gemma scales
+    // by √640, is quantized too); the greedy tokens stay mlx_lm's.
+    check_model(
+        &format!("{GGUF_NAME} --quantize 8"),
+        model.as_ref(),
+        &ids(case, "prompt"),
+        &ids(case, "greedy"),
+        &floats(case, "last_logits"),
+        0.5,
+    );
 }
 
 #[test]

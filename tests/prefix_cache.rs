@@ -95,6 +95,7 @@ fn warm_logits_match_cold_logits() {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,
+        quantize: None,
     };
     let model = mlxcel_engine::loader::load_model(&dir, config, options).expect("model");
     let mut kv = KvCache::new(KvCacheConfig {

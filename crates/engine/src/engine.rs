@@ -40,6 +40,8 @@ pub struct EngineConfig {
     pub dtype: Option<Dtype>,
     /// Quantized weights: `None` = auto (dequantize on CPU, keep on GPU).
     pub weight_mode: Option<WeightMode>,
+    /// A GGUF file's floating-point matrices at load (`--quantize`).
+    pub quantize: GgufQuantize,
     /// Run on the GPU when MLX has one (default true).
     pub use_gpu: bool,
     /// Prefill tokens one step runs (and the chunk grid), in tokens.
@@ -124,6 +126,7 @@ impl EngineConfig {
             alias: None,
             dtype: None,
             weight_mode: None,
+            quantize: GgufQuantize::Auto,
             use_gpu: true,
             prefill_chunk_size: 512,
             prefill_tile: None,
@@ -281,7 +284,7 @@ impl Engine {
             mlxcel_mlx::set_kernel_cache_dir(&dir)?;
         }
         mlxcel_mlx::use_device(gpu)?;
-        let (dtype, weight_mode) = compute_types(&config, &model_config, gpu);
+        let (dtype, weight_mode, quantize) = compute_types(&config, &model_config, gpu);
         let mut model_config = model_config;
         let group = match config.tensor_parallel {
             Some(tp) => {
@@ -327,7 +330,11 @@ impl Engine {
         let thread_text = Arc::clone(&text);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
-        let options = LoadOptions { dtype, weight_mode };
+        let options = LoadOptions {
+            dtype,
+            weight_mode,
+            quantize,
+        };
         // A sliding window keeps `window - 1` keys between steps (the new
         // token is the window's last).
         if let Some(w) = model_config.sliding_window {
@@ -910,14 +917,36 @@ fn grammar_of(
     )))
 }
 
-/// The compute dtype and weight mode `config` asks for on this device
-/// (`auto`: float32 and dequantized weights on a CPU, the checkpoint's
-/// dtype and quantized weights on a GPU).
+/// `--quantize`: what becomes of a GGUF file's floating-point matrices
+/// (tensor types MLX's loader dequantizes, such as Q6_K, or that mlxcel
+/// decodes to float32, such as Q5_0) at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufQuantize {
+    /// 4-bit on a GPU (where a dense matrix costs 4 to 8 times the memory
+    /// traffic), kept as they are on a CPU (which dequantizes every
+    /// matrix for OpenBLAS anyway).
+    Auto,
+    /// Kept as the file has them.
+    Off,
+    /// MLX affine quantization to this many bits (4 or 8), group size
+    /// [`GGUF_QUANTIZE_GROUP`].
+    Bits(i32),
+}
+
+/// Group size of `--quantize`: 32, the group llama.cpp's own 4- and 8-bit
+/// types use (and what MLX's GGUF loader gives Q4_0/Q8_0); 64 measurably
+/// hurts small models.
+pub const GGUF_QUANTIZE_GROUP: i32 = 32;
+
+/// The compute dtype, weight mode and GGUF re-quantization `config` asks
+/// for on this device (`auto`: float32 and dequantized weights on a CPU,
+/// the checkpoint's dtype and quantized weights on a GPU; see
+/// [`GgufQuantize`]).
 pub(crate) fn compute_types(
     config: &EngineConfig,
     model_config: &mlxcel_model::ModelConfig,
     gpu: bool,
-) -> (Dtype, WeightMode) {
+) -> (Dtype, WeightMode, Option<mlxcel_model::config::QuantSpec>) {
     let dtype = config
         .dtype
         .unwrap_or_else(|| mlxcel_model::auto_dtype(model_config, gpu));
@@ -926,7 +955,18 @@ pub(crate) fn compute_types(
     } else {
         WeightMode::Dequantized
     });
-    (dtype, weight_mode)
+    let bits = match config.quantize {
+        GgufQuantize::Auto if gpu => Some(4),
+        GgufQuantize::Auto | GgufQuantize::Off => None,
+        GgufQuantize::Bits(b) => Some(b),
+    };
+    let quantize = bits
+        .filter(|_| crate::loader::is_gguf(&config.model_dir))
+        .map(|bits| mlxcel_model::config::QuantSpec {
+            group_size: GGUF_QUANTIZE_GROUP,
+            bits,
+        });
+    (dtype, weight_mode, quantize)
 }
 
 /// What the engine thread builds after loading, decided from the config.

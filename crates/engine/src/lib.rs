@@ -28,7 +28,8 @@ mod worker;
 
 pub(crate) use engine::Text;
 pub use engine::{
-    auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, ReasoningParser,
+    auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, GgufQuantize,
+    ReasoningParser, GGUF_QUANTIZE_GROUP,
 };
 pub use mlxcel_kv::StorageBackend;
 pub use mlxcel_model::AttentionPath;

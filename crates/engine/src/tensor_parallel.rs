@@ -362,7 +362,7 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
         mlxcel_mlx::set_kernel_cache_dir(&dir.join(format!("mlx-{}", mlxcel_mlx::version())))?;
     }
     mlxcel_mlx::use_device(gpu)?;
-    let (dtype, weight_mode) = crate::engine::compute_types(config, &model_config, gpu);
+    let (dtype, weight_mode, quantize) = crate::engine::compute_types(config, &model_config, gpu);
     tracing::info!(
         rank = tp.shard.rank,
         ranks = tp.shard.size,
@@ -373,7 +373,11 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
     let model = crate::loader::load_model(
         dir,
         model_config,
-        mlxcel_model::LoadOptions { dtype, weight_mode },
+        mlxcel_model::LoadOptions {
+            dtype,
+            weight_mode,
+            quantize,
+        },
     )?;
     let fail = |e: TpError| EngineError::Config(e.to_string());
     let (num_blocks, block_size) = match broadcast(None).map_err(fail)? {

@@ -42,6 +42,8 @@ rust::Vec<uint32_t> to_u32_vec(const array& a);
 
 std::unique_ptr<ArrayList> new_array_list();
 void array_list_push(ArrayList& list, const array& a);
+size_t array_list_len(const ArrayList& list);
+ArrayPtr array_list_get(const ArrayList& list, size_t i);
 
 // evaluation
 void eval_one(const array& a);
@@ -71,6 +73,7 @@ ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const i
 ArrayPtr zeros(rust::Slice<const int32_t> shape, int32_t dtype);
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits);
+std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits);
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits);
 

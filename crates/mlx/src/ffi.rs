@@ -25,6 +25,8 @@ pub(crate) mod bridge {
 
         fn new_array_list() -> Result<UniquePtr<ArrayList>>;
         fn array_list_push(list: Pin<&mut ArrayList>, a: &array) -> Result<()>;
+        fn array_list_len(list: &ArrayList) -> usize;
+        fn array_list_get(list: &ArrayList, i: usize) -> Result<UniquePtr<array>>;
         fn eval_one(a: &array) -> Result<()>;
         fn eval_many(arrays: &ArrayList) -> Result<()>;
         fn async_eval_many(arrays: &ArrayList) -> Result<()>;
@@ -68,6 +70,7 @@ pub(crate) mod bridge {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<array>>;
+        fn quantize(w: &array, group_size: i32, bits: i32) -> Result<UniquePtr<ArrayList>>;
         fn dequantize(
             w: &array,
             scales: &array,

@@ -303,6 +303,32 @@ impl Array {
         ))
     }
 
+    /// MLX affine quantization of `self` (`[out, in]`, floating point, `in`
+    /// a multiple of `group_size`): `(w, scales, biases)` with `w`
+    /// `[out, in · bits / 32]` uint32 and `scales`/`biases`
+    /// `[out, in / group_size]` in `self`'s dtype, the layout
+    /// [`Array::quantized_matmul`] and [`Array::dequantize`] take. Each
+    /// group of `group_size` weights maps linearly onto `0..2^bits`
+    /// (MLX's `quantize`, mode `affine`).
+    ///
+    /// # Errors
+    /// A group size or bit width MLX does not support (group 32, 64, 128;
+    /// bits 2 to 8), or a last dimension that is not a multiple of the group.
+    pub fn quantize(&self, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
+        let parts = bridge::quantize(self.raw(), group_size, bits)?;
+        let list = list_ref(&parts)?;
+        if bridge::array_list_len(list) != 3 {
+            return Err(Error(format!(
+                "quantize returned {} arrays, not 3",
+                bridge::array_list_len(list)
+            )));
+        }
+        let w = Array::wrap(bridge::array_list_get(list, 0))?;
+        let scales = Array::wrap(bridge::array_list_get(list, 1))?;
+        let biases = Array::wrap(bridge::array_list_get(list, 2))?;
+        Ok((w, scales, biases))
+    }
+
     /// Dequantizes MLX affine-quantized `self` (see [`Array::quantized_matmul`])
     /// to `[out, in]` in the scales' dtype.
     pub fn dequantize(

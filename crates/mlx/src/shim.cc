@@ -81,6 +81,14 @@ rust::Vec<int32_t> to_i32_vec(const array& a) { return to_vec<int32_t>(a, mx::in
 rust::Vec<uint32_t> to_u32_vec(const array& a) { return to_vec<uint32_t>(a, mx::uint32); }
 
 std::unique_ptr<ArrayList> new_array_list() { return std::make_unique<ArrayList>(); }
+size_t array_list_len(const ArrayList& list) { return list.items.size(); }
+ArrayPtr array_list_get(const ArrayList& list, size_t i) {
+  if (i >= list.items.size()) {
+    throw std::out_of_range("array list index " + std::to_string(i) + " of " +
+                            std::to_string(list.items.size()));
+  }
+  return wrap(list.items[i]);
+}
 void array_list_push(ArrayList& list, const array& a) { list.items.push_back(a); }
 
 void eval_one(const array& a) { mx::eval({a}); }
@@ -125,6 +133,11 @@ ArrayPtr zeros(rust::Slice<const int32_t> shape, int32_t dtype) {
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits) {
   return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, "affine"));
+}
+std::unique_ptr<ArrayList> quantize(const array& w, int32_t group_size, int32_t bits) {
+  auto out = std::make_unique<ArrayList>();
+  out->items = mx::quantize(w, group_size, bits, "affine");
+  return out;
 }
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits) {

@@ -122,6 +122,37 @@ fn quantized_matmul_equals_dequantized_dense() {
 }
 
 #[test]
+fn quantize_round_trips_within_one_step_and_refuses_a_partial_group() {
+    // 3 rows of 64, two groups of 32 each.
+    let v: Vec<f32> = (0..192)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    let w = Array::from_f32(&v, &[3, 64]).unwrap();
+    for bits in [4, 8] {
+        let (q, scales, biases) = w.quantize(32, bits).unwrap();
+        assert_eq!(q.dtype(), Dtype::Uint32);
+        assert_eq!(q.shape(), vec![3, 64 * bits / 32]);
+        assert_eq!(scales.shape(), vec![3, 2]);
+        assert_eq!(biases.shape(), vec![3, 2]);
+        let back = q.dequantize(&scales, &biases, 32, bits).unwrap();
+        let back = back.to_vec_f32().unwrap();
+        let steps = scales.to_vec_f32().unwrap();
+        for (i, (a, b)) in v.iter().zip(&back).enumerate() {
+            // MLX may pick a negative scale (the group anchored at its max).
+            let step = steps[(i / 64) * 2 + (i % 64) / 32].abs();
+            // Half a step of rounding, plus up to half a step where MLX
+            // moves the grid so that the group's edge falls on it.
+            assert!((a - b).abs() <= step + 1e-6, "bits {bits}, {i}: {a} vs {b}");
+        }
+    }
+    let odd = Array::from_f32(&[0.0; 48], &[1, 48]).unwrap();
+    assert!(
+        odd.quantize(32, 4).is_err(),
+        "48 columns are not whole groups of 32"
+    );
+}
+
+#[test]
 fn dtype_roundtrip_and_safetensors() {
     let a = Array::from_f32(&[1.5, -2.0], &[2]).unwrap();
     let h = a.astype(Dtype::Float16).unwrap();

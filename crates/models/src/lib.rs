@@ -101,12 +101,16 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
 /// An unsupported `model_type`, or any loading error of the family.
 pub fn load_model(
     dir: &Path,
-    config: ModelConfig,
+    mut config: ModelConfig,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
     let family = family(&config.model_type)?;
     let mut weights = if gguf::is_gguf(dir) {
-        GgufModel::open(dir)?.weights(&config)?
+        let file = GgufModel::open(dir)?;
+        match options.quantize {
+            Some(spec) => file.weights_requantized(&mut config, spec)?.0,
+            None => file.weights(&config)?,
+        }
     } else {
         Weights::open(dir)?
     };

@@ -22,11 +22,12 @@ use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use mlxcel_mlx::Array;
+use mlxcel_mlx::{Array, Dtype};
 
 pub use arch::{Arch, ARCHS};
 pub use reader::{GgufHeader, TensorInfo, TensorType, Value};
 
+use crate::config::QuantSpec;
 use crate::{ModelConfig, ModelError, Weights};
 
 /// Whether `path` names a GGUF file (a file whose name ends in `.gguf`).
@@ -148,9 +149,73 @@ impl GgufModel {
     /// that the architecture does not know, or a tensor that does not fit
     /// `config`.
     pub fn weights(&self, config: &ModelConfig) -> Result<Weights, ModelError> {
+        Ok(Weights::from_arrays(self.arrays(config)?))
+    }
+
+    /// [`GgufModel::weights`], then every floating-point matrix (a 2-D
+    /// `*.weight`: linear layers, embeddings, the head) that the file does
+    /// not already hold MLX-quantized is quantized to `spec` (MLX affine,
+    /// [`Array::quantize`]), and `config.quantization` names each such
+    /// module. This is `--quantize`: types MLX's loader dequantizes (Q6_K
+    /// to float16) or that [`dequant`] decodes to float32 would otherwise
+    /// run as dense matrices, 4 to 8 times the bytes per token of a
+    /// 4-bit matrix on a GPU. Matrices whose rows are not a whole number
+    /// of groups stay dense. Returns the weights and how many matrices
+    /// were quantized.
+    ///
+    /// # Errors
+    /// As [`GgufModel::weights`]; a group size or bit width MLX refuses.
+    pub fn weights_requantized(
+        &self,
+        config: &mut ModelConfig,
+        spec: QuantSpec,
+    ) -> Result<(Weights, usize), ModelError> {
+        let mut arrays = self.arrays(config)?;
+        let group = usize::try_from(spec.group_size)
+            .map_err(|_| ModelError::Config(format!("group size {}", spec.group_size)))?;
+        let mut names: Vec<String> = arrays
+            .iter()
+            .filter(|(name, a)| {
+                let module = name.strip_suffix(".weight");
+                let shape = a.shape();
+                shape.len() == 2
+                    && matches!(a.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+                    && shape[1] > 0
+                    && (shape[1] as usize).is_multiple_of(group)
+                    && module.is_some_and(|m| {
+                        config.quantization.for_module(m).is_none()
+                            && !arrays.contains_key(&format!("{m}.scales"))
+                    })
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        for name in &names {
+            let module = name.trim_end_matches(".weight").to_string();
+            let Some(w) = arrays.remove(name) else {
+                continue;
+            };
+            let (q, scales, biases) = w.quantize(spec.group_size, spec.bits)?;
+            mlxcel_mlx::eval(&[&q, &scales, &biases])?;
+            arrays.insert(name.clone(), q);
+            arrays.insert(format!("{module}.scales"), scales);
+            arrays.insert(format!("{module}.biases"), biases);
+            config.quantization.overrides.insert(module, Some(spec));
+        }
+        tracing::info!(
+            matrices = names.len(),
+            bits = spec.bits,
+            group_size = spec.group_size,
+            "quantized the GGUF's floating-point matrices"
+        );
+        Ok((Weights::from_arrays(arrays), names.len()))
+    }
+
+    /// Every tensor under its checkpoint name (see [`GgufModel::weights`]).
+    fn arrays(&self, config: &ModelConfig) -> Result<HashMap<String, Array>, ModelError> {
         let arch = self.arch();
         if !self.mlx_reads_all() {
-            return self.decoded_weights(config);
+            return self.decoded_arrays(config);
         }
         tracing::info!(file = %self.path.display(), arch = arch.name, "loading GGUF tensors");
         let mut file = mlxcel_mlx::SafeTensors::load_gguf(&self.path)
@@ -163,14 +228,14 @@ impl GgufModel {
             let array = (arch.fix_tensor)(&name, file.take(&gguf)?, config)?;
             arrays.insert(name, array);
         }
-        Ok(Weights::from_arrays(arrays))
+        Ok(arrays)
     }
 }
 
 impl GgufModel {
     /// Every tensor decoded to float32 by [`dequant`], renamed and
     /// rewritten as in [`GgufModel::weights`].
-    fn decoded_weights(&self, config: &ModelConfig) -> Result<Weights, ModelError> {
+    fn decoded_arrays(&self, config: &ModelConfig) -> Result<HashMap<String, Array>, ModelError> {
         let arch = self.arch();
         tracing::info!(
             file = %self.path.display(),
@@ -217,6 +282,6 @@ impl GgufModel {
             let array = Array::from_f32(&values, &shape)?;
             arrays.insert(name.clone(), (arch.fix_tensor)(&name, array, config)?);
         }
-        Ok(Weights::from_arrays(arrays))
+        Ok(arrays)
     }
 }
