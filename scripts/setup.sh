@@ -211,14 +211,16 @@ fi
 # --- 6. tiny family checkpoints (tests/family_parity.rs) --------------------
 # Random-weight checkpoints written by mlx_lm's model classes, with mlx_lm's
 # greedy output; remade whenever the script changes (a few seconds).
+# scripts/make_tiny_gguf.py then writes the tiny Qwen3 as a GGUF file.
 TINY="$REPO/target/tiny-models"
-tiny_sha="$(sha256sum "$REPO/scripts/make_tiny_models.py" 2>/dev/null || shasum -a 256 "$REPO/scripts/make_tiny_models.py")"
+tiny_sha="$(cat "$REPO/scripts/make_tiny_models.py" "$REPO/scripts/make_tiny_gguf.py" | { sha256sum 2>/dev/null || shasum -a 256; })"
 tiny_sha="${tiny_sha%% *}"
 if [[ "$(cat "$TINY/.script-sha256" 2>/dev/null)" != "$tiny_sha" ]]; then
   did_work=1
   log "writing tiny family checkpoints to target/tiny-models (mlx_lm)"
   rm -rf "$TINY"
   "$PY" "$REPO/scripts/make_tiny_models.py" "$TINY"
+  "$PY" "$REPO/scripts/make_tiny_gguf.py" "$TINY"
   echo "$tiny_sha" > "$TINY/.script-sha256"
 fi
 

@@ -43,6 +43,50 @@ fn check_family(name: &str) {
     }
 }
 
+/// The tiny Qwen3 written as a GGUF file by llama.cpp's own writer (the
+/// `gguf` package; `scripts/make_tiny_gguf.py`, float32 tensors under
+/// llama.cpp's names and metadata keys): the `qwen3` GGUF architecture
+/// reads the same config and serves the same weights, so mlx_lm's golden
+/// of the checkpoint holds for the file.
+#[test]
+fn qwen3_gguf_matches_mlx_lm() {
+    let dir = tiny_models().join("qwen3");
+    let path = tiny_models().join("qwen3.gguf");
+    let golden = read_golden(&dir, "make_tiny_models.py");
+    let config = read_config(&path).expect("config from the GGUF metadata");
+    let theirs = read_config(&dir).expect("checkpoint config");
+    let shape = |c: &mlxcel_model::ModelConfig| {
+        (
+            c.model_type.clone(),
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            c.vocab_size,
+            c.rope_theta,
+            c.tie_word_embeddings,
+        )
+    };
+    assert_eq!(shape(&config), shape(&theirs));
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+        quantize: None,
+    };
+    let model = load_model(&path, config, options).expect("load the GGUF");
+    check_model(
+        "qwen3.gguf",
+        model.as_ref(),
+        &ids(&golden, "prompt"),
+        &ids(&golden, "greedy"),
+        &floats(&golden, "last_logits"),
+        1e-4,
+    );
+}
+
 #[test]
 fn llama_matches_mlx_lm() {
     check_family("llama");

@@ -53,6 +53,13 @@ pub const ARCHS: &[Arch] = &[
         fix_tensor: keep_tensor,
     },
     Arch {
+        name: "qwen3",
+        model_type: "qwen3",
+        layer_tensors: QWEN3_LAYER_TENSORS,
+        extra_config: no_extra_config,
+        fix_tensor: keep_tensor,
+    },
+    Arch {
         name: "gemma3",
         model_type: "gemma3_text",
         layer_tensors: GEMMA3_LAYER_TENSORS,
@@ -69,6 +76,23 @@ const LLAMA_LAYER_TENSORS: &[(&str, &str)] = &[
     ("attn_k", "self_attn.k_proj"),
     ("attn_v", "self_attn.v_proj"),
     ("attn_output", "self_attn.o_proj"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+];
+
+/// The decoder-layer tensors of Qwen3: llama's plus per-head RMSNorms of
+/// q and k (llama.cpp leaves Qwen's q/k rows in the checkpoint's order:
+/// its RoPE for Qwen rotates halves, as the checkpoint's does).
+const QWEN3_LAYER_TENSORS: &[(&str, &str)] = &[
+    ("attn_norm", "input_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
     ("ffn_norm", "post_attention_layernorm"),
     ("ffn_gate", "mlp.gate_proj"),
     ("ffn_up", "mlp.up_proj"),
