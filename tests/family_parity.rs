@@ -43,15 +43,14 @@ fn check_family(name: &str) {
     }
 }
 
-/// The tiny Qwen3 written as a GGUF file by llama.cpp's own writer (the
-/// `gguf` package; `scripts/make_tiny_gguf.py`, float32 tensors under
-/// llama.cpp's names and metadata keys): the `qwen3` GGUF architecture
+/// A tiny checkpoint written as a GGUF file by llama.cpp's own writer (the
+/// `gguf` package; `scripts/make_tiny_gguf.py`: float32 tensors under
+/// llama.cpp's names, metadata keys and layouts): the GGUF architecture
 /// reads the same config and serves the same weights, so mlx_lm's golden
 /// of the checkpoint holds for the file.
-#[test]
-fn qwen3_gguf_matches_mlx_lm() {
-    let dir = tiny_models().join("qwen3");
-    let path = tiny_models().join("qwen3.gguf");
+fn check_gguf(name: &str) {
+    let dir = tiny_models().join(name);
+    let path = tiny_models().join(format!("{name}.gguf"));
     let golden = read_golden(&dir, "make_tiny_models.py");
     let config = read_config(&path).expect("config from the GGUF metadata");
     let theirs = read_config(&dir).expect("checkpoint config");
@@ -78,13 +77,35 @@ fn qwen3_gguf_matches_mlx_lm() {
     };
     let model = load_model(&path, config, options).expect("load the GGUF");
     check_model(
-        "qwen3.gguf",
+        &format!("{name}.gguf"),
         model.as_ref(),
         &ids(&golden, "prompt"),
         &ids(&golden, "greedy"),
         &floats(&golden, "last_logits"),
         1e-4,
     );
+}
+
+/// `qwen3`: per-head q/k norms.
+#[test]
+fn qwen3_gguf_matches_mlx_lm() {
+    check_gguf("qwen3");
+}
+
+/// `llama` with Llama 3.1's RoPE scaling, which llama.cpp stores as a
+/// `rope_freqs` tensor of divisors (read into `rope_scaling`), and q/k rows
+/// in ggml's RoPE order (put back at load).
+#[test]
+fn llama3_rope_gguf_matches_mlx_lm() {
+    let config = read_config(&tiny_models().join("llama3_rope.gguf")).expect("config");
+    let mlxcel_model::config::RopeScaling::Divisors(d) = &config.rope_scaling else {
+        panic!("rope_freqs not read: {:?}", config.rope_scaling);
+    };
+    // head_dim 16: 8 frequencies, the lowest kept, the highest divided by
+    // the factor (8).
+    assert_eq!(d.len(), 8);
+    assert_eq!((d[0], d[7]), (1.0, 8.0));
+    check_gguf("llama3_rope");
 }
 
 #[test]

@@ -88,6 +88,12 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: f32,
     },
+    /// One divisor of the rotation angle per rotated frequency,
+    /// `[dims / 2]`: frequency `i` turns by `position · base^(-2i/dims) /
+    /// divisors[i]` (`"rope_type": "divisors"`, what a GGUF file's
+    /// `rope_freqs` tensor holds: llama.cpp's converter writes Llama 3.1's
+    /// scaling this way).
+    Divisors(Vec<f32>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -248,6 +254,22 @@ fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, Mode
             high_freq_factor: f("high_freq_factor", 4.0),
             original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
         }),
+        "divisors" => {
+            let divisors = obj
+                .get("divisors")
+                .and_then(|d| d.as_array())
+                .map(|d| {
+                    d.iter()
+                        .map(|x| x.as_f64().map(|x| x as f32))
+                        .collect::<Option<Vec<f32>>>()
+                })
+                .flatten()
+                .filter(|d| !d.is_empty() && d.iter().all(|&x| x > 0.0))
+                .ok_or_else(|| {
+                    ModelError::Config("rope_scaling divisors must be positive numbers".into())
+                })?;
+            Ok(RopeScaling::Divisors(divisors))
+        }
         other => Err(ModelError::Unsupported(format!(
             "rope_scaling type {other}"
         ))),

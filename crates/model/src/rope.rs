@@ -54,10 +54,26 @@ impl Rope {
             scale: 1.0,
             freqs: None,
         };
-        match spec.scaling {
+        match &spec.scaling {
+            RopeScaling::Divisors(divisors) => {
+                let half = (dims / 2) as usize;
+                if divisors.len() != half {
+                    return Err(ModelError::Config(format!(
+                        "{} RoPE divisors for {half} rotated frequencies",
+                        divisors.len()
+                    )));
+                }
+                // MLX's `freqs` are periods: base^(2i/dims), divisor times.
+                let freqs: Vec<f32> = divisors
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| spec.base.powf((2 * i) as f32 / dims as f32) * d)
+                    .collect();
+                rope.freqs = Some(Array::from_f32(&freqs, &[half as i32])?);
+            }
             RopeScaling::None => {}
-            RopeScaling::Linear { factor } => rope.scale = 1.0 / factor,
-            RopeScaling::Llama3 {
+            RopeScaling::Linear { factor } => rope.scale = 1.0 / *factor,
+            &RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,

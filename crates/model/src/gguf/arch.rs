@@ -122,6 +122,8 @@ const MODEL_TENSORS: &[(&str, &str)] = &[
     ("token_embd", "model.embed_tokens"),
     ("output_norm", "model.norm"),
     ("output", "lm_head"),
+    // Llama 3.1-style RoPE divisors: read into the config, not a weight.
+    ("rope_freqs", "rope_freqs"),
 ];
 
 /// The architecture named `name`.

@@ -135,6 +135,12 @@ impl GgufModel {
         }
         if let Some(obj) = json.as_object_mut() {
             obj.insert("quantization".into(), quantization.into());
+            if let Some(divisors) = self.rope_divisors()? {
+                obj.insert(
+                    "rope_scaling".into(),
+                    serde_json::json!({"rope_type": "divisors", "divisors": divisors}),
+                );
+            }
         }
         ModelConfig::from_json_str(&json.to_string())
     }
@@ -225,7 +231,11 @@ impl GgufModel {
             let name = arch::checkpoint_name(arch, &gguf).ok_or_else(|| {
                 ModelError::Unsupported(format!("GGUF tensor {gguf} ({} architecture)", arch.name))
             })?;
-            let array = (arch.fix_tensor)(&name, file.take(&gguf)?, config)?;
+            let tensor = file.take(&gguf)?;
+            if name == ROPE_FREQS {
+                continue;
+            }
+            let array = (arch.fix_tensor)(&name, tensor, config)?;
             arrays.insert(name, array);
         }
         Ok(arrays)
@@ -253,24 +263,10 @@ impl GgufModel {
                     t.name, arch.name
                 ))
             })?;
-            let size = t
-                .shape
-                .iter()
-                .product::<u64>()
-                .checked_mul(t.ty.block_bytes())
-                .and_then(|b| b.checked_div(t.ty.block_elements()))
-                .ok_or_else(|| ModelError::Weights(format!("tensor {}: size overflows", t.name)))?;
-            bytes.resize(
-                usize::try_from(size)
-                    .map_err(|_| ModelError::Weights(format!("tensor {}: {size} bytes", t.name)))?,
-                0,
-            );
-            file.seek(SeekFrom::Start(self.header.data_start + t.offset))
-                .map_err(io)?;
-            file.read_exact(&mut bytes).map_err(io)?;
-            let mut values = Vec::new();
-            dequant::dequantize(t.ty, &bytes, &mut values)
-                .map_err(|e| ModelError::Weights(format!("tensor {}: {e}", t.name)))?;
+            if name == ROPE_FREQS {
+                continue;
+            }
+            let values = self.read_f32(&mut file, t, &mut bytes)?;
             let shape = t
                 .shape
                 .iter()
@@ -284,4 +280,51 @@ impl GgufModel {
         }
         Ok(arrays)
     }
+
+    /// Tensor `t`'s data decoded to float32 ([`dequant`]), read through
+    /// `bytes` (a reused buffer).
+    fn read_f32(
+        &self,
+        file: &mut std::fs::File,
+        t: &TensorInfo,
+        bytes: &mut Vec<u8>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
+        let size = t
+            .shape
+            .iter()
+            .product::<u64>()
+            .checked_mul(t.ty.block_bytes())
+            .and_then(|b| b.checked_div(t.ty.block_elements()))
+            .ok_or_else(|| ModelError::Weights(format!("tensor {}: size overflows", t.name)))?;
+        bytes.resize(
+            usize::try_from(size)
+                .map_err(|_| ModelError::Weights(format!("tensor {}: {size} bytes", t.name)))?,
+            0,
+        );
+        file.seek(SeekFrom::Start(self.header.data_start + t.offset))
+            .map_err(io)?;
+        file.read_exact(bytes).map_err(io)?;
+        let mut values = Vec::new();
+        dequant::dequantize(t.ty, bytes, &mut values)
+            .map_err(|e| ModelError::Weights(format!("tensor {}: {e}", t.name)))?;
+        Ok(values)
+    }
+
+    /// The `rope_freqs` tensor llama.cpp's converter writes for Llama
+    /// 3.1-style RoPE scaling (one divisor of the rotation angle per
+    /// rotated frequency, `[head_dim / 2]`), if the file has one.
+    fn rope_divisors(&self) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(t) = self.header.tensor(ROPE_FREQS) else {
+            return Ok(None);
+        };
+        let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
+        let mut file = std::fs::File::open(&self.path).map_err(io)?;
+        self.read_f32(&mut file, t, &mut Vec::new()).map(Some)
+    }
 }
+
+/// llama.cpp's name of the RoPE divisors tensor (also its checkpoint name,
+/// [`arch::checkpoint_name`]); it is read into the config
+/// (`rope_scaling`), never loaded as a weight.
+const ROPE_FREQS: &str = "rope_freqs.weight";
