@@ -258,12 +258,11 @@ fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, Mode
             let divisors = obj
                 .get("divisors")
                 .and_then(|d| d.as_array())
-                .map(|d| {
+                .and_then(|d| {
                     d.iter()
                         .map(|x| x.as_f64().map(|x| x as f32))
                         .collect::<Option<Vec<f32>>>()
                 })
-                .flatten()
                 .filter(|d| !d.is_empty() && d.iter().all(|&x| x > 0.0))
                 .ok_or_else(|| {
                     ModelError::Config("rope_scaling divisors must be positive numbers".into())
@@ -310,6 +309,23 @@ mod tests {
             })
         );
         assert_eq!(q.for_module("lm_head"), None);
+    }
+
+    #[test]
+    fn rope_divisors_are_read_and_checked() {
+        let d = |v: &str| parse_rope_scaling(Some(&serde_json::from_str(v).unwrap()));
+        assert_eq!(
+            d(r#"{"rope_type":"divisors","divisors":[1.0,2.5,8]}"#).unwrap(),
+            RopeScaling::Divisors(vec![1.0, 2.5, 8.0])
+        );
+        for bad in [
+            r#"{"rope_type":"divisors"}"#,
+            r#"{"rope_type":"divisors","divisors":[]}"#,
+            r#"{"rope_type":"divisors","divisors":[1.0,0.0]}"#,
+            r#"{"rope_type":"divisors","divisors":[1.0,"x"]}"#,
+        ] {
+            assert!(matches!(d(bad), Err(ModelError::Config(_))), "{bad}");
+        }
     }
 
     #[test]
