@@ -27,6 +27,7 @@
 mod admission;
 mod cache;
 mod error;
+mod group;
 mod hash;
 mod pool;
 mod prefix;
@@ -35,15 +36,16 @@ mod sequence;
 mod step;
 mod storage;
 
-pub use admission::{Admission, RequestBlocks};
+pub use admission::{Admission, GroupAdmission, RequestBlocks};
 pub use cache::{
     KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome, RowReserve,
     StepReservation, StorageBackend,
 };
 pub use error::{KvError, PoolExhausted};
+pub use group::KvGroupConfig;
 pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};
-pub use prefix::{PrefixCache, PrefixCacheStats};
+pub use prefix::{hold_from, GroupHit, PrefixCache, PrefixCacheStats};
 pub use replica::{CopyLayout, KvReplica, ReplicaStep, RowLayout, StepLayout};
 pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};
 pub use step::{AttentionKv, PagedKv, StepKv};

@@ -95,6 +95,12 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// The layer's sliding window in keys (a query sees at most this many,
+    /// itself included); `None`: full attention.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
     /// Loads `{path}.{q,k,v,o}_proj` (and `{path}.{q,k}_norm`) as `spec`
     /// describes. Under tensor parallelism (`ctx.shard`) it keeps this
     /// rank's query and K/V heads (q/k/v output rows, o input columns).
