@@ -7,6 +7,12 @@
 //! [`KvCache::append`]; shrinking is [`KvCache::truncate_tail`] and
 //! [`KvCache::drop_front`], one function per direction for both backends.
 //!
+//! A cache holds one or more KV groups (group.rs): each has its own pool
+//! and paged arrays for its layers, a sequence one [`SequenceBlocks`] per
+//! group (same `end`), and [`KvCache::trim`] drops each group's front to its
+//! keep after a step. One group of every layer, keeping every key, is a
+//! cache without groups ([`KvCache::new`]).
+//!
 //! A sequence is held through an opaque [`KvSequence`]; dropping it gives
 //! its blocks back at the cache's next [`KvCache::reclaim`] (the engine calls
 //! it at every step), so a request that ends in any way (finished, failed,
@@ -246,11 +252,9 @@ impl KvCache {
                     ..config.layout
                 };
                 let paged = match config.backend {
-                    StorageBackend::Paged => Some(PagedStorage::new(
-                        layout,
-                        g.num_blocks,
-                        config.block_size,
-                    )?),
+                    StorageBackend::Paged => {
+                        Some(PagedStorage::new(layout, g.num_blocks, config.block_size)?)
+                    }
                     StorageBackend::Dense => None,
                 };
                 Ok(Group {

@@ -19,9 +19,13 @@
 //! - [`PrefixCache`] (prefix.rs): longest-prefix lookup and donation of full
 //!   blocks, and its counters.
 //! - [`Admission`] (admission.rs): the worst case a request may hold and
-//!   the most tokens it may generate in a pool, in closed form.
+//!   the most tokens it may generate in a pool, in closed form;
+//!   [`GroupAdmission`] the same over KV groups.
+//! - [`KvGroupConfig`] (group.rs): a KV group, the layers that share one
+//!   attention window; each group has its own pool, tables and keep (the
+//!   keys a sequence holds between steps).
 //!
-//! The engine thread owns one pool; every call is synchronous and O(blocks
+//! The engine thread owns one pool per KV group; every call is synchronous and O(blocks
 //! touched), except the `counts`/`check_invariants` helpers, O(pool).
 
 mod admission;

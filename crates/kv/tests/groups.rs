@@ -112,9 +112,15 @@ fn a_window_group_frees_what_left_its_window_and_the_full_group_keeps_all() {
     }
     // keep + one step's token, starting mid-block, plus a partial block.
     let bound = (KEEP + 1).div_ceil(BS) + 1;
-    assert!(most_window_blocks <= bound, "{most_window_blocks} > {bound}");
+    assert!(
+        most_window_blocks <= bound,
+        "{most_window_blocks} > {bound}"
+    );
     assert_eq!(c.end(&seq).unwrap(), 170);
-    assert_eq!(c.group_pool(0).unwrap().used_blocks(), 170usize.div_ceil(BS));
+    assert_eq!(
+        c.group_pool(0).unwrap().used_blocks(),
+        170usize.div_ceil(BS)
+    );
     assert_eq!(
         c.group_pool(1).unwrap().used_blocks(),
         c.group_blocks_held(&seq).unwrap()[1]
@@ -163,4 +169,35 @@ fn a_prefix_hit_starts_each_group_where_a_cold_run_is() {
     drop(warm);
     c.reclaim().unwrap();
     assert_eq!(c.counts().used, 0);
+}
+
+#[test]
+fn a_request_fits_when_it_fits_every_group() {
+    let mut c = grouped_cache(64, 8, false);
+    let rule = c.admission(0, 8);
+    let need = |prompt: usize, max_tokens: usize| -> Vec<usize> {
+        rule.request(prompt, max_tokens, 1)
+            .iter()
+            .map(|r| r.total)
+            .collect()
+    };
+    // The window group's worst case (keep 8 + a chunk of 8 + a block,
+    // and a partial block) does not grow with the request.
+    assert_eq!(need(10, 10), vec![6, 6]);
+    assert_eq!(need(1000, 10), vec![254, 6]);
+    // The full group bounds max_tokens: ceil((100 + m) / 4) + 1 <= 64.
+    assert_eq!(rule.max_new_tokens(100, 1, 1000), Some(152));
+    let none: [(&KvSequence, &[usize]); 0] = [];
+    assert!(c.fits(&need(10, 10), none));
+    assert!(
+        !c.fits(&need(1000, 10), none),
+        "the full group is too small"
+    );
+    // One running sequence may still take 6 window blocks: a second
+    // doesn't fit the window group's 8, though the full group has room.
+    let running = c.new_sequence();
+    let worst = need(10, 10);
+    assert!(!c.fits(&need(10, 10), [(&running, worst.as_slice())]));
+    drop(running);
+    c.reclaim().unwrap();
 }

@@ -315,11 +315,13 @@ impl Attention {
                 if let AttentionMask::Array(a) = &m {
                     mark("attn.mask", &[a])?;
                 }
-                step.batched_masks.borrow_mut().push(crate::step::BatchedMask {
-                    lens,
-                    window: self.window,
-                    mask: m.clone(),
-                });
+                step.batched_masks
+                    .borrow_mut()
+                    .push(crate::step::BatchedMask {
+                        lens,
+                        window: self.window,
+                        mask: m.clone(),
+                    });
                 m
             }
         };

@@ -518,7 +518,10 @@ impl<'m> Worker<'m> {
         };
         // Each child may hold `own` blocks beyond the prompt's; choice 0
         // now promises only its own tokens.
-        let rule = self.config.admission(&self.kv).request(prompt, max_tokens, 1);
+        let rule = self
+            .config
+            .admission(&self.kv)
+            .request(prompt, max_tokens, 1);
         let parent_worst: Vec<usize> = rule.iter().map(|r| r.total).collect();
         let own: Vec<usize> = rule.iter().map(|r| r.per_extra_choice).collect();
         for fork in forks {
