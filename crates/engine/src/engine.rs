@@ -345,7 +345,16 @@ impl Engine {
                     mlxcel_mlx::use_device(gpu)?;
                     tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
                     let model = crate::loader::load_model(&dir, model_config, options)?;
-                    let mut kv = plan.kv_cache(model.as_ref())?;
+                    let mut kv = match plan.kv_cache(model.as_ref()) {
+                        Ok(kv) => kv,
+                        Err(e) => {
+                            // Followers wait for the setup: let them exit.
+                            if let Some(leader) = &group {
+                                let _ = leader.send(&crate::tensor_parallel::Plan::Stop);
+                            }
+                            return Err(e);
+                        }
+                    };
                     if let Some(leader) = &group {
                         // Followers allocate the same pool and mirror its copies.
                         kv.record_block_copies(true);
