@@ -298,3 +298,86 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
     }
     panic!("stream ended without Finished")
 }
+
+/// Tiny Gemma 3 (`target/tiny-models/gemma3`, `scripts/setup.sh`: a local
+/// layer of a 16-key window and a global layer, so two KV groups) with the
+/// tiny `llama_chat` tokenizer, in a temporary directory.
+fn tiny_gemma3_dir() -> std::path::PathBuf {
+    let tiny = std::env::var_os("MLXCEL_TINY_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models")
+        });
+    let dir = std::env::temp_dir().join(format!("mlxcel-gemma3-groups-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let files = [
+        ("gemma3", "config.json"),
+        ("gemma3", "model.safetensors"),
+        ("gemma3", "golden.json"),
+        ("llama_chat", "tokenizer.json"),
+        ("llama_chat", "tokenizer_config.json"),
+        ("llama_chat", "special_tokens_map.json"),
+    ];
+    for (model, name) in files {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(tiny.join(model).join(name), &link).expect("symlink");
+    }
+    dir
+}
+
+/// Invariant 5 with KV groups: a prompt longer than the local layers'
+/// window answers the same from the prefix cache as cold (and as mlx_lm),
+/// and so does a longer conversation that reuses it; the window group
+/// serves its part of the hit from the blocks a cold run would hold.
+#[test]
+fn a_prefix_hit_on_kv_groups_answers_like_a_cold_run_and_like_mlx_lm() {
+    let dir = tiny_gemma3_dir();
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("golden.json")).expect("golden (scripts/setup.sh)"),
+    )
+    .expect("json");
+    let ids = |key: &str| -> Vec<u32> {
+        golden[key]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect()
+    };
+    let (prompt, want) = (ids("prompt"), ids("greedy"));
+    assert!(prompt.len() > 16, "the prompt runs past the window");
+    let mut c = EngineConfig::new(dir.clone());
+    c.parallel = 2;
+    c.kv_cache_budget = Some(8 << 20);
+    c.kv_block_size = 8;
+    c.prefill_chunk_size = 16;
+    c.check_invariants = true;
+    let e = Engine::start(c).expect("engine");
+    let run = |prompt: &[u32], cache: bool| {
+        let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), want.len());
+        r.ignore_eos = true;
+        r.cache_prompt = cache;
+        collect_tokens(e.submit(r).expect("submit")).expect("run")
+    };
+    let (cold, _) = run(&prompt, false);
+    assert_eq!(cold, want, "cold = mlx_lm");
+    let (first, _) = run(&prompt, true);
+    assert_eq!(first, want, "first cached run");
+    let (warm, usage) = run(&prompt, true);
+    assert_eq!(usage.cached_tokens, prompt.len() - 1, "a whole-prompt hit");
+    assert_eq!(warm, want, "warm = cold");
+    // The next turn: the prompt, part of its answer, and more.
+    let mut longer = prompt.clone();
+    longer.extend(&want[..8]);
+    longer.extend(&prompt[..5]);
+    let (cold, _) = run(&longer, false);
+    let (warm, usage) = run(&longer, true);
+    assert!(usage.cached_tokens >= 40, "{} cached", usage.cached_tokens);
+    assert_eq!(warm, cold, "a longer prompt from the cache");
+    let stats = settled(&e);
+    assert_eq!(stats.kv_blocks_active, 0);
+    assert!(stats.prefix_cache_hits >= 2);
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use mlxcel_kv::{KvCache, KvCacheConfig, KvSequence, RowReserve, StorageBackend};
+use mlxcel_kv::{KvCache, KvCacheConfig, KvGroupConfig, KvSequence, RowReserve, StorageBackend};
 use mlxcel_model::{AttentionPath, Model, StepRow};
 use serde_json::Value;
 
@@ -81,7 +81,8 @@ pub fn argmax(v: &[f32]) -> u32 {
 }
 
 /// `prompt`'s last logits within `tolerance` of `want_logits` and its
-/// greedy tokens equal to `want`, on both KV storages.
+/// greedy tokens equal to `want`, on both KV storages, and on the paged
+/// storage split into the model's KV groups (each trimmed after every step).
 pub fn check_model(
     name: &str,
     model: &dyn Model,
@@ -90,17 +91,42 @@ pub fn check_model(
     want_logits: &[f32],
     tolerance: f32,
 ) {
-    for backend in [StorageBackend::Dense, StorageBackend::Paged] {
-        let mut kv = KvCache::new(KvCacheConfig {
+    let blocks = (prompt.len() + want.len()).div_ceil(16) + 2;
+    for (backend, grouped) in [
+        (StorageBackend::Dense, false),
+        (StorageBackend::Paged, false),
+        (StorageBackend::Paged, true),
+    ] {
+        let config = KvCacheConfig {
             layout: model.kv_layout(),
             block_size: 16,
-            num_blocks: (prompt.len() + want.len()).div_ceil(16) + 2,
+            num_blocks: blocks,
             backend,
             prefix: None,
-        })
-        .expect("kv");
+        };
+        // Grouped: the engine's KV groups, one per window, each trimmed to
+        // its window after every step (a window group holds only its keys).
+        let mut kv = if grouped {
+            let mut groups = KvGroupConfig::from_layer_windows(&model.layer_windows(), None);
+            for g in &mut groups {
+                g.num_blocks = blocks;
+            }
+            let config = KvCacheConfig {
+                num_blocks: blocks * groups.len(),
+                ..config
+            };
+            KvCache::with_groups(config, groups).expect("kv")
+        } else {
+            KvCache::new(config).expect("kv")
+        };
+        let backend = if grouped {
+            format!("{backend}, {} KV groups", kv.groups().count())
+        } else {
+            backend.to_string()
+        };
         let seq = kv.new_sequence();
         let logits = step(model, &mut kv, &seq, prompt);
+        kv.trim(&seq).expect("trim");
         assert_eq!(logits.len(), want_logits.len());
         let diff = logits
             .iter()
@@ -114,6 +140,20 @@ pub fn check_model(
         for _ in 0..want.len() {
             got.push(token);
             token = argmax(&step(model, &mut kv, &seq, &[token]));
+            kv.trim(&seq).expect("trim");
+        }
+        let windows = model.layer_windows();
+        if grouped && windows.iter().any(Option::is_some) {
+            // The window group holds its window, not the whole sequence.
+            let end = kv.end(&seq).expect("end");
+            let held = kv.group_blocks_held(&seq).expect("held");
+            eprintln!("{name} ({backend}): {end} positions, blocks held per group {held:?}");
+            for (g, &held) in kv.groups().zip(&held) {
+                match g.keep {
+                    None => assert_eq!(held, end.div_ceil(16), "full group: every key"),
+                    Some(keep) => assert!(held <= keep.div_ceil(16) + 1, "window group: {held}"),
+                }
+            }
         }
         assert_eq!(got, want, "{name} ({backend}): greedy tokens");
     }

@@ -22,7 +22,10 @@ use crate::output::forced_call_prefix;
 use crate::scheduler::SchedulerConfig;
 use crate::tokenizer::{eos_token_ids, TextTokenizer};
 use crate::worker::{Job, Message, ToolCallOutput, Worker, WorkerConfig};
-use mlxcel_kv::{KvCache, KvCacheConfig, PrefixCacheConfig, StorageBackend};
+use mlxcel_kv::{
+    Admission, GroupAdmission, KvCache, KvCacheConfig, KvGroupConfig, KvLayout, PrefixCacheConfig,
+    StorageBackend,
+};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, WeightMode};
 use std::path::PathBuf;
@@ -66,8 +69,10 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Most unreferenced cached blocks kept; `None` = the whole pool.
     pub prefix_cache_capacity: Option<usize>,
-    /// Most K/V tokens each sequence keeps (older ones are dropped from the
-    /// front; positions keep counting). `None`: all (up to the context).
+    /// Most K/V tokens each sequence keeps in every layer (older ones are
+    /// dropped from the front; positions keep counting). `None`: all (up
+    /// to the context). A sliding-window layer keeps at most its window
+    /// anyway (its KV group's keep, `mlxcel_kv::KvGroupConfig::keep_for`).
     pub max_kv_size: Option<usize>,
     /// A Jinja chat template file used instead of the model's own.
     pub chat_template: Option<PathBuf>,
@@ -247,9 +252,12 @@ pub struct EngineInfo {
     pub load_seconds: f64,
     /// KV storage in use.
     pub storage_backend: StorageBackend,
-    /// Blocks in the KV pool and tokens per block.
+    /// Blocks in the KV pools (every KV group's together) and tokens per
+    /// block.
     pub kv_blocks: usize,
     pub kv_block_size: usize,
+    /// The KV cache's admission rule, per KV group (for `max_tokens`).
+    pub kv_admission: GroupAdmission,
     /// Prefill tile in use (0: none).
     pub prefill_tile: usize,
     /// Prompt plus completion tokens one request may hold in the pool.
@@ -335,12 +343,6 @@ impl Engine {
             weight_mode,
             quantize,
         };
-        // A sliding window keeps `window - 1` keys between steps (the new
-        // token is the window's last).
-        if let Some(w) = model_config.sliding_window {
-            let keep = w.saturating_sub(1).max(1);
-            config.max_kv_size = Some(config.max_kv_size.map_or(keep, |m| m.min(keep)));
-        }
         let identity = format!("{}|{:?}|{model_type}", dir.display(), dtype);
         let plan = ThreadPlan::new(&config, gpu, stable_hash(&identity))?;
         let thread = std::thread::Builder::new()
@@ -350,7 +352,16 @@ impl Engine {
                     mlxcel_mlx::use_device(gpu)?;
                     tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
                     let model = crate::loader::load_model(&dir, model_config, options)?;
-                    let mut kv = plan.kv_cache(model.as_ref())?;
+                    let mut kv = match plan.kv_cache(model.as_ref()) {
+                        Ok(kv) => kv,
+                        Err(e) => {
+                            // Followers wait for the setup: let them exit.
+                            if let Some(leader) = &group {
+                                let _ = leader.send(&crate::tensor_parallel::Plan::Stop);
+                            }
+                            return Err(e);
+                        }
+                    };
                     if let Some(leader) = &group {
                         // Followers allocate the same pool and mirror its copies.
                         kv.record_block_copies(true);
@@ -395,6 +406,7 @@ impl Engine {
             storage_backend: loaded.backend,
             kv_blocks: loaded.blocks,
             kv_block_size: loaded.block_size,
+            kv_admission: loaded.admission,
             prefill_tile: plan.worker.scheduler.prefill_tile,
             max_request_tokens: loaded.max_request_tokens,
         };
@@ -675,9 +687,9 @@ impl InferenceService for Engine {
             .min(self.context_length - prompt.len())
             .max(1);
         let max_tokens = self
-            .worker
-            .admission(self.info.kv_block_size)
-            .max_new_tokens(prompt.len(), n, self.info.kv_blocks, want)
+            .info
+            .kv_admission
+            .max_new_tokens(prompt.len(), n, want)
             .ok_or_else(too_long)?;
         request.max_tokens = max_tokens;
         // Constrained output (a schema, a forced call) is all content.
@@ -976,8 +988,11 @@ struct ThreadPlan {
     block_size: usize,
     budget: Option<usize>,
     backend: StorageBackend,
-    /// Prefix cache: (extra key, capacity in blocks) when on.
+    /// Prefix cache: (extra key, capacity in blocks) when on (paged
+    /// storage only).
     prefix: Option<(u64, Option<usize>)>,
+    /// Under `--tensor-parallel` (one KV group only).
+    tensor_parallel: bool,
 }
 
 /// What the engine thread reports once ready.
@@ -986,6 +1001,7 @@ struct Loaded {
     blocks: usize,
     block_size: usize,
     max_request_tokens: usize,
+    admission: GroupAdmission,
 }
 
 impl ThreadPlan {
@@ -1020,40 +1036,102 @@ impl ThreadPlan {
             block_size: config.kv_block_size,
             budget: config.kv_cache_budget,
             backend,
-            prefix: (config.prefix_cache && backend == StorageBackend::Paged)
+            // Several KV groups force paged storage (`kv_cache`), so the
+            // prefix cache is decided with the cache.
+            prefix: config
+                .prefix_cache
                 .then_some((extra_key, config.prefix_cache_capacity)),
+            tensor_parallel: config.tensor_parallel.is_some(),
         })
     }
 
-    /// The KV cache sized from the budget (auto: `parallel` full contexts,
-    /// at most a quarter of physical memory).
+    /// The KV cache: the model's layers grouped by window into KV groups
+    /// (`mlxcel_kv::KvGroupConfig`), sized from the budget (auto: `parallel`
+    /// full contexts of the full-attention layers plus the window groups'
+    /// share, at most a quarter of physical memory). Each window group gets
+    /// room for `parallel` sequences at their worst (its keep plus a chunk:
+    /// `Admission::blocks_for`) twice over, half for running sequences and
+    /// half for the prefix cache; the first group (full attention, when the
+    /// model has such layers) gets the rest. Several groups need paged
+    /// storage, and can't run under tensor parallelism.
     fn kv_cache(&self, model: &dyn Model) -> Result<KvCache, EngineError> {
         let layout = model.kv_layout();
-        let per_seq = model.config().max_position_embeddings * layout.bytes_per_token();
-        let budget = self
-            .budget
-            .unwrap_or_else(|| (per_seq * self.worker.parallel).min(physical_memory_bytes() / 4));
-        let blocks = KvCacheConfig::blocks_for_budget(layout, self.block_size, budget);
-        let slack = self.worker.admission(self.block_size).slack();
-        if blocks <= slack {
-            return Err(EngineError::Config(format!(
-                "a KV cache budget of {budget} bytes holds {blocks} blocks of {} tokens; \
-                 at least {} are needed",
-                self.block_size,
-                slack + 1
-            )));
+        let mut groups =
+            KvGroupConfig::from_layer_windows(&model.layer_windows(), self.worker.max_kv_size);
+        let mut backend = self.backend;
+        if groups.len() > 1 {
+            if self.tensor_parallel {
+                return Err(EngineError::Config(format!(
+                    "--tensor-parallel serves models whose layers share one attention window; \
+                     this one has {} KV groups (sliding-window and full layers)",
+                    groups.len()
+                )));
+            }
+            if backend == StorageBackend::Dense {
+                tracing::info!("KV groups need paged storage: using it");
+                backend = StorageBackend::Paged;
+            }
         }
-        tracing::info!(budget_bytes = budget, blocks, backend = %self.backend, "allocating KV cache");
-        Ok(KvCache::new(KvCacheConfig {
+        let bs = self.block_size;
+        let group_bytes = |g: &KvGroupConfig| {
+            KvLayout {
+                layers: g.layers.len(),
+                ..layout
+            }
+            .bytes_per_token()
+                * bs
+        };
+        let (tile, chunk) = (
+            self.worker.scheduler.prefill_tile,
+            self.worker.scheduler.prefill_chunk_size,
+        );
+        // Window groups after the first: fixed room; the first takes the rest.
+        let mut fixed_bytes = 0;
+        for g in groups.iter_mut().skip(1) {
+            let worst = Admission::new(bs, tile, g.keep, chunk).blocks_for(usize::MAX);
+            g.num_blocks = 2 * self.worker.parallel * worst;
+            fixed_bytes += g.num_blocks * group_bytes(g);
+        }
+        let first_bytes = group_bytes(&groups[0]).max(1);
+        let per_seq = model.config().max_position_embeddings * first_bytes / bs;
+        let budget = self.budget.unwrap_or_else(|| {
+            (per_seq * self.worker.parallel + fixed_bytes).min(physical_memory_bytes() / 4)
+        });
+        groups[0].num_blocks = budget.saturating_sub(fixed_bytes) / first_bytes;
+        let num_blocks = groups.iter().map(|g| g.num_blocks).sum();
+        let prefix = self.prefix.map(|(extra_key, cap)| PrefixCacheConfig {
+            extra_key,
+            capacity_blocks: cap.unwrap_or(num_blocks),
+        });
+        let config = KvCacheConfig {
             layout,
-            block_size: self.block_size,
-            num_blocks: blocks,
-            backend: self.backend,
-            prefix: self.prefix.map(|(extra_key, cap)| PrefixCacheConfig {
-                extra_key,
-                capacity_blocks: cap.unwrap_or(blocks),
-            }),
-        })?)
+            block_size: bs,
+            num_blocks,
+            backend,
+            prefix: prefix.filter(|_| backend == StorageBackend::Paged),
+        };
+        for g in &groups {
+            let slack = Admission::new(bs, tile, g.keep, chunk).slack();
+            if g.num_blocks <= slack {
+                return Err(EngineError::Config(format!(
+                    "a KV cache budget of {budget} bytes holds {} blocks of {bs} tokens \
+                     for the layers {:?}; at least {} are needed",
+                    g.num_blocks,
+                    g.layers,
+                    slack + 1
+                )));
+            }
+            tracing::info!(
+                layers = g.layers.len(),
+                window = ?g.window,
+                keep = ?g.keep,
+                blocks = g.num_blocks,
+                bytes = g.num_blocks * group_bytes(g),
+                "KV group"
+            );
+        }
+        tracing::info!(budget_bytes = budget, blocks = num_blocks, groups = groups.len(), backend = %backend, "allocating KV cache");
+        Ok(KvCache::with_groups(config, groups)?)
     }
 
     fn loaded(&self, kv: &KvCache) -> Loaded {
@@ -1064,10 +1142,8 @@ impl ThreadPlan {
             block_size: c.block_size,
             // With a KV window a request holds at most the window plus a
             // chunk, whatever its length.
-            max_request_tokens: self
-                .worker
-                .admission(c.block_size)
-                .max_request_tokens(c.num_blocks),
+            max_request_tokens: self.worker.admission(kv).max_request_tokens(),
+            admission: self.worker.admission(kv),
         }
     }
 }

@@ -146,6 +146,71 @@ impl Admission {
     }
 }
 
+/// The admission rule of a cache of KV groups: one [`Admission`] and pool
+/// size per group (built by [`crate::KvCache::admission`]). A request fits
+/// when it fits every group; a window group's worst case is bounded by its
+/// keep plus a chunk whatever the request's length, the full group's grows
+/// with prompt and new tokens. Plain data, so the engine's handle answers
+/// `max_tokens` questions without the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupAdmission {
+    /// Per group: its rule and its pool's blocks.
+    groups: Vec<(Admission, usize)>,
+}
+
+impl GroupAdmission {
+    /// The rule of groups with `rules[g]` over `pool_blocks[g]` blocks.
+    pub fn new(groups: Vec<(Admission, usize)>) -> Self {
+        GroupAdmission { groups }
+    }
+
+    /// Per group: its rule and its pool's blocks.
+    pub fn groups(&self) -> &[(Admission, usize)] {
+        &self.groups
+    }
+
+    /// Blocks a request may hold at worst, per group.
+    pub fn request(&self, prompt: usize, max_tokens: usize, n: usize) -> Vec<RequestBlocks> {
+        self.groups
+            .iter()
+            .map(|(rule, _)| rule.request(prompt, max_tokens, n))
+            .collect()
+    }
+
+    /// Whether every group's pool holds more than its slack (the empty
+    /// request's cost); the first group that doesn't, with its pool and slack.
+    pub fn undersized(&self) -> Option<(usize, usize, usize)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find(|(_, (rule, pool))| *pool <= rule.slack())
+            .map(|(g, (rule, pool))| (g, *pool, rule.slack()))
+    }
+
+    /// Longest sequence a request may reach alone: the least over groups
+    /// ([`Admission::max_request_tokens`]); `usize::MAX` when every group
+    /// is bounded by a window.
+    pub fn max_request_tokens(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|(rule, pool)| rule.max_request_tokens(*pool))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The most new tokens (at most `want`) a request of `prompt` tokens
+    /// and `n` choices may generate: the least over groups of
+    /// [`Admission::max_new_tokens`] (each group's answer is a prefix of
+    /// `1..=want`, so the least is the largest count every group holds);
+    /// `None` when one group can't hold even one.
+    pub fn max_new_tokens(&self, prompt: usize, n: usize, want: usize) -> Option<usize> {
+        self.groups
+            .iter()
+            .map(|(rule, pool)| rule.max_new_tokens(prompt, n, *pool, want))
+            .try_fold(want, |least, m| m.map(|m| least.min(m)))
+    }
+}
+
 /// Largest `m` with `c1(m) + (n - 1)·c2(m) <= k`, where
 /// `c1 = ceil((min(m, s1') + a1) / bs)` saturating at `m = s1'` and
 /// likewise `c2` (`first_saturates`: term 1 saturates first, at `lo`; the
@@ -230,6 +295,55 @@ mod tests {
             }
         }
         assert!(checked > 100_000);
+    }
+
+    /// Groups: the least over groups against a scan of "fits every
+    /// group", a full group next to window groups.
+    #[test]
+    fn groups_admit_what_fits_every_group() {
+        let mut checked = 0;
+        for bs in [1, 4, 16] {
+            for window in [Some(3), Some(20)] {
+                for chunk in [2, 8] {
+                    for full_pool in [0, 7, 30, 90] {
+                        for window_pool in [0, 5, 12, 40] {
+                            let rules = GroupAdmission::new(vec![
+                                (Admission::new(bs, 0, None, chunk), full_pool),
+                                (Admission::new(bs, 0, window, chunk), window_pool),
+                            ]);
+                            for prompt in [0, 3, 17, 60] {
+                                for n in [1, 2, 4] {
+                                    let want = 150;
+                                    let scan = (1..=want)
+                                        .take_while(|&m| {
+                                            rules
+                                                .request(prompt, m, n)
+                                                .iter()
+                                                .zip(rules.groups())
+                                                .all(|(r, (_, pool))| r.total <= *pool)
+                                        })
+                                        .last();
+                                    assert_eq!(rules.max_new_tokens(prompt, n, want), scan);
+                                    checked += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000);
+        // A window group's worst case does not grow with the request.
+        let rules = GroupAdmission::new(vec![
+            (Admission::new(16, 0, None, 32), 1000),
+            (Admission::new(16, 0, Some(63), 32), 10),
+        ]);
+        let short = rules.request(100, 10, 1);
+        let long = rules.request(5000, 10, 1);
+        assert_eq!(short[1].total, long[1].total);
+        assert!(long[0].total > short[0].total);
+        assert_eq!(rules.max_request_tokens(), 999 * 16);
+        assert_eq!(rules.undersized(), None);
     }
 
     #[test]

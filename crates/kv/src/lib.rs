@@ -19,14 +19,19 @@
 //! - [`PrefixCache`] (prefix.rs): longest-prefix lookup and donation of full
 //!   blocks, and its counters.
 //! - [`Admission`] (admission.rs): the worst case a request may hold and
-//!   the most tokens it may generate in a pool, in closed form.
+//!   the most tokens it may generate in a pool, in closed form;
+//!   [`GroupAdmission`] the same over KV groups.
+//! - [`KvGroupConfig`] (group.rs): a KV group, the layers that share one
+//!   attention window; each group has its own pool, tables and keep (the
+//!   keys a sequence holds between steps).
 //!
-//! The engine thread owns one pool; every call is synchronous and O(blocks
+//! The engine thread owns one pool per KV group; every call is synchronous and O(blocks
 //! touched), except the `counts`/`check_invariants` helpers, O(pool).
 
 mod admission;
 mod cache;
 mod error;
+mod group;
 mod hash;
 mod pool;
 mod prefix;
@@ -35,15 +40,16 @@ mod sequence;
 mod step;
 mod storage;
 
-pub use admission::{Admission, RequestBlocks};
+pub use admission::{Admission, GroupAdmission, RequestBlocks};
 pub use cache::{
     KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome, RowReserve,
     StepReservation, StorageBackend,
 };
 pub use error::{KvError, PoolExhausted};
+pub use group::KvGroupConfig;
 pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};
-pub use prefix::{PrefixCache, PrefixCacheStats};
+pub use prefix::{hold_from, GroupHit, PrefixCache, PrefixCacheStats};
 pub use replica::{CopyLayout, KvReplica, ReplicaStep, RowLayout, StepLayout};
 pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};
 pub use step::{AttentionKv, PagedKv, StepKv};

@@ -13,6 +13,64 @@ use crate::hash::BlockHash;
 use crate::pool::{BlockId, BlockPool};
 use crate::sequence::SequenceBlocks;
 
+/// A prefix-cache hit over KV groups ([`PrefixCache::lookup_groups`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GroupHit {
+    /// Prompt tokens whose K/V the hit holds, in tokens: `m * block_size`,
+    /// or the prompt length minus one when the `m` blocks cover it all; 0
+    /// on a miss.
+    pub cached: usize,
+    /// Per group: the logical index (`position / block_size`) of its first
+    /// block, and its blocks (one reference each, taken for the caller).
+    pub groups: Vec<(usize, Vec<BlockId>)>,
+    /// Per group: the first position its sequence keeps ([`hold_from`]).
+    pub start: Vec<usize>,
+    /// Chained hashes of the prompt's full blocks from position 0 (at least
+    /// `cached / block_size` of them).
+    pub hashes: Vec<BlockHash>,
+}
+
+/// The first position a KV group keeping `keep` keys (`None`: all) must
+/// hold for a sequence that resumes at position `cached`, its prompt run in
+/// chunks ending at multiples of `chunk` tokens: a cold run trims to `keep`
+/// keys after each chunk, so at the last chunk boundary `b <= cached` it
+/// holds `[b - keep, b)`, and the chunk it then runs reads those keys.
+pub fn hold_from(cached: usize, keep: Option<usize>, chunk: usize) -> usize {
+    let chunk = chunk.max(1);
+    match keep {
+        None => 0,
+        Some(k) => (cached / chunk * chunk).saturating_sub(k),
+    }
+}
+
+/// Extends `hashes`, the chain of full blocks from position 0, to the
+/// `end / block_size` full blocks of `tokens`.
+///
+/// # Errors
+/// Fewer than `end` tokens.
+pub(crate) fn extend_hashes(
+    hashes: &mut Vec<BlockHash>,
+    tokens: &[u32],
+    end: usize,
+    block_size: usize,
+    extra_key: u64,
+) -> Result<(), KvError> {
+    if tokens.len() < end {
+        return Err(KvError::TooFewTokens {
+            needed: end,
+            got: tokens.len(),
+        });
+    }
+    let mut scratch = Vec::new();
+    while hashes.len() < end / block_size {
+        let i = hashes.len();
+        let block = &tokens[i * block_size..(i + 1) * block_size];
+        let hash = BlockHash::chained_with(&mut scratch, hashes.last().copied(), block, extra_key);
+        hashes.push(hash);
+    }
+    Ok(())
+}
+
 /// Prefix-cache counters since start, plain data for `/v1/cache/stats` and
 /// `/metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -132,6 +190,9 @@ impl PrefixCache {
     /// holding one copy. After a front drop the chain still starts at
     /// position 0 (hashes need only tokens); blocks no longer held are
     /// skipped. Returns (blocks newly cached, blocks swapped for shared ones).
+    ///
+    /// # Errors
+    /// Fewer `tokens` than `seq.end()`, or a pool inconsistency.
     pub fn donate(
         &mut self,
         pool: &mut BlockPool,
@@ -140,33 +201,151 @@ impl PrefixCache {
         tokens: &[u32],
         extra_key: u64,
     ) -> Result<(usize, usize), KvError> {
-        if tokens.len() < seq.end() {
-            return Err(KvError::TooFewTokens {
-                needed: seq.end(),
-                got: tokens.len(),
-            });
-        }
-        let bs = pool.block_size();
+        let from = hashes.len();
+        extend_hashes(hashes, tokens, seq.end(), pool.block_size(), extra_key)?;
+        self.register_blocks(pool, seq, hashes, from)
+    }
+
+    /// Registers `seq`'s full blocks of logical indices `from..` under
+    /// `hashes` (the chain from position 0; see [`PrefixCache::donate`],
+    /// which computes them): one KV group's share of a donation, every
+    /// group registering its blocks under the same hashes. Returns (newly
+    /// cached, swapped for shared).
+    ///
+    /// # Errors
+    /// A pool inconsistency.
+    pub fn register_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        seq: &mut SequenceBlocks,
+        hashes: &[BlockHash],
+        from: usize,
+    ) -> Result<(usize, usize), KvError> {
         let first = seq.first_logical_block();
+        let full = hashes.len().min(seq.end() / pool.block_size());
         let (mut added, mut shared) = (0, 0);
-        while hashes.len() < seq.end() / bs {
-            let i = hashes.len();
-            let block = &tokens[i * bs..(i + 1) * bs];
-            let hash = BlockHash::chained(hashes.last().copied(), block, extra_key);
-            if let Some(&id) = i.checked_sub(first).and_then(|t| seq.blocks().get(t)) {
-                match pool.cached_block(hash) {
-                    Some(other) if other != id => {
-                        seq.replace_block(pool, i - first, other)?;
-                        shared += 1;
-                    }
-                    Some(_) => {}
-                    None => added += usize::from(pool.register(id, hash)?),
+        for (i, &hash) in hashes.iter().enumerate().take(full).skip(from) {
+            let Some(&id) = i.checked_sub(first).and_then(|t| seq.blocks().get(t)) else {
+                continue;
+            };
+            match pool.cached_block(hash) {
+                Some(other) if other != id => {
+                    seq.replace_block(pool, i - first, other)?;
+                    shared += 1;
                 }
+                Some(_) => {}
+                None => added += usize::from(pool.register(id, hash)?),
             }
-            hashes.push(hash);
         }
         self.counts.inserts += added as u64;
         Ok((added, shared))
+    }
+
+    /// The longest prompt prefix that every KV group can serve from its
+    /// pool (docs/architecture.md, "KV groups"): `pools[g]` is group `g`'s
+    /// pool, `keeps[g]` the keys it keeps between steps (`None`: all). A
+    /// hit of `m` full blocks resumes the prompt at `cached = m *
+    /// block_size` (one less when it covers the whole prompt: the last
+    /// token is recomputed for its logits). A group keeping every key needs
+    /// blocks `0..m`; a group keeping `k` keys needs only the blocks from
+    /// [`hold_from`]`(cached, k, chunk)` on, the keys a cold run holds at
+    /// the last chunk boundary before `cached` (chunks end at multiples of
+    /// `chunk`). The hit is the largest `m` for which every group holds
+    /// every block it needs; one reference is taken on each for the
+    /// caller, none on blocks a group doesn't need. With one group that
+    /// keeps every key this is [`PrefixCache::lookup`].
+    ///
+    /// Rule taken from vLLM's hybrid KV cache manager (the full-attention
+    /// group's hit bounds the sliding-window groups' search), rewritten
+    /// for block tables that start mid-sequence.
+    ///
+    /// # Errors
+    /// `pools` and `keeps` of different lengths, no group, pools of
+    /// different block sizes, or a pool inconsistency.
+    pub fn lookup_groups(
+        &mut self,
+        pools: &mut [&mut BlockPool],
+        keeps: &[Option<usize>],
+        tokens: &[u32],
+        extra_key: u64,
+        chunk: usize,
+    ) -> Result<GroupHit, KvError> {
+        let bs = match pools.first() {
+            Some(p) if pools.len() == keeps.len() => p.block_size(),
+            _ => {
+                return Err(KvError::Invariant(format!(
+                    "{} pools for {} KV groups",
+                    pools.len(),
+                    keeps.len()
+                )))
+            }
+        };
+        if pools.iter().any(|p| p.block_size() != bs) {
+            return Err(KvError::Invariant(
+                "KV groups of different block sizes".into(),
+            ));
+        }
+        let mut hashes = Vec::with_capacity(tokens.len() / bs);
+        extend_hashes(&mut hashes, tokens, tokens.len(), bs, extra_key)?;
+        // Groups that keep every key bound the hit by their longest prefix.
+        let mut n = hashes.len();
+        for (pool, keep) in pools.iter().zip(keeps) {
+            if keep.is_none() {
+                let run = hashes
+                    .iter()
+                    .take_while(|&&h| pool.cached_block(h).is_some())
+                    .count();
+                n = n.min(run);
+            }
+        }
+        let cached_for = |m: usize| {
+            if m * bs >= tokens.len() {
+                tokens.len().saturating_sub(1)
+            } else {
+                m * bs
+            }
+        };
+        let holds = |m: usize| {
+            let cached = cached_for(m);
+            pools.iter().zip(keeps).all(|(pool, &keep)| {
+                let from = hold_from(cached, keep, chunk) / bs;
+                hashes[from..m]
+                    .iter()
+                    .all(|&h| pool.cached_block(h).is_some())
+            })
+        };
+        let m = (1..=n).rev().find(|&m| holds(m)).unwrap_or(0);
+        let cached = if m == 0 { 0 } else { cached_for(m) };
+        let mut hit = GroupHit {
+            cached,
+            groups: Vec::with_capacity(pools.len()),
+            start: Vec::with_capacity(pools.len()),
+            hashes,
+        };
+        for (pool, &keep) in pools.iter_mut().zip(keeps) {
+            let from = if m == 0 {
+                0
+            } else {
+                hold_from(cached, keep, chunk)
+            };
+            let first = from / bs;
+            let blocks: Vec<BlockId> = hit.hashes[first.min(m)..m]
+                .iter()
+                .filter_map(|&h| pool.cached_block(h))
+                .collect();
+            pool.touch(&blocks)?;
+            hit.groups.push((first.min(m), blocks));
+            hit.start.push(from);
+        }
+        self.counts.lookups += 1;
+        if m == 0 {
+            self.counts.misses += 1;
+        } else {
+            self.counts.hits += 1;
+        }
+        self.counts.tokens_queried += tokens.len() as u64;
+        self.counts.tokens_reused += (m * bs) as u64;
+        Ok(hit)
     }
 
     /// The counters, with the pool's eviction count.
@@ -326,6 +505,71 @@ mod tests {
         assert_eq!(cache.insert(&mut pool, &seq, &tokens, KEY).unwrap(), 0);
         assert_eq!(pool.cached_blocks(), 0);
         seq.release(&mut pool).unwrap();
+    }
+
+    /// The lookup rule over KV groups: a full group holding all six blocks
+    /// of a prompt and a window group (keeps 5 keys) whose oldest blocks
+    /// were evicted and whose last was never cached.
+    #[test]
+    fn a_group_hit_is_what_every_group_still_holds() {
+        let bs = 4;
+        let tokens: Vec<u32> = (0..24).collect();
+        let mut full = BlockPool::new(16, bs).unwrap();
+        let mut window = BlockPool::new(8, bs).unwrap();
+        let mut hashes = Vec::new();
+        extend_hashes(&mut hashes, &tokens, 24, bs, KEY).unwrap();
+        let all = full.allocate(6).unwrap();
+        for (&b, &h) in all.iter().zip(&hashes) {
+            full.register(b, h).unwrap();
+        }
+        full.free(&all).unwrap();
+        // The window group cached logical blocks 0..5, freed oldest first;
+        // then the two oldest were evicted.
+        let win = window.allocate(5).unwrap();
+        for (&b, &h) in win.iter().zip(&hashes) {
+            window.register(b, h).unwrap();
+        }
+        window.free(&win).unwrap();
+        assert_eq!(window.evict_cached(2), 2);
+        let keeps = [None, Some(5)];
+        let mut cache = PrefixCache::new();
+        let mut lookup = |chunk: usize, full: &mut BlockPool, window: &mut BlockPool| {
+            cache
+                .lookup_groups(&mut [full, window], &keeps, &tokens, KEY, chunk)
+                .unwrap()
+        };
+
+        // Chunks of 8: six blocks would need logical block 5 (never
+        // cached); five blocks resume at 20, whose chunk boundary is 16, so
+        // the window group needs positions 11.. (blocks 2..5): held.
+        let hit = lookup(8, &mut full, &mut window);
+        assert_eq!(hit.cached, 20);
+        assert_eq!(hit.groups[0], (0, all[..5].to_vec()));
+        assert_eq!(hit.groups[1], (2, win[2..5].to_vec()));
+        assert_eq!(hit.start, vec![0, 11]);
+        assert_eq!(full.ref_count(all[0]).unwrap(), 1);
+        assert_eq!(full.ref_count(all[5]).unwrap(), 0, "not in the hit");
+        assert_eq!(window.ref_count(win[2]).unwrap(), 1);
+        full.free(&hit.groups[0].1).unwrap();
+        window.free(&hit.groups[1].1).unwrap();
+
+        // Chunks of 4: the boundary is 20, so only blocks 3 and 4 are
+        // needed; block 2 stays unreferenced.
+        let hit = lookup(4, &mut full, &mut window);
+        assert_eq!((hit.cached, hit.start.clone()), (20, vec![0, 15]));
+        assert_eq!(hit.groups[1], (3, win[3..5].to_vec()));
+        assert_eq!(window.ref_count(win[2]).unwrap(), 0);
+        full.free(&hit.groups[0].1).unwrap();
+        window.free(&hit.groups[1].1).unwrap();
+
+        // One chunk: a cold run keeps everything until the prompt ends, so
+        // the window group would need block 0, which was evicted: a miss.
+        let hit = lookup(usize::MAX, &mut full, &mut window);
+        assert_eq!(hit.cached, 0);
+        assert!(hit.groups.iter().all(|(_, b)| b.is_empty()));
+        let stats = cache.stats(&full);
+        assert_eq!((stats.lookups, stats.hits, stats.misses), (3, 2, 1));
+        assert_eq!(full.used_blocks() + window.used_blocks(), 0);
     }
 
     #[test]

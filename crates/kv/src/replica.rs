@@ -87,18 +87,19 @@ impl KvCache {
     /// [`KvCache::take_block_copies`]).
     ///
     /// # Errors
-    /// An unknown sequence, or a dense cache (only the paged pool is
-    /// addressed by block ids).
+    /// An unknown sequence, a dense cache (only the paged pool is
+    /// addressed by block ids), or a cache of several KV groups (a layout
+    /// addresses one pool).
     pub fn step_layout(&self, rows: &[(&KvSequence, usize)]) -> Result<StepLayout, KvError> {
-        if self.paged.is_none() {
+        if self.groups.len() != 1 || self.groups[0].paged.is_none() {
             return Err(KvError::Invariant(
-                "a step layout needs the paged backend".into(),
+                "a step layout needs the paged backend and one KV group".into(),
             ));
         }
         let rows = rows
             .iter()
             .map(|(seq, new)| {
-                let s = &self.state(seq)?.blocks;
+                let s = self.state(seq)?.first();
                 Ok(RowLayout {
                     start: s.start(),
                     end: s.end(),

@@ -101,6 +101,23 @@ impl SequenceBlocks {
         seq
     }
 
+    /// A sequence made of full cached blocks holding logical blocks
+    /// `first..first + blocks.len()` (a window group's part of a prefix
+    /// hit), covering `[first * block_size, (first + blocks.len()) *
+    /// block_size)`; empty at `[first * block_size, ..)` without blocks.
+    /// The caller's references on `blocks` pass to the sequence.
+    pub fn from_prefix_at(pool: &BlockPool, first: usize, blocks: Vec<BlockId>) -> Self {
+        let bs = pool.block_size();
+        let seq = SequenceBlocks {
+            block_size: bs,
+            start: first * bs,
+            end: (first + blocks.len()) * bs,
+            blocks,
+        };
+        seq.debug_check();
+        seq
+    }
+
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size

@@ -6,6 +6,10 @@
 //! concatenated in row order (`[tokens, ...]`), without padding between
 //! rows. Positions come from the sequence's `[start, end)`; key counts come
 //! from what a read returns (docs/architecture.md invariant 3).
+//!
+//! With KV groups (crate::group) every row has one `[start, end)` per
+//! group (same `end`); layer `l` reads and writes through its group's pool
+//! and block tables, so a window layer's key count is its group's.
 
 use std::ops::Range;
 
@@ -75,77 +79,101 @@ pub struct PagedKv<'a> {
 #[derive(Debug)]
 struct RowView {
     id: u64,
-    start: usize,
+    /// First live position in each group.
+    starts: Vec<usize>,
     end: usize,
     /// New tokens, the last positions of `[start, end)`.
     new: usize,
     /// Offset of the row's first new token in the packed step.
     packed_at: usize,
-    /// Paged: the row's live slots `[end - start]`, built on first read.
-    slots: Option<Array>,
+    /// Paged, per group: the row's live slots `[end - start]`, built on
+    /// first read.
+    slots: Vec<Option<Array>>,
+}
+
+/// One group's gathers and tables built during a step (paged).
+#[derive(Debug, Default)]
+struct GroupBuilt {
+    /// Flat slots of the packed new tokens, int32 `[tokens, 1, 1]`.
+    write_slots: Option<Array>,
+    /// The last padded gather built (`rows`, slots, max_live).
+    padded: Option<(Vec<usize>, Array, usize)>,
+    /// The last block tables built (`rows`, tables, meta).
+    tables: Option<(Vec<usize>, Array, Array)>,
 }
 
 /// The [`AttentionKv`] of one step over a [`KvCache`].
 pub struct StepKv<'a> {
     cache: &'a mut KvCache,
     rows: Vec<RowView>,
-    /// Paged: flat slots of the packed new tokens, int32 `[tokens, 1, 1]`.
-    write_slots: Option<Array>,
-    /// Paged: the last padded gather built (`rows`, slots, max_live).
-    padded: Option<(Vec<usize>, Array, usize)>,
-    /// Paged: the last block tables built (`rows`, tables, meta).
-    tables: Option<(Vec<usize>, Array, Array)>,
+    /// Per group (paged).
+    built: Vec<GroupBuilt>,
 }
 
 impl<'a> StepKv<'a> {
     pub(crate) fn new(cache: &'a mut KvCache, rows: Vec<(u64, usize)>) -> Result<Self, KvError> {
         let mut views = Vec::with_capacity(rows.len());
         let mut packed_at = 0;
+        let groups = cache.groups.len();
         for (id, new) in rows {
             let s = cache
                 .seqs
                 .get(&id)
                 .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
-            let (start, end) = (s.blocks.start(), s.blocks.end());
-            if new == 0 || new > end - start || views.iter().any(|v: &RowView| v.id == id) {
+            let starts: Vec<usize> = s.blocks.iter().map(|b| b.start()).collect();
+            let end = s.first().end();
+            let shortest = s.blocks.iter().map(|b| b.len()).min().unwrap_or(0);
+            if new == 0 || new > shortest || views.iter().any(|v: &RowView| v.id == id) {
                 return Err(KvError::Invariant(format!(
-                    "bad step row: sequence {id} [{start}, {end}) with {new} new tokens"
+                    "bad step row: sequence {id} [{:?}, {end}) with {new} new tokens",
+                    starts
                 )));
             }
             views.push(RowView {
                 id,
-                start,
+                starts,
                 end,
                 new,
                 packed_at,
-                slots: None,
+                slots: (0..groups).map(|_| None).collect(),
             });
             packed_at += new;
         }
-        let write_slots = match cache.paged {
-            Some(_) => Some(Self::new_token_slots(cache, &views, packed_at)?),
-            None => None,
-        };
+        let mut built: Vec<GroupBuilt> = (0..groups).map(|_| GroupBuilt::default()).collect();
+        for (g, b) in built.iter_mut().enumerate() {
+            if cache.groups[g].paged.is_some() {
+                b.write_slots = Some(Self::new_token_slots(cache, g, &views, packed_at)?);
+            }
+        }
         Ok(StepKv {
             cache,
             rows: views,
-            write_slots,
-            padded: None,
-            tables: None,
+            built,
         })
     }
 
-    fn new_token_slots(cache: &KvCache, rows: &[RowView], total: usize) -> Result<Array, KvError> {
+    fn new_token_slots(
+        cache: &KvCache,
+        group: usize,
+        rows: &[RowView],
+        total: usize,
+    ) -> Result<Array, KvError> {
         let mut slots = Vec::with_capacity(total);
         for r in rows {
-            slots.extend(Self::slots_of(cache, r.id, r.end - r.new..r.end)?);
+            slots.extend(Self::slots_of(cache, group, r.id, r.end - r.new..r.end)?);
         }
         Ok(Array::from_i32(&slots, &[total as i32, 1, 1])?)
     }
 
-    /// Flat pool slot indices of positions `range` of sequence `id`.
-    fn slots_of(cache: &KvCache, id: u64, range: Range<usize>) -> Result<Vec<i32>, KvError> {
-        let s = &cache.seqs[&id].blocks;
+    /// Flat pool slot indices of positions `range` of sequence `id` in
+    /// group `group`.
+    fn slots_of(
+        cache: &KvCache,
+        group: usize,
+        id: u64,
+        range: Range<usize>,
+    ) -> Result<Vec<i32>, KvError> {
+        let s = &cache.seqs[&id].blocks[group];
         let bs = cache.config().block_size;
         range
             .map(|p| {
@@ -162,10 +190,28 @@ impl<'a> StepKv<'a> {
             .ok_or(KvError::Invariant(format!("no row {row} in the step")))
     }
 
-    /// Live key count of row `row` (`end - start`).
+    /// The KV group of model layer `layer` and its index in the group.
+    fn group_of(&self, layer: usize) -> Result<(usize, usize), KvError> {
+        self.cache
+            .layer_group
+            .get(layer)
+            .copied()
+            .ok_or(KvError::Invariant(format!("no layer {layer} in the cache")))
+    }
+
+    /// Live key count of row `row` in the first KV group (`end - start`).
     pub fn live_len(&self, row: usize) -> Result<usize, KvError> {
+        self.group_live_len(0, row)
+    }
+
+    /// Live key count of row `row` in group `group`.
+    fn group_live_len(&self, group: usize, row: usize) -> Result<usize, KvError> {
         let r = self.row(row)?;
-        Ok(r.end - r.start)
+        let start = r
+            .starts
+            .get(group)
+            .ok_or(KvError::Invariant(format!("no KV group {group}")))?;
+        Ok(r.end - start)
     }
 }
 
@@ -179,8 +225,11 @@ impl AttentionKv for StepKv<'_> {
     }
 
     fn write(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(), KvError> {
-        if let (Some(pool), Some(slots)) = (&mut self.cache.paged, &self.write_slots) {
-            return pool.write(layer, slots, keys, values);
+        let (g, local) = self.group_of(layer)?;
+        if let (Some(pool), Some(slots)) =
+            (&mut self.cache.groups[g].paged, &self.built[g].write_slots)
+        {
+            return pool.write(local, slots, keys, values);
         }
         let (h, d) = (keys.dim(1)?, keys.dim(2)?);
         for r in &self.rows {
@@ -205,21 +254,22 @@ impl AttentionKv for StepKv<'_> {
     }
 
     fn read(&mut self, layer: usize, row: usize) -> Result<(Array, Array), KvError> {
+        let (g, local) = self.group_of(layer)?;
         let r = self.row(row)?;
-        let (id, start, end) = (r.id, r.start, r.end);
-        let Some(pool) = &self.cache.paged else {
+        let (id, start, end) = (r.id, r.starts[g], r.end);
+        let Some(pool) = &self.cache.groups[g].paged else {
             let dense = self.cache.seqs[&id]
                 .dense
                 .as_ref()
                 .ok_or(KvError::Invariant(format!("sequence {id} has no storage")))?;
             return dense.read(layer, start, end);
         };
-        if self.rows[row].slots.is_none() {
-            let slots = Self::slots_of(self.cache, id, start..end)?;
-            self.rows[row].slots = Some(Array::from_i32(&slots, &[slots.len() as i32])?);
+        if self.rows[row].slots[g].is_none() {
+            let slots = Self::slots_of(self.cache, g, id, start..end)?;
+            self.rows[row].slots[g] = Some(Array::from_i32(&slots, &[slots.len() as i32])?);
         }
-        match &self.rows[row].slots {
-            Some(slots) => pool.gather(layer, slots, 1, (end - start) as i32),
+        match &self.rows[row].slots[g] {
+            Some(slots) => pool.gather(local, slots, 1, (end - start) as i32),
             None => Err(KvError::Invariant("row slots missing".into())),
         }
     }
@@ -229,14 +279,15 @@ impl AttentionKv for StepKv<'_> {
         layer: usize,
         rows: &[usize],
     ) -> Result<Option<(Array, Array, Vec<usize>)>, KvError> {
-        if self.cache.paged.is_none() || rows.is_empty() {
+        let (g, local) = self.group_of(layer)?;
+        if self.cache.groups[g].paged.is_none() || rows.is_empty() {
             return Ok(None);
         }
         let lens = rows
             .iter()
-            .map(|&r| self.live_len(r))
+            .map(|&r| self.group_live_len(g, r))
             .collect::<Result<Vec<_>, _>>()?;
-        let stale = self
+        let stale = self.built[g]
             .padded
             .as_ref()
             .is_none_or(|(built, _, _)| built != rows);
@@ -245,18 +296,18 @@ impl AttentionKv for StepKv<'_> {
             let mut slots = Vec::with_capacity(rows.len() * max);
             for &row in rows {
                 let r = self.row(row)?;
-                let mut own = Self::slots_of(self.cache, r.id, r.start..r.end)?;
+                let mut own = Self::slots_of(self.cache, g, r.id, r.starts[g]..r.end)?;
                 // Pad with the row's own first slot: finite values, masked out.
                 let fill = own[0];
                 own.resize(max, fill);
                 slots.extend(own);
             }
             let arr = Array::from_i32(&slots, &[slots.len() as i32])?;
-            self.padded = Some((rows.to_vec(), arr, max));
+            self.built[g].padded = Some((rows.to_vec(), arr, max));
         }
-        match (&self.padded, &self.cache.paged) {
+        match (&self.built[g].padded, &self.cache.groups[g].paged) {
             (Some((_, slots, max)), Some(pool)) => {
-                let (k, v) = pool.gather(layer, slots, rows.len() as i32, *max as i32)?;
+                let (k, v) = pool.gather(local, slots, rows.len() as i32, *max as i32)?;
                 Ok(Some((k, v, lens)))
             }
             _ => Ok(None),
@@ -264,10 +315,11 @@ impl AttentionKv for StepKv<'_> {
     }
 
     fn read_paged(&mut self, layer: usize, rows: &[usize]) -> Result<Option<PagedKv<'_>>, KvError> {
-        if self.cache.paged.is_none() || rows.is_empty() {
+        let (g, local) = self.group_of(layer)?;
+        if self.cache.groups[g].paged.is_none() || rows.is_empty() {
             return Ok(None);
         }
-        let stale = self
+        let stale = self.built[g]
             .tables
             .as_ref()
             .is_none_or(|(built, _, _)| built != rows);
@@ -276,21 +328,21 @@ impl AttentionKv for StepKv<'_> {
             let mut meta = Vec::with_capacity(rows.len() * 2);
             for &row in rows {
                 let r = self.row(row)?;
-                let s = &self.cache.seqs[&r.id].blocks;
+                let s = &self.cache.seqs[&r.id].blocks[g];
                 let bs = s.block_size();
+                let start = r.starts[g];
                 // The view's [start, end) is the sequence's now.
-                if (s.start(), s.end()) != (r.start, r.end) || r.end == r.start {
+                if (s.start(), s.end()) != (start, r.end) || r.end == start {
                     return Err(KvError::Invariant(format!(
-                        "row {row}: view [{}, {}) vs sequence [{}, {})",
-                        r.start,
+                        "row {row}: view [{start}, {}) vs sequence [{}, {})",
                         r.end,
                         s.start(),
                         s.end()
                     )));
                 }
                 tables.push(s.blocks().iter().map(|b| b.index() as i32).collect());
-                meta.push((r.start % bs) as i32);
-                meta.push((r.end - r.start) as i32);
+                meta.push((start % bs) as i32);
+                meta.push((r.end - start) as i32);
             }
             let width = tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
             let mut flat = Vec::with_capacity(rows.len() * width);
@@ -302,11 +354,11 @@ impl AttentionKv for StepKv<'_> {
             let n = rows.len() as i32;
             let tables = Array::from_i32(&flat, &[n, width as i32])?;
             let meta = Array::from_i32(&meta, &[n, 2])?;
-            self.tables = Some((rows.to_vec(), tables, meta));
+            self.built[g].tables = Some((rows.to_vec(), tables, meta));
         }
-        match (&self.tables, &self.cache.paged) {
+        match (&self.built[g].tables, &self.cache.groups[g].paged) {
             (Some((_, tables, meta)), Some(pool)) => {
-                let (keys, values) = pool.layer(layer)?;
+                let (keys, values) = pool.layer(local)?;
                 Ok(Some(PagedKv {
                     keys,
                     values,
@@ -320,15 +372,20 @@ impl AttentionKv for StepKv<'_> {
     }
 
     fn storage(&self) -> Vec<&Array> {
-        match &self.cache.paged {
-            Some(p) => p.arrays().collect(),
-            None => self
-                .rows
+        if self.cache.groups.iter().any(|g| g.paged.is_some()) {
+            return self
+                .cache
+                .groups
                 .iter()
-                .filter_map(|r| self.cache.seqs.get(&r.id))
-                .filter_map(|s| s.dense.as_ref())
-                .flat_map(|d| d.arrays())
-                .collect(),
+                .filter_map(|g| g.paged.as_ref())
+                .flat_map(|p| p.arrays())
+                .collect();
         }
+        self.rows
+            .iter()
+            .filter_map(|r| self.cache.seqs.get(&r.id))
+            .filter_map(|s| s.dense.as_ref())
+            .flat_map(|d| d.arrays())
+            .collect()
     }
 }

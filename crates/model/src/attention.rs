@@ -95,6 +95,12 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// The layer's sliding window in keys (a query sees at most this many,
+    /// itself included); `None`: full attention.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
     /// Loads `{path}.{q,k,v,o}_proj` (and `{path}.{q,k}_norm`) as `spec`
     /// describes. Under tensor parallelism (`ctx.shard`) it keeps this
     /// rank's query and K/V heads (q/k/v output rows, o input columns).
@@ -296,17 +302,30 @@ impl Attention {
             return Ok(mlxcel_mlx::concatenate(&parts, 0)?);
         };
         mark("kv.read", &[&q, &keys, &values])?;
-        let mask = match step.batched_mask.get() {
+        let built = step
+            .batched_masks
+            .borrow()
+            .iter()
+            .find(|m| m.lens == lens && m.window == self.window)
+            .map(|m| m.mask.clone());
+        let mask = match built {
             Some(m) => m,
             None => {
                 let m = padding_mask(&lens, keys.dim(2)?, self.window, q.dtype())?;
                 if let AttentionMask::Array(a) = &m {
                     mark("attn.mask", &[a])?;
                 }
-                step.batched_mask.get_or_init(|| m)
+                step.batched_masks
+                    .borrow_mut()
+                    .push(crate::step::BatchedMask {
+                        lens,
+                        window: self.window,
+                        mask: m.clone(),
+                    });
+                m
             }
         };
-        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, mask)?;
+        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
         mark("attn.sdpa", &[&o])?;
         Ok(o.reshape(&[rows as i32, h * d])?)
     }

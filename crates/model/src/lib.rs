@@ -109,6 +109,17 @@ pub trait Model: Send {
     /// Compute dtype.
     fn dtype(&self) -> Dtype;
 
+    /// Each layer's attention window in keys (a query sees at most this
+    /// many, itself included), `None` for full attention: `[layers]`, from
+    /// the layers' [`attention::AttentionSpec::window`]. The engine groups
+    /// layers by window into KV groups (`mlxcel_kv::KvGroupConfig`). The
+    /// default, for a model without per-layer specs, is the config's
+    /// `sliding_window` on every layer.
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        let c = self.config();
+        vec![c.sliding_window; c.num_hidden_layers]
+    }
+
     /// One token's K/V shape, for sizing the KV cache (under tensor
     /// parallelism, this rank's K/V heads only).
     fn kv_layout(&self) -> KvLayout {

@@ -54,9 +54,22 @@ pub struct Step {
     pub batched_decode_rows: usize,
     /// Whether those rows use the paged-attention kernel.
     pub paged_kernel: bool,
-    /// The padding mask of the rows attended together, built by the first
-    /// layer that needs it (every layer's is the same).
-    pub batched_mask: std::cell::OnceCell<mlxcel_mlx::AttentionMask>,
+    /// The padding masks of the rows attended together, built by the first
+    /// layer that needs each: keyed by the rows' live key counts and the
+    /// layer's window (layers of different KV groups see different counts,
+    /// windowed layers hide more keys).
+    pub batched_masks: std::cell::RefCell<Vec<BatchedMask>>,
+}
+
+/// One padding mask of a step ([`Step::batched_masks`]).
+#[derive(Debug, Clone)]
+pub struct BatchedMask {
+    /// Each row's live key count.
+    pub lens: Vec<usize>,
+    /// The layer's window (`None`: full attention).
+    pub window: Option<usize>,
+    /// The mask `[rows, 1, 1, max_live]`.
+    pub mask: mlxcel_mlx::AttentionMask,
 }
 
 impl Step {
@@ -111,7 +124,7 @@ impl Step {
             positions: Array::from_i32(&positions, &[tokens as i32])?,
             batched_decode_rows,
             paged_kernel,
-            batched_mask: std::cell::OnceCell::new(),
+            batched_masks: std::cell::RefCell::default(),
         })
     }
 

@@ -322,6 +322,10 @@ impl Model for Decoder {
         self.dtype
     }
 
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.layers.iter().map(|l| l.self_attn.window()).collect()
+    }
+
     fn build_step(
         &self,
         rows: &[StepRow<'_>],

@@ -15,10 +15,10 @@
 //! - The head is tied to the embedding unless the checkpoint has an
 //!   `lm_head`.
 //!
-//! The window is the layer's own: the shared `sliding_window` of
-//! [`ModelConfig`] is cleared, so the engine keeps every key for every
-//! layer and the local layers mask theirs (see docs/architecture.md,
-//! "Sliding windows").
+//! The window is the layer's own (`Model::layer_windows`): the shared
+//! `sliding_window` of [`ModelConfig`] is cleared, and the KV cache keeps
+//! the local layers in their own KV group, which holds only their window
+//! (see docs/architecture.md, "KV windows and KV groups").
 
 use serde::Deserialize;
 

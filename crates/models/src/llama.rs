@@ -7,9 +7,11 @@
 //! `sliding_window` applies to every layer (Mistral 7B v0.1, as Hugging
 //! Face's Mistral does; mlx_lm ignores the window then).
 //!
-//! A window on every layer stays the config's `sliding_window`, and the
-//! engine keeps only the window's keys; a mix of windowed and global layers
-//! clears it (the engine keeps every key, windowed layers mask theirs).
+//! Each layer's window goes into its `AttentionSpec` (`Model::layer_windows`);
+//! the KV cache keeps each window's layers in their own KV group, which
+//! holds only that window's keys (docs/architecture.md, "KV windows and KV
+//! groups"). The config's `sliding_window` stays only when every layer has
+//! that window.
 
 use serde::Deserialize;
 

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use mlxcel_kv::{Admission, KvCache, KvSequence};
+use mlxcel_kv::{GroupAdmission, KvCache, KvSequence};
 use mlxcel_model::{AttentionPath, Model};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -94,8 +94,9 @@ pub(crate) struct WorkerConfig {
     /// Check every row's KV invariants after every step (debug builds and
     /// tests).
     pub(crate) check_invariants: bool,
-    /// Most K/V tokens a sequence keeps (`--max-kv-size`, or the model's
-    /// sliding window): older ones are dropped from the front.
+    /// Most K/V tokens a sequence keeps in every KV group
+    /// (`--max-kv-size`); a window group keeps at most its window's (the
+    /// cache trims: `KvCache::trim`).
     pub(crate) max_kv_size: Option<usize>,
     /// Queue decode steps of device-sampled rows before reading the
     /// previous step's tokens (see `worker/step.rs`).
@@ -120,8 +121,8 @@ struct Sequence {
     tokens: Vec<u32>,
     /// Tokens whose K/V is cached.
     computed: usize,
-    /// Blocks it may need by its last token.
-    worst_blocks: usize,
+    /// Blocks it may need by its last token, per KV group.
+    worst_blocks: Vec<usize>,
     sampler: Sampler,
     processor: LogitsProcessor,
     constraint: Option<ConstrainedDecoder>,
@@ -223,15 +224,13 @@ struct Fork {
 }
 
 impl WorkerConfig {
-    /// How requests are charged against a pool of `block_size`-token
-    /// blocks under this configuration (`mlxcel_kv::Admission`): the
-    /// engine thread admits a request when its worst case is free; the
-    /// handle refuses or clamps requests that could never fit the pool.
-    pub(crate) fn admission(&self, block_size: usize) -> Admission {
-        Admission::new(
-            block_size,
+    /// How requests are charged against `kv`'s KV groups under this
+    /// configuration (`mlxcel_kv::GroupAdmission`): the engine thread
+    /// admits a request when its worst case is free in every group; the
+    /// handle refuses or clamps requests that could never fit.
+    pub(crate) fn admission(&self, kv: &KvCache) -> GroupAdmission {
+        kv.admission(
             self.scheduler.prefill_tile,
-            self.max_kv_size,
             self.scheduler.prefill_chunk_size,
         )
     }
@@ -404,27 +403,23 @@ impl<'m> Worker<'m> {
     /// can hold each to its last token on top of what running ones may
     /// still take. A request that doesn't fit waits (and so do later ones).
     fn admit(&mut self) {
-        let bs = self.kv.config().block_size;
+        let rule = self.config.admission(&self.kv);
         while let Some(job) = self.waiting.front() {
             // Choices still to fork hold their slots already.
             let slots: usize = self.running.iter().map(|s| 1 + s.forks.len()).sum();
             if slots + job.request.n.max(1) > self.config.parallel {
                 break;
             }
-            let need = self
-                .config
-                .admission(bs)
+            let need: Vec<usize> = rule
                 .request(job.prompt.len(), job.request.max_tokens, job.request.n)
-                .total;
-            let promised: usize = self
+                .iter()
+                .map(|r| r.total)
+                .collect();
+            let running = self
                 .running
                 .iter()
-                .map(|s| {
-                    let held = self.kv.blocks_held(&s.kv).unwrap_or(s.worst_blocks);
-                    s.worst_blocks.saturating_sub(held)
-                })
-                .sum();
-            if self.kv.pool().free_blocks() < promised + need {
+                .map(|s| (&s.kv, s.worst_blocks.as_slice()));
+            if !self.kv.fits(&need, running) {
                 break;
             }
             let Some(job) = self.waiting.pop_front() else {
@@ -442,26 +437,6 @@ impl<'m> Worker<'m> {
         }
     }
 
-    /// Puts a sequence that starts from `cached` prefix-cache tokens in the
-    /// state a cold run has at that point under a KV window: a cold run
-    /// trims to the window after each chunk, so the keys it has at the last
-    /// chunk boundary are the window before that boundary.
-    fn window_after_hit(
-        &mut self,
-        kv: &KvSequence,
-        cached: usize,
-    ) -> Result<(), mlxcel_kv::KvError> {
-        let Some(max) = self.config.max_kv_size else {
-            return Ok(());
-        };
-        let chunk = self.config.scheduler.prefill_chunk_size;
-        let boundary = cached / chunk * chunk;
-        if boundary > max {
-            self.kv.drop_front(kv, boundary - max)?;
-        }
-        Ok(())
-    }
-
     /// Choice 0 of `job`, its prompt prefix taken from the prefix cache
     /// unless the request opted out; the other choices wait in its `forks`.
     /// `worst_blocks` covers every choice.
@@ -469,20 +444,20 @@ impl<'m> Worker<'m> {
     fn new_sequence(
         &mut self,
         mut job: Job,
-        worst_blocks: usize,
+        worst_blocks: Vec<usize>,
     ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
         // A scored prompt is computed whole: cached tokens have no logits.
         let (kv, cached) = if job.request.cache_prompt && job.request.prompt_logprobs.is_none() {
-            match self.kv.new_sequence_for_prompt(&job.prompt) {
+            // Each KV group starts where a cold run is at the last chunk
+            // boundary (`KvCache::new_sequence_for_prompt_chunked`).
+            let chunk = self.config.scheduler.prefill_chunk_size;
+            match self.kv.new_sequence_for_prompt_chunked(&job.prompt, chunk) {
                 Ok(found) => found,
                 Err(e) => return Err((job, e)),
             }
         } else {
             (self.kv.new_sequence(), 0)
         };
-        if let Err(e) = self.window_after_hit(&kv, cached) {
-            return Err((job, e));
-        }
         let mut constraints = std::mem::take(&mut job.constraints).into_iter();
         let first = constraints.next();
         let forks = (1..job.request.n.max(1))
@@ -537,19 +512,22 @@ impl<'m> Worker<'m> {
     fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, String> {
         let forks = std::mem::take(&mut self.running[seq].forks);
         let mut children = Vec::with_capacity(forks.len());
-        let bs = self.kv.config().block_size;
         let (prompt, max_tokens) = {
             let job = &self.running[seq].job;
             (job.prompt.len(), job.request.max_tokens)
         };
         // Each child may hold `own` blocks beyond the prompt's; choice 0
         // now promises only its own tokens.
-        let rule = self.config.admission(bs).request(prompt, max_tokens, 1);
-        let (parent_worst, own) = (rule.total, rule.per_extra_choice);
+        let rule = self
+            .config
+            .admission(&self.kv)
+            .request(prompt, max_tokens, 1);
+        let parent_worst: Vec<usize> = rule.iter().map(|r| r.total).collect();
+        let own: Vec<usize> = rule.iter().map(|r| r.per_extra_choice).collect();
         for fork in forks {
             let parent = &self.running[seq];
             let kv = self.kv.fork(&parent.kv).map_err(|e| e.to_string())?;
-            let held = self.kv.blocks_held(&kv).map_err(|e| e.to_string())?;
+            let held = self.kv.group_blocks_held(&kv).map_err(|e| e.to_string())?;
             let id = self.next_id;
             self.next_id += 1;
             let span = tracing::info_span!(parent: &parent.span, "choice", index = fork.index);
@@ -561,7 +539,7 @@ impl<'m> Worker<'m> {
                 kv,
                 tokens: parent.tokens.clone(),
                 computed: parent.computed,
-                worst_blocks: held + own,
+                worst_blocks: held.iter().zip(&own).map(|(h, o)| h + o).collect(),
                 sampler: Sampler::new(&parent.job.request.sampling).with_stream(fork.index as u64),
                 processor: parent.processor.clone(),
                 constraint: fork.constraint,
@@ -583,7 +561,8 @@ impl<'m> Worker<'m> {
     }
 
     fn publish(&mut self) {
-        let counts = self.kv.pool().counts();
+        // Summed over KV groups (docs/architecture.md, "KV groups").
+        let counts = self.kv.counts();
         let prefix = self.kv.prefix_stats();
         let c = &mut self.counters;
         c.running = self.running.len();

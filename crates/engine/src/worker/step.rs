@@ -123,14 +123,14 @@ impl Worker<'_> {
     }
 
     /// Whether pipelining may run for these rows at all: it is on, no KV
-    /// window trims between steps (a window must be applied before the
+    /// group trims between steps (a window must be applied before the
     /// next step reads), and (tests only) no fault is being injected.
     fn pipeline_allowed(&self) -> bool {
         #[cfg(feature = "fault-injection")]
         if self.config.fault.poison_token.is_some() {
             return false;
         }
-        self.config.pipeline && self.config.max_kv_size.is_none()
+        self.config.pipeline && !self.kv.trims()
     }
 
     /// A plan starts a pipeline when every running sequence is in it as a
@@ -381,7 +381,7 @@ impl Worker<'_> {
     }
 
     /// Everything after a successful forward: the rows' computed tokens,
-    /// prefix-cache donation, the `--max-kv-size` window, invariant checks,
+    /// prefix-cache donation, each KV group's trim, invariant checks,
     /// then sampling and streaming. A failure here fails only its row.
     fn after_forward(&mut self, plan: &StepPlan, sampled: &Sampled) {
         self.count(plan);
@@ -455,13 +455,9 @@ impl Worker<'_> {
         self.donate_known(seq)?;
         let s = &self.running[seq];
         let kv = &mut self.kv;
-        if let Some(max) = self.config.max_kv_size {
-            let len = kv.len(&s.kv).map_err(|e| e.to_string())?;
-            if len > max {
-                let end = kv.end(&s.kv).map_err(|e| e.to_string())?;
-                kv.drop_front(&s.kv, end - max).map_err(|e| e.to_string())?;
-            }
-        }
+        // Each KV group drops what fell out of its window (or past
+        // `--max-kv-size`); a full group keeps everything.
+        kv.trim(&s.kv).map_err(|e| e.to_string())?;
         if self.config.check_invariants {
             kv.check(&s.kv).map_err(|e| e.to_string())?;
             let end = kv.end(&s.kv).map_err(|e| e.to_string())?;
