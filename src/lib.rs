@@ -43,7 +43,7 @@ pub enum WeightsArg {
 /// `--quantize`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum QuantizeArg {
-    /// 4 bits on a GPU, none on a CPU.
+    /// On a GPU, 4 or 8 bits as the file stored each matrix; none on a CPU.
     Auto,
     /// 4-bit MLX affine quantization.
     #[value(name = "4")]
@@ -81,8 +81,9 @@ pub struct ModelArgs {
     pub weights: WeightsArg,
     /// A GGUF file's floating-point matrices (types MLX does not keep
     /// quantized, such as Q6_K or Q5_0) quantized at load to 4 or 8 bits
-    /// (group size 32), or kept (`none`). `auto`: 4 on a GPU, none on a
-    /// CPU. Only for GGUF files.
+    /// (group size 32), or kept (`none`). `auto`: on a GPU, each to about
+    /// the precision the file stored it at (float tensors kept); on a CPU,
+    /// none. Only for GGUF files; no effect with dequantized weights.
     #[arg(long, value_enum, default_value_t = QuantizeArg::Auto)]
     pub quantize: QuantizeArg,
     /// Device to run on.

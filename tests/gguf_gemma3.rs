@@ -20,7 +20,7 @@ use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_engine::{Engine, EngineConfig};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::config::QuantSpec;
-use mlxcel_model::gguf::GgufModel;
+use mlxcel_model::gguf::{GgufModel, Requantize};
 use mlxcel_model::{LoadOptions, WeightMode, Weights};
 use serde_json::Value;
 
@@ -75,6 +75,10 @@ fn the_metadata_describes_the_converted_config() {
         );
     }
     assert_eq!(ours.raw["query_pre_attn_scalar"], 256);
+    // A GPU computes in Gemma's bfloat16 (it refuses float16, the default
+    // for a file that names no dtype); the CPU in float32.
+    assert_eq!(mlxcel_model::auto_dtype(&ours, true), Dtype::Bfloat16);
+    assert_eq!(mlxcel_model::auto_dtype(&ours, false), Dtype::Float32);
     // No tensor stays quantized: MLX's reader cannot read Q5_0, so the
     // file is decoded to float32.
     assert!(ours
@@ -166,7 +170,7 @@ fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
     let layers = config.num_hidden_layers;
     let (mut weights, quantized) = GgufModel::open(&path)
         .unwrap()
-        .weights_requantized(&mut config, spec)
+        .weights_requantized(&mut config, Requantize::All(spec))
         .expect("re-quantized");
     // q, k, v, o, gate, up, down per layer, and the (tied) embedding.
     assert_eq!(quantized, layers * 7 + 1);
@@ -197,7 +201,7 @@ fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,
-        quantize: Some(spec),
+        quantize: Some(Requantize::All(spec)),
     };
     let model = load_model(&path, read_config(&path).unwrap(), options).expect("load");
     // 8-bit groups of 32 move the logits by rounding only (measured: 0.34
@@ -210,6 +214,56 @@ fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
         &ids(case, "greedy"),
         &floats(case, "last_logits"),
         0.5,
+    );
+}
+
+/// `--quantize auto` on a GPU (`Requantize::MatchSource`): the matrices
+/// the file stores at 4 bits (Q4_K) become 4-bit MLX matrices, those at 5
+/// to 8 bits (Q5_0, Q6_K, Q8_0) 8-bit ones, and F32 tensors stay float.
+/// Run dequantized on this CPU, so the check is of the quantization.
+#[test]
+fn quantize_auto_follows_the_stored_precision() {
+    let path = gguf();
+    let file = GgufModel::open(&path).unwrap();
+    let mut want = std::collections::HashMap::new();
+    for t in &file.header.tensors {
+        let Some(bits) = t.ty.stored_bits() else {
+            continue;
+        };
+        let module = mlxcel_model::gguf::arch::checkpoint_name(file.arch(), &t.name)
+            .unwrap()
+            .trim_end_matches(".weight")
+            .to_string();
+        want.insert(module, if bits <= 4 { 4 } else { 8 });
+    }
+    assert!(want.values().any(|&b| b == 4) && want.values().any(|&b| b == 8));
+    let mut config = read_config(&path).expect("config");
+    let (_, quantized) = file
+        .weights_requantized(&mut config, Requantize::MatchSource)
+        .expect("re-quantized");
+    assert_eq!(quantized, want.len());
+    for (module, bits) in &want {
+        let spec = config.quantization.for_module(module);
+        assert_eq!(spec.map(|s| s.bits), Some(*bits), "{module}");
+    }
+
+    let golden = read_golden(&dir(), "prepare_real_models.py");
+    let case = &golden["prompts"][0];
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+        quantize: Some(Requantize::MatchSource),
+    };
+    let model = load_model(&path, read_config(&path).unwrap(), options).expect("load");
+    // The Q4_K matrices move from ggml's 4-bit grid to MLX's (measured:
+    // 2.66 at most, over 262 144 logits); the greedy tokens stay mlx_lm's.
+    check_model(
+        &format!("{GGUF_NAME} --quantize auto"),
+        model.as_ref(),
+        &ids(case, "prompt"),
+        &ids(case, "greedy"),
+        &floats(case, "last_logits"),
+        4.0,
     );
 }
 

@@ -931,16 +931,20 @@ fn grammar_of(
 
 /// `--quantize`: what becomes of a GGUF file's floating-point matrices
 /// (tensor types MLX's loader dequantizes, such as Q6_K, or that mlxcel
-/// decodes to float32, such as Q5_0) at load.
+/// decodes to float32, such as Q5_0) at load. Nothing is quantized when
+/// weights run dequantized (`--weights dequantized`, the CPU default):
+/// it would only round them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgufQuantize {
-    /// 4-bit on a GPU (where a dense matrix costs 4 to 8 times the memory
-    /// traffic), kept as they are on a CPU (which dequantizes every
-    /// matrix for OpenBLAS anyway).
+    /// On a GPU (where a dense matrix costs 2 to 8 times the memory
+    /// traffic of a quantized one), each quantized to about the precision
+    /// the file stored it at (`Requantize::MatchSource`: 4 bits for 4-bit
+    /// types, 8 for 5- to 8-bit ones; F32/F16/BF16 tensors kept); on a
+    /// CPU, kept.
     Auto,
     /// Kept as the file has them.
     Off,
-    /// MLX affine quantization to this many bits (4 or 8), group size
+    /// Every one to this many bits (4 or 8), MLX affine with group size
     /// [`GGUF_QUANTIZE_GROUP`].
     Bits(i32),
 }
@@ -958,7 +962,7 @@ pub(crate) fn compute_types(
     config: &EngineConfig,
     model_config: &mlxcel_model::ModelConfig,
     gpu: bool,
-) -> (Dtype, WeightMode, Option<mlxcel_model::config::QuantSpec>) {
+) -> (Dtype, WeightMode, Option<mlxcel_model::gguf::Requantize>) {
     let dtype = config
         .dtype
         .unwrap_or_else(|| mlxcel_model::auto_dtype(model_config, gpu));
@@ -967,17 +971,23 @@ pub(crate) fn compute_types(
     } else {
         WeightMode::Dequantized
     });
-    let bits = match config.quantize {
-        GgufQuantize::Auto if gpu => Some(4),
-        GgufQuantize::Auto | GgufQuantize::Off => None,
-        GgufQuantize::Bits(b) => Some(b),
-    };
-    let quantize = bits
-        .filter(|_| crate::loader::is_gguf(&config.model_dir))
-        .map(|bits| mlxcel_model::config::QuantSpec {
+    use mlxcel_model::gguf::Requantize;
+    let quantize = match config.quantize {
+        _ if !crate::loader::is_gguf(&config.model_dir) => None,
+        GgufQuantize::Off => None,
+        _ if weight_mode == WeightMode::Dequantized => {
+            if config.quantize != GgufQuantize::Auto {
+                tracing::warn!("--quantize has no effect with dequantized weights");
+            }
+            None
+        }
+        GgufQuantize::Auto if gpu => Some(Requantize::MatchSource),
+        GgufQuantize::Auto => None,
+        GgufQuantize::Bits(bits) => Some(Requantize::All(mlxcel_model::config::QuantSpec {
             group_size: GGUF_QUANTIZE_GROUP,
             bits,
-        });
+        })),
+    };
     (dtype, weight_mode, quantize)
 }
 

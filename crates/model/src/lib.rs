@@ -51,10 +51,10 @@ pub struct LoadOptions {
     pub dtype: Dtype,
     /// Quantized weights kept quantized or dequantized at load.
     pub weight_mode: WeightMode,
-    /// A GGUF file's floating-point matrices quantized at load to this
-    /// (`--quantize`; see `gguf::GgufModel::weights_requantized`); `None`
-    /// keeps them as the file has them. Directories ignore it.
-    pub quantize: Option<config::QuantSpec>,
+    /// Which of a GGUF file's floating-point matrices are quantized at
+    /// load (`--quantize`; see `gguf::GgufModel::weights_requantized`);
+    /// `None` keeps them as the file has them. Directories ignore it.
+    pub quantize: Option<gguf::Requantize>,
 }
 
 /// A causal language model that runs one step: several sequences' next

@@ -65,8 +65,17 @@ impl TensorParallel {
         self.part(config.num_attention_heads, "num_attention_heads")?;
         self.part(config.num_key_value_heads, "num_key_value_heads")?;
         self.part(config.intermediate_size, "intermediate_size")?;
-        if let Some(q) = config.quantization.default {
-            let group = q.group_size.max(1) as usize;
+        // The largest group of any module (a GGUF file's quantization is
+        // recorded per module).
+        let q = &config.quantization;
+        let largest = q
+            .default
+            .iter()
+            .chain(q.overrides.values().flatten())
+            .map(|s| s.group_size)
+            .max();
+        if let Some(group) = largest {
+            let group = group.max(1) as usize;
             for (what, n) in [
                 (
                     "the attention output's input size per rank",

@@ -108,7 +108,7 @@ pub fn load_model(
     let mut weights = if gguf::is_gguf(dir) {
         let file = GgufModel::open(dir)?;
         match options.quantize {
-            Some(spec) => file.weights_requantized(&mut config, spec)?.0,
+            Some(policy) => file.weights_requantized(&mut config, policy)?.0,
             None => file.weights(&config)?,
         }
     } else {

@@ -315,6 +315,9 @@ fn gemma3_config(meta: &Meta<'_>, c: &mut Map<String, Json>) -> Result<(), Model
     c.insert("sliding_window_pattern".into(), json!(6));
     c.insert("rope_local_base_freq".into(), json!(10_000.0));
     c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+    // Gemma's own dtype: `--dtype auto` on a GPU computes in it (float16
+    // overflows Gemma's residual stream, and the family refuses it).
+    c.insert("torch_dtype".into(), json!("bfloat16"));
     Ok(())
 }
 

@@ -38,6 +38,32 @@ pub fn is_gguf(path: &Path) -> bool {
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
+/// `--quantize`: which floating-point matrices of a GGUF file are
+/// quantized at load (see [`GgufModel::weights_requantized`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requantize {
+    /// Every one, to this spec (`--quantize 4` or `8`).
+    All(QuantSpec),
+    /// Each to about the precision the file stored it at: 4 bits (group
+    /// 32) for 4-bit GGUF types (Q4_0, Q4_1, Q4_K), 8 bits (group 32) for
+    /// the 5- to 8-bit ones (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); F32, F16 and
+    /// BF16 tensors stay as they are (`--quantize auto` on a GPU).
+    MatchSource,
+}
+
+impl Requantize {
+    /// The spec of a matrix stored as `source`, or `None` to keep it.
+    pub fn spec_for(self, source: TensorType) -> Option<QuantSpec> {
+        match self {
+            Requantize::All(spec) => Some(spec),
+            Requantize::MatchSource => source.stored_bits().map(|bits| QuantSpec {
+                group_size: 32,
+                bits: if bits <= 4 { 4 } else { 8 },
+            }),
+        }
+    }
+}
+
 /// A GGUF file whose header was read and checked: a supported
 /// architecture, every tensor of a supported type and known to it.
 #[derive(Debug, Clone)]
@@ -136,6 +162,11 @@ impl GgufModel {
         if let Some(obj) = json.as_object_mut() {
             obj.insert("quantization".into(), quantization.into());
             if let Some(divisors) = self.rope_divisors()? {
+                if obj.contains_key("rope_scaling") {
+                    return Err(ModelError::Unsupported(
+                        "GGUF with both rope_freqs and a rope.scaling type".into(),
+                    ));
+                }
                 obj.insert(
                     "rope_scaling".into(),
                     serde_json::json!({"rope_type": "divisors", "divisors": divisors}),
@@ -155,74 +186,114 @@ impl GgufModel {
     /// that the architecture does not know, or a tensor that does not fit
     /// `config`.
     pub fn weights(&self, config: &ModelConfig) -> Result<Weights, ModelError> {
-        Ok(Weights::from_arrays(self.arrays(config)?))
+        Ok(Weights::from_arrays(self.arrays(config, None)?.0))
     }
 
-    /// [`GgufModel::weights`], then every floating-point matrix (a 2-D
+    /// [`GgufModel::weights`], with the floating-point matrices (2-D
     /// `*.weight`: linear layers, embeddings, the head) that the file does
-    /// not already hold MLX-quantized is quantized to `spec` (MLX affine,
-    /// [`Array::quantize`]), and `config.quantization` names each such
-    /// module. This is `--quantize`: types MLX's loader dequantizes (Q6_K
-    /// to float16) or that [`dequant`] decodes to float32 would otherwise
-    /// run as dense matrices, 4 to 8 times the bytes per token of a
-    /// 4-bit matrix on a GPU. Matrices whose rows are not a whole number
-    /// of groups stay dense. Returns the weights and how many matrices
-    /// were quantized.
+    /// not hold MLX-quantized quantized with MLX's affine quantizer
+    /// ([`Array::quantize`]) as `policy` says, each as soon as it is read
+    /// (a file decoded to float32 never holds more than one float32 matrix
+    /// beyond the quantized ones); `config.quantization` names every such
+    /// module. This is `--quantize`: on a GPU a dense float32 matrix reads
+    /// 8 times the bytes per token of a 4-bit one. Matrices whose rows are
+    /// not a whole number of groups stay as they are. Returns the weights
+    /// and how many matrices were quantized.
     ///
     /// # Errors
     /// As [`GgufModel::weights`]; a group size or bit width MLX refuses.
     pub fn weights_requantized(
         &self,
         config: &mut ModelConfig,
-        spec: QuantSpec,
+        policy: Requantize,
     ) -> Result<(Weights, usize), ModelError> {
-        let mut arrays = self.arrays(config)?;
-        let group = usize::try_from(spec.group_size)
-            .map_err(|_| ModelError::Config(format!("group size {}", spec.group_size)))?;
-        let mut names: Vec<String> = arrays
-            .iter()
-            .filter(|(name, a)| {
-                let module = name.strip_suffix(".weight");
-                let shape = a.shape();
-                shape.len() == 2
-                    && matches!(a.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
-                    && shape[1] > 0
-                    && (shape[1] as usize).is_multiple_of(group)
-                    && module.is_some_and(|m| {
-                        config.quantization.for_module(m).is_none()
-                            && !arrays.contains_key(&format!("{m}.scales"))
-                    })
-            })
-            .map(|(name, _)| name.clone())
-            .collect();
-        names.sort();
-        for name in &names {
-            let module = name.trim_end_matches(".weight").to_string();
-            let Some(w) = arrays.remove(name) else {
-                continue;
-            };
-            let (q, scales, biases) = w.quantize(spec.group_size, spec.bits)?;
-            mlxcel_mlx::eval(&[&q, &scales, &biases])?;
-            arrays.insert(name.clone(), q);
-            arrays.insert(format!("{module}.scales"), scales);
-            arrays.insert(format!("{module}.biases"), biases);
+        let (arrays, quantized) = self.arrays(config, Some(policy))?;
+        let count = quantized.len();
+        for (module, spec) in quantized {
             config.quantization.overrides.insert(module, Some(spec));
         }
         tracing::info!(
-            matrices = names.len(),
-            bits = spec.bits,
-            group_size = spec.group_size,
+            matrices = count,
+            ?policy,
             "quantized the GGUF's floating-point matrices"
         );
-        Ok((Weights::from_arrays(arrays), names.len()))
+        Ok((Weights::from_arrays(arrays), count))
     }
 
-    /// Every tensor under its checkpoint name (see [`GgufModel::weights`]).
-    fn arrays(&self, config: &ModelConfig) -> Result<HashMap<String, Array>, ModelError> {
+    /// The GGUF type each checkpoint tensor was stored as.
+    fn source_types(&self) -> HashMap<String, TensorType> {
+        self.header
+            .tensors
+            .iter()
+            .filter_map(|t| Some((arch::checkpoint_name(self.arch, &t.name)?, t.ty)))
+            .collect()
+    }
+
+    /// Puts tensor `name` (already renamed and rewritten) in `arrays`,
+    /// quantized first when `policy` asks for it (see
+    /// [`GgufModel::weights_requantized`]); a quantized module is added to
+    /// `quantized`.
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &self,
+        arrays: &mut HashMap<String, Array>,
+        quantized: &mut Vec<(String, QuantSpec)>,
+        name: String,
+        array: Array,
+        policy: Option<Requantize>,
+        source: Option<TensorType>,
+        config: &ModelConfig,
+    ) -> Result<(), ModelError> {
+        let module = name.strip_suffix(".weight").map(str::to_string);
+        let spec = match (policy, source, &module) {
+            (Some(policy), Some(source), Some(module))
+                if config.quantization.for_module(module).is_none() =>
+            {
+                policy.spec_for(source)
+            }
+            _ => None,
+        };
+        let shape = array.shape();
+        let quantizable = spec.filter(|s| {
+            shape.len() == 2
+                && matches!(
+                    array.dtype(),
+                    Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
+                )
+                && shape[1] > 0
+                && usize::try_from(s.group_size)
+                    .is_ok_and(|g| g > 0 && (shape[1] as usize).is_multiple_of(g))
+        });
+        match (quantizable, module) {
+            (Some(spec), Some(module)) => {
+                let (q, scales, biases) = array.quantize(spec.group_size, spec.bits)?;
+                mlxcel_mlx::eval(&[&q, &scales, &biases])?;
+                arrays.insert(name, q);
+                arrays.insert(format!("{module}.scales"), scales);
+                arrays.insert(format!("{module}.biases"), biases);
+                quantized.push((module, spec));
+            }
+            _ => {
+                arrays.insert(name, array);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every tensor under its checkpoint name (see [`GgufModel::weights`]),
+    /// the matrices `policy` picks quantized, and those modules.
+    #[allow(clippy::type_complexity)]
+    fn arrays(
+        &self,
+        config: &ModelConfig,
+        policy: Option<Requantize>,
+    ) -> Result<(HashMap<String, Array>, Vec<(String, QuantSpec)>), ModelError> {
         let arch = self.arch();
         if !self.mlx_reads_all() {
-            return self.decoded_arrays(config);
+            return self.decoded_arrays(config, policy);
         }
+        let sources = self.source_types();
+        let mut quantized = Vec::new();
         tracing::info!(file = %self.path.display(), arch = arch.name, "loading GGUF tensors");
         let mut file = mlxcel_mlx::SafeTensors::load_gguf(&self.path)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", self.path.display())))?;
@@ -236,16 +307,30 @@ impl GgufModel {
                 continue;
             }
             let array = (arch.fix_tensor)(&name, tensor, config)?;
-            arrays.insert(name, array);
+            let source = sources.get(&name).copied();
+            self.place(
+                &mut arrays,
+                &mut quantized,
+                name,
+                array,
+                policy,
+                source,
+                config,
+            )?;
         }
-        Ok(arrays)
+        Ok((arrays, quantized))
     }
 }
 
 impl GgufModel {
     /// Every tensor decoded to float32 by [`dequant`], renamed and
     /// rewritten as in [`GgufModel::weights`].
-    fn decoded_arrays(&self, config: &ModelConfig) -> Result<HashMap<String, Array>, ModelError> {
+    #[allow(clippy::type_complexity)]
+    fn decoded_arrays(
+        &self,
+        config: &ModelConfig,
+        policy: Option<Requantize>,
+    ) -> Result<(HashMap<String, Array>, Vec<(String, QuantSpec)>), ModelError> {
         let arch = self.arch();
         tracing::info!(
             file = %self.path.display(),
@@ -255,6 +340,7 @@ impl GgufModel {
         let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
         let mut file = std::fs::File::open(&self.path).map_err(io)?;
         let mut arrays = HashMap::new();
+        let mut quantized = Vec::new();
         let mut bytes = Vec::new();
         for t in &self.header.tensors {
             let name = arch::checkpoint_name(arch, &t.name).ok_or_else(|| {
@@ -276,9 +362,18 @@ impl GgufModel {
                     ModelError::Weights(format!("tensor {}: dimension too large", t.name))
                 })?;
             let array = Array::from_f32(&values, &shape)?;
-            arrays.insert(name.clone(), (arch.fix_tensor)(&name, array, config)?);
+            let array = (arch.fix_tensor)(&name, array, config)?;
+            self.place(
+                &mut arrays,
+                &mut quantized,
+                name,
+                array,
+                policy,
+                Some(t.ty),
+                config,
+            )?;
         }
-        Ok(arrays)
+        Ok((arrays, quantized))
     }
 
     /// Tensor `t`'s data decoded to float32 ([`dequant`]), read through
@@ -313,7 +408,7 @@ impl GgufModel {
 
     /// The `rope_freqs` tensor llama.cpp's converter writes for Llama
     /// 3.1-style RoPE scaling (one divisor of the rotation angle per
-    /// rotated frequency, `[head_dim / 2]`), if the file has one.
+    /// rotated frequency, `[rotated dims / 2]`), if the file has one.
     fn rope_divisors(&self) -> Result<Option<Vec<f32>>, ModelError> {
         let Some(t) = self.header.tensor(ROPE_FREQS) else {
             return Ok(None);

@@ -165,6 +165,19 @@ impl TensorType {
         matches!(self.0, 0 | 1 | 2 | 3 | 8 | 12 | 14)
     }
 
+    /// Bits per weight of a quantized type, rounded down (Q4_0, Q4_1 and
+    /// Q4_K: 4; Q5_0, Q5_1, Q5_K: 5; Q6_K: 6; Q8_0: 8); `None` for float
+    /// types and the types mlxcel does not load.
+    pub fn stored_bits(self) -> Option<i32> {
+        match self.0 {
+            2 | 3 | 12 => Some(4),
+            6 | 7 | 13 => Some(5),
+            14 => Some(6),
+            8 => Some(8),
+            _ => None,
+        }
+    }
+
     /// Whether MLX keeps this type quantized, and at how many bits.
     pub fn mlx_quantized_bits(self) -> Option<i32> {
         match self.0 {
