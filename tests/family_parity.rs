@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 mod common;
 
-use common::parity::{check_model, floats, ids, read_golden, real_model_dir};
+use common::parity::{check_model, config_shape, floats, ids, read_golden, real_model_dir};
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{LoadOptions, WeightMode};
@@ -54,22 +54,7 @@ fn check_gguf(name: &str) {
     let golden = read_golden(&dir, "make_tiny_models.py");
     let config = read_config(&path).expect("config from the GGUF metadata");
     let theirs = read_config(&dir).expect("checkpoint config");
-    let shape = |c: &mlxcel_model::ModelConfig| {
-        (
-            c.model_type.clone(),
-            c.hidden_size,
-            c.num_hidden_layers,
-            c.intermediate_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.rms_norm_eps,
-            c.vocab_size,
-            c.rope_theta,
-            c.tie_word_embeddings,
-        )
-    };
-    assert_eq!(shape(&config), shape(&theirs));
+    assert_eq!(config_shape(&config), config_shape(&theirs));
     let options = LoadOptions {
         dtype: Dtype::Float32,
         weight_mode: WeightMode::Dequantized,

@@ -14,15 +14,16 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::model_dir;
+use common::parity::{argmax, config_shape, step};
 use mlxcel_engine::api::{ChatMessage, GenerationEvent, InferenceService, Prompt};
 use mlxcel_engine::gguf_text::GgufText;
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_engine::tokenizer::TextTokenizer;
 use mlxcel_engine::{Engine, EngineConfig};
-use mlxcel_kv::{KvCache, KvCacheConfig, RowReserve, StorageBackend};
+use mlxcel_kv::{KvCache, KvCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::gguf::GgufModel;
-use mlxcel_model::{AttentionPath, LoadOptions, Model, StepRow, WeightMode};
+use mlxcel_model::{LoadOptions, Model, WeightMode};
 use serde_json::Value;
 
 /// The SmolLM2 GGUF inside the project's `.venv`.
@@ -97,40 +98,6 @@ fn goldens() -> Vec<Golden> {
         .collect()
 }
 
-/// Runs `tokens` as one row; the logits of its last token.
-fn step(
-    model: &dyn Model,
-    kv: &mut KvCache,
-    seq: &mlxcel_kv::KvSequence,
-    tokens: &[u32],
-) -> Vec<f32> {
-    let n = tokens.len();
-    let reservation = kv
-        .reserve_step(&[RowReserve {
-            seq,
-            real: n,
-            padded: n,
-        }])
-        .unwrap();
-    let logits = {
-        let mut view = kv.step(&[(seq, n)]).unwrap();
-        let rows = [StepRow {
-            tokens,
-            logits_at: Some(n - 1),
-            scored: 0,
-        }];
-        model
-            .forward(&rows, &mut view, AttentionPath::PerRow)
-            .unwrap()
-    };
-    kv.complete_step(reservation, true).unwrap();
-    logits.to_vec_f32().unwrap()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap() as u32
-}
-
 /// Greedy tokens and the largest logit difference at the golden's top ids.
 fn run(model: &dyn Model, g: &Golden, tokens: usize) -> (Vec<u32>, f32) {
     let mut kv = KvCache::new(KvCacheConfig {
@@ -164,23 +131,7 @@ fn gguf_served_directly_matches_its_float32_conversion() {
     let checkpoint = read_config(&model_dir()).unwrap();
     // The metadata describes the converted checkpoint's config (which has
     // no quantization left to compare: it was re-quantized).
-    let shape = |c: &mlxcel_model::ModelConfig| {
-        (
-            c.model_type.clone(),
-            c.hidden_size,
-            c.num_hidden_layers,
-            c.intermediate_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.rms_norm_eps,
-            c.vocab_size,
-            c.rope_theta,
-            c.tie_word_embeddings,
-            c.max_position_embeddings,
-        )
-    };
-    assert_eq!(shape(&config), shape(&checkpoint));
+    assert_eq!(config_shape(&config), config_shape(&checkpoint));
     let goldens = goldens();
     // Dequantized to float32 at load (the CPU default): the peer's weights.
     let options = LoadOptions {

@@ -13,7 +13,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::parity::{check_model, floats, ids, read_golden, real_model_dir};
+use common::parity::{check_model, config_shape, floats, ids, read_golden, real_model_dir};
 use mlxcel_engine::api::{InferenceService, Prompt};
 use mlxcel_engine::gguf_text::GgufText;
 use mlxcel_engine::loader::{load_model, read_config};
@@ -44,22 +44,7 @@ fn gguf() -> PathBuf {
 fn the_metadata_describes_the_converted_config() {
     let ours = read_config(&gguf()).expect("config from GGUF metadata");
     let theirs = read_config(&dir()).expect("converted config");
-    let shape = |c: &mlxcel_model::ModelConfig| {
-        (
-            c.model_type.clone(),
-            c.hidden_size,
-            c.num_hidden_layers,
-            c.intermediate_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.rms_norm_eps,
-            c.vocab_size,
-            c.rope_theta,
-            c.max_position_embeddings,
-        )
-    };
-    assert_eq!(shape(&ours), shape(&theirs));
+    assert_eq!(config_shape(&ours), config_shape(&theirs));
     for key in [
         "query_pre_attn_scalar",
         "sliding_window",

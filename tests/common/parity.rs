@@ -19,6 +19,27 @@ pub fn real_model_dir(env: &str, dir: &str) -> PathBuf {
     })
 }
 
+/// The sizes and constants of `c` that a GGUF file's metadata and the
+/// matching checkpoint's `config.json` must agree on.
+#[allow(clippy::type_complexity)]
+pub fn config_shape(c: &mlxcel_model::ModelConfig) -> (String, [usize; 8], [String; 2], bool) {
+    (
+        c.model_type.clone(),
+        [
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.vocab_size,
+            c.max_position_embeddings,
+        ],
+        [c.rms_norm_eps.to_string(), c.rope_theta.to_string()],
+        c.tie_word_embeddings,
+    )
+}
+
 /// Runs `tokens` as one row; the logits of its last token.
 pub fn step(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]) -> Vec<f32> {
     let n = tokens.len();
