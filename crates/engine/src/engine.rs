@@ -949,10 +949,8 @@ pub enum GgufQuantize {
     Bits(i32),
 }
 
-/// Group size of `--quantize`: 32, the group llama.cpp's own 4- and 8-bit
-/// types use (and what MLX's GGUF loader gives Q4_0/Q8_0); 64 measurably
-/// hurts small models.
-pub const GGUF_QUANTIZE_GROUP: i32 = 32;
+/// Group size of `--quantize` (`mlxcel_model::gguf::REQUANTIZE_GROUP`).
+pub const GGUF_QUANTIZE_GROUP: i32 = mlxcel_model::gguf::REQUANTIZE_GROUP;
 
 /// The compute dtype, weight mode and GGUF re-quantization `config` asks
 /// for on this device (`auto`: float32 and dequantized weights on a CPU,

@@ -38,16 +38,22 @@ pub fn is_gguf(path: &Path) -> bool {
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
+/// Group size of `--quantize`: 32, the group llama.cpp's own 4- and
+/// 8-bit types use (and what MLX's GGUF loader gives Q4_0/Q8_0); 64
+/// measurably hurts small models.
+pub const REQUANTIZE_GROUP: i32 = 32;
+
 /// `--quantize`: which floating-point matrices of a GGUF file are
 /// quantized at load (see [`GgufModel::weights_requantized`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requantize {
     /// Every one, to this spec (`--quantize 4` or `8`).
     All(QuantSpec),
-    /// Each to about the precision the file stored it at: 4 bits (group
-    /// 32) for 4-bit GGUF types (Q4_0, Q4_1, Q4_K), 8 bits (group 32) for
-    /// the 5- to 8-bit ones (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); F32, F16 and
-    /// BF16 tensors stay as they are (`--quantize auto` on a GPU).
+    /// Each to about the precision the file stored it at, group
+    /// [`REQUANTIZE_GROUP`]: 4 bits for 4-bit GGUF types (Q4_0, Q4_1,
+    /// Q4_K), 8 bits for the 5- to 8-bit ones (Q5_0, Q5_1, Q5_K, Q6_K,
+    /// Q8_0); F32, F16 and BF16 tensors stay as they are (`--quantize
+    /// auto` on a GPU).
     MatchSource,
 }
 
@@ -57,11 +63,73 @@ impl Requantize {
         match self {
             Requantize::All(spec) => Some(spec),
             Requantize::MatchSource => source.stored_bits().map(|bits| QuantSpec {
-                group_size: 32,
+                group_size: REQUANTIZE_GROUP,
                 bits: if bits <= 4 { 4 } else { 8 },
             }),
         }
     }
+}
+
+/// The tensors read so far under their checkpoint names, and the modules
+/// quantized on the way (for `config.quantization`).
+#[derive(Default)]
+struct Loaded {
+    arrays: HashMap<String, Array>,
+    quantized: Vec<(String, QuantSpec)>,
+}
+
+impl Loaded {
+    /// Adds tensor `name` (already renamed and rewritten), quantized first
+    /// to `spec` when it is a floating-point matrix whose rows are a whole
+    /// number of groups (see [`GgufModel::weights_requantized`]).
+    fn insert(
+        &mut self,
+        name: String,
+        array: Array,
+        spec: Option<QuantSpec>,
+    ) -> Result<(), ModelError> {
+        let shape = array.shape();
+        let spec = spec.filter(|s| {
+            shape.len() == 2
+                && matches!(
+                    array.dtype(),
+                    Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
+                )
+                && shape[1] > 0
+                && usize::try_from(s.group_size)
+                    .is_ok_and(|g| g > 0 && (shape[1] as usize).is_multiple_of(g))
+        });
+        match (spec, name.strip_suffix(".weight")) {
+            (Some(spec), Some(module)) => {
+                let module = module.to_string();
+                let (q, scales, biases) = array.quantize(spec.group_size, spec.bits)?;
+                mlxcel_mlx::eval(&[&q, &scales, &biases])?;
+                self.arrays.insert(name, q);
+                self.arrays.insert(format!("{module}.scales"), scales);
+                self.arrays.insert(format!("{module}.biases"), biases);
+                self.quantized.push((module, spec));
+            }
+            _ => {
+                self.arrays.insert(name, array);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The spec `policy` gives tensor `name`, stored as `source`, unless its
+/// module is already quantized in the file.
+fn requantize_spec(
+    policy: Option<Requantize>,
+    source: Option<TensorType>,
+    name: &str,
+    config: &ModelConfig,
+) -> Option<QuantSpec> {
+    let module = name.strip_suffix(".weight")?;
+    if config.quantization.for_module(module).is_some() {
+        return None;
+    }
+    policy?.spec_for(source?)
 }
 
 /// A GGUF file whose header was read and checked: a supported
@@ -186,7 +254,7 @@ impl GgufModel {
     /// that the architecture does not know, or a tensor that does not fit
     /// `config`.
     pub fn weights(&self, config: &ModelConfig) -> Result<Weights, ModelError> {
-        Ok(Weights::from_arrays(self.arrays(config, None)?.0))
+        Ok(Weights::from_arrays(self.arrays(config, None)?.arrays))
     }
 
     /// [`GgufModel::weights`], with the floating-point matrices (2-D
@@ -207,7 +275,7 @@ impl GgufModel {
         config: &mut ModelConfig,
         policy: Requantize,
     ) -> Result<(Weights, usize), ModelError> {
-        let (arrays, quantized) = self.arrays(config, Some(policy))?;
+        let Loaded { arrays, quantized } = self.arrays(config, Some(policy))?;
         let count = quantized.len();
         for (module, spec) in quantized {
             config.quantization.overrides.insert(module, Some(spec));
@@ -229,75 +297,22 @@ impl GgufModel {
             .collect()
     }
 
-    /// Puts tensor `name` (already renamed and rewritten) in `arrays`,
-    /// quantized first when `policy` asks for it (see
-    /// [`GgufModel::weights_requantized`]); a quantized module is added to
-    /// `quantized`.
-    #[allow(clippy::too_many_arguments)]
-    fn place(
-        &self,
-        arrays: &mut HashMap<String, Array>,
-        quantized: &mut Vec<(String, QuantSpec)>,
-        name: String,
-        array: Array,
-        policy: Option<Requantize>,
-        source: Option<TensorType>,
-        config: &ModelConfig,
-    ) -> Result<(), ModelError> {
-        let module = name.strip_suffix(".weight").map(str::to_string);
-        let spec = match (policy, source, &module) {
-            (Some(policy), Some(source), Some(module))
-                if config.quantization.for_module(module).is_none() =>
-            {
-                policy.spec_for(source)
-            }
-            _ => None,
-        };
-        let shape = array.shape();
-        let quantizable = spec.filter(|s| {
-            shape.len() == 2
-                && matches!(
-                    array.dtype(),
-                    Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
-                )
-                && shape[1] > 0
-                && usize::try_from(s.group_size)
-                    .is_ok_and(|g| g > 0 && (shape[1] as usize).is_multiple_of(g))
-        });
-        match (quantizable, module) {
-            (Some(spec), Some(module)) => {
-                let (q, scales, biases) = array.quantize(spec.group_size, spec.bits)?;
-                mlxcel_mlx::eval(&[&q, &scales, &biases])?;
-                arrays.insert(name, q);
-                arrays.insert(format!("{module}.scales"), scales);
-                arrays.insert(format!("{module}.biases"), biases);
-                quantized.push((module, spec));
-            }
-            _ => {
-                arrays.insert(name, array);
-            }
-        }
-        Ok(())
-    }
-
     /// Every tensor under its checkpoint name (see [`GgufModel::weights`]),
-    /// the matrices `policy` picks quantized, and those modules.
-    #[allow(clippy::type_complexity)]
+    /// the matrices `policy` picks quantized.
     fn arrays(
         &self,
         config: &ModelConfig,
         policy: Option<Requantize>,
-    ) -> Result<(HashMap<String, Array>, Vec<(String, QuantSpec)>), ModelError> {
+    ) -> Result<Loaded, ModelError> {
         let arch = self.arch();
         if !self.mlx_reads_all() {
             return self.decoded_arrays(config, policy);
         }
         let sources = self.source_types();
-        let mut quantized = Vec::new();
         tracing::info!(file = %self.path.display(), arch = arch.name, "loading GGUF tensors");
         let mut file = mlxcel_mlx::SafeTensors::load_gguf(&self.path)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", self.path.display())))?;
-        let mut arrays = HashMap::new();
+        let mut loaded = Loaded::default();
         for gguf in file.names() {
             let name = arch::checkpoint_name(arch, &gguf).ok_or_else(|| {
                 ModelError::Unsupported(format!("GGUF tensor {gguf} ({} architecture)", arch.name))
@@ -307,30 +322,21 @@ impl GgufModel {
                 continue;
             }
             let array = (arch.fix_tensor)(&name, tensor, config)?;
-            let source = sources.get(&name).copied();
-            self.place(
-                &mut arrays,
-                &mut quantized,
-                name,
-                array,
-                policy,
-                source,
-                config,
-            )?;
+            let spec = requantize_spec(policy, sources.get(&name).copied(), &name, config);
+            loaded.insert(name, array, spec)?;
         }
-        Ok((arrays, quantized))
+        Ok(loaded)
     }
 }
 
 impl GgufModel {
     /// Every tensor decoded to float32 by [`dequant`], renamed and
     /// rewritten as in [`GgufModel::weights`].
-    #[allow(clippy::type_complexity)]
     fn decoded_arrays(
         &self,
         config: &ModelConfig,
         policy: Option<Requantize>,
-    ) -> Result<(HashMap<String, Array>, Vec<(String, QuantSpec)>), ModelError> {
+    ) -> Result<Loaded, ModelError> {
         let arch = self.arch();
         tracing::info!(
             file = %self.path.display(),
@@ -339,8 +345,7 @@ impl GgufModel {
         );
         let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
         let mut file = std::fs::File::open(&self.path).map_err(io)?;
-        let mut arrays = HashMap::new();
-        let mut quantized = Vec::new();
+        let mut loaded = Loaded::default();
         let mut bytes = Vec::new();
         for t in &self.header.tensors {
             let name = arch::checkpoint_name(arch, &t.name).ok_or_else(|| {
@@ -363,17 +368,10 @@ impl GgufModel {
                 })?;
             let array = Array::from_f32(&values, &shape)?;
             let array = (arch.fix_tensor)(&name, array, config)?;
-            self.place(
-                &mut arrays,
-                &mut quantized,
-                name,
-                array,
-                policy,
-                Some(t.ty),
-                config,
-            )?;
+            let spec = requantize_spec(policy, Some(t.ty), &name, config);
+            loaded.insert(name, array, spec)?;
         }
-        Ok((arrays, quantized))
+        Ok(loaded)
     }
 
     /// Tensor `t`'s data decoded to float32 ([`dequant`]), read through
