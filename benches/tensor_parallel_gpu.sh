@@ -12,11 +12,9 @@
 # ranks share the GPU: a correctness check of the sharded forward on the
 # GPU, not a scaling number).
 set -u
-. /tmp/stash/env.sh
+. "$(dirname "$0")/tensor_parallel_gpu_common.sh"
 M=/tmp/m/qwen2.5-1.5b; [ -d $M ] || python3 /tmp/stash/mkmodel.py qwen2.5-1.5b $M 64
 GT=${GT:-256}
-# mlx.launch's entry point (the wheel's module has no __main__).
-LAUNCH=(python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; main()')
 RANKS=${RANKS:-"1 2"}
 BACKEND=${BACKEND:-nccl}
 cat > /tmp/tp_mlx_lm.py <<'PY'
@@ -70,8 +68,6 @@ for run in range(2):
     wall = time.perf_counter() - start; n = sum(len(t) for t in out)
     print(f"{label} serving conc=8 run={run} tokens={n} tok_s={n/wall:.1f}", flush=True)
 PY
-# Waits for the server on port $1 whose process is $2 (gives up when it exits).
-wait_ready() { for i in $(seq 1 240); do curl -sf localhost:$1/health >/dev/null && return 0; kill -0 $2 2>/dev/null || return 1; sleep 1; done; return 1; }
 if [[ " $RANKS " == *" 1 "* ]]; then
 echo "=== mlx_lm, 1 rank"; timeout 150 python3 /tmp/tp_mlx_lm.py $M $GT 2>&1 | grep -E "mlx_lm|rror" | tail -4
 echo "=== mlxcel, 1 rank"

@@ -6,9 +6,8 @@
 # reply's hash and whether the 2-rank replies equal the 1-rank ones.
 #   MODEL=/tmp/stash/extra/llama_chat BACKEND=ring bash benches/tensor_parallel_gpu_parity.sh
 set -u
-. /tmp/stash/env.sh
+. "$(dirname "$0")/tensor_parallel_gpu_common.sh"
 M=${MODEL:?MODEL=checkpoint dir}; BACKEND=${BACKEND:-nccl}
-LAUNCH=(python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; main()')
 cat > /tmp/tp_parity.py <<'PY'
 import hashlib, json, sys, threading, urllib.request
 port = int(sys.argv[1])
@@ -30,8 +29,6 @@ th = [threading.Thread(target=ask, args=(p, together, i)) for i, p in enumerate(
 [t.start() for t in th]; [t.join() for t in th]
 print(json.dumps({"one_by_one": one, "batched": together}))
 PY
-# Waits for the server on port $1 whose process is $2 (gives up when it exits).
-wait_ready() { for i in $(seq 1 240); do curl -sf localhost:$1/health >/dev/null && return 0; kill -0 $2 2>/dev/null || return 1; sleep 1; done; return 1; }
 /tmp/mlxcel-server -m $M --port 18600 --parallel 8 > /tmp/p1.log 2>&1 & P=$!
 wait_ready 18600 $P && python3 /tmp/tp_parity.py 18600 > /tmp/r1.json; kill $P; wait $P 2>/dev/null
 setsid "${LAUNCH[@]}" --backend $BACKEND -n 2 -- /tmp/mlxcel-server -m $M --port 18601 --parallel 8 --tensor-parallel > /tmp/p2.log 2>&1 & P=$!
