@@ -213,11 +213,7 @@ fn run_row(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32]
             inner: &mut view,
             reads: Vec::new(),
         };
-        let rows = [StepRow {
-            tokens,
-            logits_at: Some(n - 1),
-            scored: 0,
-        }];
+        let rows = [StepRow::tokens(tokens, Some(n - 1))];
         model
             .forward(&rows, &mut rec, AttentionPath::BatchedDecode)
             .expect("forward after a front trim");

@@ -58,11 +58,7 @@ fn prefill(model: &dyn Model, kv: &mut KvCache, prompt: &[u32], cache: bool) -> 
             .expect("reserve");
         let logits = {
             let mut view = kv.step(&[(&seq, row.real)]).expect("view");
-            let rows = [StepRow {
-                tokens,
-                logits_at: row.sample.then(|| row.real - 1),
-                scored: 0,
-            }];
+            let rows = [StepRow::tokens(tokens, row.sample.then(|| row.real - 1))];
             model
                 .forward(&rows, &mut view, AttentionPath::PerRow)
                 .expect("forward")

@@ -52,11 +52,7 @@ pub fn step(model: &dyn Model, kv: &mut KvCache, seq: &KvSequence, tokens: &[u32
         .expect("reserve");
     let logits = {
         let mut view = kv.step(&[(seq, n)]).expect("view");
-        let rows = [StepRow {
-            tokens,
-            logits_at: Some(n - 1),
-            scored: 0,
-        }];
+        let rows = [StepRow::tokens(tokens, Some(n - 1))];
         model
             .forward(&rows, &mut view, AttentionPath::PerRow)
             .expect("forward")

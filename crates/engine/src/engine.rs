@@ -100,10 +100,10 @@ pub struct EngineConfig {
     pub kernel_cache_dir: Option<PathBuf>,
     /// Tensor parallelism (`--tensor-parallel`): this process's rank of
     /// the group. Rank 0 runs this engine; other ranks run
-    /// [`crate::tensor_parallel::run_follower`]. Forces the paged KV
+    /// [`crate::run_follower`]. Forces the paged KV
     /// backend and turns the decode pipeline off (each step's inputs must
     /// be known on the host to be broadcast).
-    pub tensor_parallel: Option<crate::tensor_parallel::TensorParallelConfig>,
+    pub tensor_parallel: Option<crate::TensorParallelConfig>,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub fault: crate::fault::FaultInjection,
@@ -186,6 +186,15 @@ pub enum EngineError {
     Thread(String),
     #[error("bad engine option: {0}")]
     Config(String),
+    /// The tensor-parallel group failed (a collective, a plan).
+    #[error(transparent)]
+    Group(#[from] crate::runner::tensor_parallel::wire::TpError),
+    /// A tensor-parallel follower's step failed.
+    #[error("follower step: {0}")]
+    FollowerStep(crate::error::StepError),
+    /// A step failed during start-up (the tensor-parallel set-up).
+    #[error(transparent)]
+    Step(#[from] crate::error::StepError),
 }
 
 /// The text side shared by the handle and the engine thread.
@@ -237,7 +246,7 @@ pub struct Engine {
     stats: Arc<Mutex<EngineStats>>,
     /// Tensor parallelism: the group's health (requests are refused once
     /// it is broken).
-    group: Option<Arc<crate::tensor_parallel::GroupHealth>>,
+    group: Option<Arc<crate::runner::tensor_parallel::watchdog::GroupHealth>>,
     /// What was loaded, for logs and `/v1/models`.
     pub info: EngineInfo,
 }
@@ -301,14 +310,14 @@ impl Engine {
                 // inputs must be on the host to be broadcast.
                 config.storage_backend = Some(StorageBackend::Paged);
                 config.pipeline = false;
-                let health = Arc::new(crate::tensor_parallel::GroupHealth::default());
-                let watchdog =
-                    crate::tensor_parallel::Watchdog::start(tp.timeout, Arc::clone(&health))?;
-                Some(crate::tensor_parallel::Leader { health, watchdog })
+                Some((
+                    Arc::new(crate::runner::tensor_parallel::watchdog::GroupHealth::default()),
+                    tp.timeout,
+                ))
             }
             None => None,
         };
-        let group_health = group.as_ref().map(|g| Arc::clone(&g.health));
+        let group_health = group.as_ref().map(|(health, _)| Arc::clone(health));
         let model_id = config.model_id();
         let context_length = model_config.max_position_embeddings;
         let vocab_size = model_config.vocab_size;
@@ -352,46 +361,53 @@ impl Engine {
                     mlxcel_mlx::use_device(gpu)?;
                     tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
                     let model = crate::loader::load_model(&dir, model_config, options)?;
-                    let mut kv = match plan.kv_cache(model.as_ref()) {
+                    let kv = match plan.kv_cache(model.as_ref()) {
                         Ok(kv) => kv,
                         Err(e) => {
                             // Followers wait for the setup: let them exit.
-                            if let Some(leader) = &group {
-                                let _ = leader.send(&crate::tensor_parallel::Plan::Stop);
+                            if group.is_some() {
+                                let _ = crate::runner::tensor_parallel::abort_setup();
                             }
                             return Err(e);
                         }
                     };
-                    if let Some(leader) = &group {
-                        // Followers allocate the same pool and mirror its copies.
-                        kv.record_block_copies(true);
-                        let c = kv.config();
-                        let setup = crate::tensor_parallel::Plan::Setup {
-                            model_type: model.config().model_type.clone(),
-                            layers: model.config().num_hidden_layers,
-                            dtype: crate::tensor_parallel::dtype_code(model.dtype()),
-                            num_blocks: c.num_blocks,
-                            block_size: c.block_size,
-                        };
-                        leader
-                            .send(&setup)
-                            .map_err(|e| EngineError::Config(e.to_string()))?;
-                    }
                     Ok::<_, EngineError>((model, kv))
                 })();
-                match setup {
-                    Ok((model, kv)) => {
-                        let loaded = plan.loaded(&kv);
-                        let _ = ready_tx.send(Ok(loaded));
-                        let worker =
-                            Worker::new(model.as_ref(), &thread_text, kv, plan.worker, thread_stats)
-                                .with_group(group);
-                        worker.run(&queue);
-                    }
+                let (model, mut kv) = match setup {
+                    Ok(loaded) => loaded,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
+                        return;
                     }
-                }
+                };
+                let local = crate::runner::local::LocalRunner::new(
+                    model.as_ref(),
+                    kv.config().backend,
+                    plan.worker.attention_path,
+                );
+                #[cfg(feature = "fault-injection")]
+                let local = local.with_fault(plan.worker.fault);
+                let runner: Box<dyn crate::runner::StepRunner + '_> = match group {
+                    None => Box::new(local),
+                    Some((health, timeout)) => {
+                        match crate::runner::tensor_parallel::LeaderRunner::connect(
+                            local,
+                            model.as_ref(),
+                            &mut kv,
+                            health,
+                            timeout,
+                        ) {
+                            Ok(leader) => Box::new(leader),
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(e.into()));
+                                return;
+                            }
+                        }
+                    }
+                };
+                let loaded = plan.loaded(&kv);
+                let _ = ready_tx.send(Ok(loaded));
+                Worker::new(runner, &thread_text, kv, plan.worker, thread_stats).run(&queue);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
         let loaded = ready_rx

@@ -13,7 +13,7 @@ pub struct FaultInjection {
 
 impl FaultInjection {
     /// Fails when a row of the step holds the poison token.
-    pub(crate) fn check(&self, rows: &[Vec<u32>]) -> Result<(), String> {
+    pub(crate) fn check(&self, rows: &[Vec<u32>]) -> Result<(), crate::error::StepError> {
         let Some(poison) = self.poison_token else {
             return Ok(());
         };
@@ -23,6 +23,6 @@ impl FaultInjection {
         if self.panic {
             panic!("injected panic (token {poison})");
         }
-        Err(format!("injected fault (token {poison})"))
+        Err(crate::error::StepError::Injected(poison))
     }
 }

@@ -11,6 +11,7 @@ pub mod chat_template;
 pub mod constraint;
 pub mod detokenizer;
 pub mod engine;
+pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod gguf_spm;
@@ -19,9 +20,9 @@ pub mod loader;
 pub mod logits;
 pub mod output;
 pub mod reasoning;
+mod runner;
 pub mod sampler;
 pub mod scheduler;
-pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod warmup;
 mod worker;
@@ -31,6 +32,8 @@ pub use engine::{
     auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, GgufQuantize,
     ReasoningParser, GGUF_QUANTIZE_GROUP,
 };
+pub use error::StepError;
 pub use mlxcel_kv::StorageBackend;
 pub use mlxcel_model::AttentionPath;
-pub use tensor_parallel::{run_follower, TensorParallelConfig};
+pub use runner::tensor_parallel::follower::run_follower;
+pub use runner::tensor_parallel::TensorParallelConfig;

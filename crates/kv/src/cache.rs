@@ -107,8 +107,9 @@ pub struct RowReserve<'a> {
 }
 
 /// A reserved step: each row's sequence end before the step and its real
-/// token count. Hand it back with [`KvCache::complete_step`].
-#[derive(Debug)]
+/// token count. Hand it back with [`KvCache::complete_step`] (a copy kept
+/// after completing lets a pipelined step roll back later).
+#[derive(Debug, Clone)]
 #[must_use = "a reserved step must be completed"]
 pub struct StepReservation {
     rows: Vec<(u64, usize, usize)>,

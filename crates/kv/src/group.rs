@@ -103,3 +103,36 @@ mod tests {
         assert_eq!(KvGroupConfig::from_layer_windows(&[], None).len(), 1);
     }
 }
+
+/// The state one model layer keeps per sequence between steps: what the KV
+/// cache must store for it. Attention layers keep K/V (grouped by window
+/// into [`KvGroupConfig`]s); recurrent layers (Gated DeltaNet, Mamba2) keep
+/// a fixed-size state per sequence, whatever its length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerState {
+    /// K/V of every key within `window` (`None`: full attention).
+    Attention {
+        /// The attention window, in keys (a query sees at most this many,
+        /// itself included).
+        window: Option<usize>,
+    },
+    /// A recurrent state of fixed size per sequence: one array per entry
+    /// of `shapes` (e.g. a convolution state `[kernel - 1, channels]` and
+    /// a recurrent state `[heads, key_dim, value_dim]`), float32 or the
+    /// compute dtype.
+    Recurrent {
+        /// The state arrays' shapes, per sequence.
+        shapes: Vec<Vec<usize>>,
+    },
+}
+
+impl LayerState {
+    /// The attention window of an attention layer (`None` for full
+    /// attention and for recurrent layers).
+    pub fn window(&self) -> Option<usize> {
+        match self {
+            LayerState::Attention { window } => *window,
+            LayerState::Recurrent { .. } => None,
+        }
+    }
+}

@@ -46,7 +46,7 @@ pub use cache::{
     StepReservation, StorageBackend,
 };
 pub use error::{KvError, PoolExhausted};
-pub use group::KvGroupConfig;
+pub use group::{KvGroupConfig, LayerState};
 pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};
 pub use prefix::{hold_from, GroupHit, PrefixCache, PrefixCacheStats};

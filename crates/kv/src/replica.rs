@@ -23,7 +23,7 @@ use crate::storage::{KvLayout, PagedStorage};
 /// `[start, end)`, its `new` last positions being this step's tokens, and
 /// its block table (block ids, `blocks[0]` holding position
 /// `start / block_size * block_size`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RowLayout {
     /// First live position.
     pub start: usize,
@@ -37,7 +37,7 @@ pub struct RowLayout {
 
 /// A block copy as plain data: the first `tokens` slots of block `src`
 /// into block `dst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CopyLayout {
     pub src: u32,
     pub dst: u32,
@@ -56,7 +56,7 @@ impl From<BlockCopy> for CopyLayout {
 
 /// What a follower's KV needs for one step: the copies to make first, then
 /// the rows (packed in this order, as [`crate::StepKv`] packs them).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct StepLayout {
     pub copies: Vec<CopyLayout>,
     pub rows: Vec<RowLayout>,

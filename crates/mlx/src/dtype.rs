@@ -2,7 +2,8 @@
 
 /// MLX element types; the discriminant is the code shared with the C++ shim
 /// (the order of `mlx::core::Dtype::Val`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[repr(i32)]
 pub enum Dtype {
     Bool = 0,

@@ -78,6 +78,20 @@ pub fn call_counts() -> CallCounts {
 #[error("mlx: {0}")]
 pub struct Error(pub String);
 
+impl Error {
+    /// Whether MLX failed to allocate memory (a C++ `std::bad_alloc`, or
+    /// an allocator of the CPU, Metal or CUDA backend refusing a buffer):
+    /// the request asked for more than the device holds, not a bug.
+    pub fn is_out_of_memory(&self) -> bool {
+        let m = self.0.to_ascii_lowercase();
+        m.contains("bad_alloc")
+            || m.contains("out of memory")
+            || m.contains("unable to allocate")
+            || m.contains("failed to allocate")
+            || (m.contains("malloc") && m.contains("allocate"))
+    }
+}
+
 impl From<cxx::Exception> for Error {
     fn from(e: cxx::Exception) -> Self {
         Error(e.what().to_string())

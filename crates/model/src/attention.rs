@@ -5,7 +5,7 @@
 use crate::layers::{Linear, LoadContext, RmsNorm, ShardAxis};
 use crate::profile::mark;
 use crate::rope::{Rope, RopeSpec};
-use crate::step::Step;
+use crate::step::{Step, StepMismatch};
 use crate::{ModelConfig, ModelError};
 
 /// What one layer's attention is: head counts, projections' biases, q/k
@@ -349,9 +349,11 @@ impl Attention {
 /// `q_len > k_len` (the view must return the new keys too).
 pub fn causal_mask(q_len: i32, k_len: i32) -> Result<AttentionMask, ModelError> {
     if q_len > k_len || q_len < 1 {
-        return Err(ModelError::Cache(format!(
-            "{q_len} queries over {k_len} live keys"
-        )));
+        return Err(StepMismatch::QueriesOverKeys {
+            queries: q_len,
+            keys: k_len,
+        }
+        .into());
     }
     Ok(if q_len == 1 {
         AttentionMask::None
@@ -375,9 +377,11 @@ pub fn padding_mask(
 ) -> Result<AttentionMask, ModelError> {
     let max = max_len as usize;
     if let Some(bad) = lens.iter().find(|&&l| l == 0 || l > max) {
-        return Err(ModelError::Cache(format!(
-            "row of {bad} live keys in a batch padded to {max}"
-        )));
+        return Err(StepMismatch::PaddedRow {
+            live: *bad,
+            padded: max,
+        }
+        .into());
     }
     let mut m = vec![f32::NEG_INFINITY; lens.len() * max];
     for (row, &len) in lens.iter().enumerate() {

@@ -175,8 +175,7 @@ impl ModelConfig {
     /// Missing file, malformed JSON, missing keys, unsupported features.
     pub fn from_model_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| ModelError::Io(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
         Self::from_json_str(&text)
     }
 

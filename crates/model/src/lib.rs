@@ -16,18 +16,22 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use layers::WeightMode;
-pub use step::{AttentionPath, Step, StepRow};
+pub use step::{AttentionPath, RowInput, Step, StepMismatch, StepRow};
 pub use tensor_parallel::TensorParallel;
 pub use weights::Weights;
 
-use mlxcel_kv::{AttentionKv, KvLayout};
+use mlxcel_kv::{AttentionKv, KvLayout, LayerState};
 use mlxcel_mlx::{Array, Dtype};
 
 /// Errors of model loading and forward passes.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
-    #[error("{0}")]
-    Io(String),
+    /// A checkpoint file that could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::sync::Arc<std::io::Error>,
+    },
     #[error("bad config.json: {0}")]
     Config(String),
     #[error("unsupported model: {0}")]
@@ -36,12 +40,23 @@ pub enum ModelError {
     Weights(String),
     #[error("checkpoint has no tensor {0}")]
     MissingWeight(String),
-    #[error("kv cache: {0}")]
-    Cache(String),
+    /// A step that does not match its KV view (a bug above the model).
+    #[error("step: {0}")]
+    StepMismatch(#[from] StepMismatch),
     #[error(transparent)]
     Kv(#[from] mlxcel_kv::KvError),
     #[error(transparent)]
     Mlx(#[from] mlxcel_mlx::Error),
+}
+
+impl ModelError {
+    /// An I/O error reading `path`.
+    pub fn io(path: impl Into<std::path::PathBuf>, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.into(),
+            source: std::sync::Arc::new(source),
+        }
+    }
 }
 
 /// How to load a model.
@@ -66,15 +81,15 @@ pub trait Model: Send {
     /// Builds one step's graph over `rows` (row `r`'s tokens at the
     /// positions `kv.new_positions(r)`, already reserved in the cache) and
     /// returns its float32 next-token logits `[wanted positions, vocab]`
-    /// (per row in row order: its `scored` tokens, then its `logits_at`;
+    /// (per row in row order, the positions of its [`StepRow::logits`];
     /// see [`Step::logit_indices`]), **not evaluated**: the caller evaluates them together
     /// with `kv.storage()` (the K/V of every token, pad tokens too, are
     /// written through `kv`), synchronously or with `async_eval`. The caller
     /// rewinds pads and, on error, the whole step.
     ///
     /// `ids`, when given, is a uint32 `[tokens]` array of the step's packed
-    /// token ids that replaces the rows' host `tokens` (which then only give
-    /// each row's length): a pipelined decode step feeds the previous step's
+    /// token ids that replaces the rows' inputs (which then only give each
+    /// row's length): a pipelined decode step feeds the previous step's
     /// sampled tokens without reading them back.
     ///
     /// # Errors
@@ -119,6 +134,28 @@ pub trait Model: Send {
         let c = self.config();
         vec![c.sliding_window; c.num_hidden_layers]
     }
+
+    /// What each layer keeps per sequence between steps, `[layers]`: K/V
+    /// within its window for attention layers, a fixed-size state for
+    /// recurrent ones. The engine builds the KV cache from it (and refuses
+    /// a kind of state it cannot store). The default: every layer an
+    /// attention layer of [`Model::layer_windows`].
+    fn layer_states(&self) -> Vec<LayerState> {
+        self.layer_windows()
+            .into_iter()
+            .map(|window| LayerState::Attention { window })
+            .collect()
+    }
+
+    /// The input embeddings of `ids` as a token row feeds them to the
+    /// first layer, `[ids.len(), hidden]` in the compute dtype (any
+    /// embedding scale of the family applied): what
+    /// [`RowInput::Embeddings`] takes, for rows mixing text with other
+    /// inputs.
+    ///
+    /// # Errors
+    /// An id outside the embedding table, MLX failures.
+    fn embed_tokens(&self, ids: &[u32]) -> Result<Array, ModelError>;
 
     /// One token's K/V shape, for sizing the KV cache (under tensor
     /// parallelism, this rank's K/V heads only).

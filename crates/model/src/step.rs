@@ -1,31 +1,70 @@
 //! The plain-data description of one forward (a *step*) that every family
-//! shares: which tokens run, packed how, at which positions, and which rows
-//! want logits.
+//! shares: what each row feeds the model (token ids or input embeddings),
+//! packed how, at which positions, and at which positions each row wants
+//! next-token logits.
 
 use std::ops::Range;
 
 use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::Array;
+use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
 
-/// One row of a step: a sequence's next tokens.
+/// What one row of a step feeds the model.
 #[derive(Debug, Clone, Copy)]
+pub enum RowInput<'a> {
+    /// Token ids: the real tokens, then any pad tokens.
+    Tokens(&'a [u32]),
+    /// Input embeddings `[tokens, hidden]` in the model's compute dtype,
+    /// used in place of the token embedding (and of any embedding scale the
+    /// family applies to token embeddings): rows whose input is not text,
+    /// such as image features.
+    Embeddings(&'a Array),
+}
+
+impl RowInput<'_> {
+    /// Tokens in the row (pads included).
+    pub fn len(&self) -> usize {
+        match self {
+            RowInput::Tokens(t) => t.len(),
+            RowInput::Embeddings(e) => e.shape().first().map_or(0, |&n| n.max(0) as usize),
+        }
+    }
+
+    /// Whether the row has no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One row of a step: a sequence's next tokens.
+#[derive(Debug, Clone)]
 pub struct StepRow<'a> {
-    /// The tokens to run (real tokens, then any pad tokens), written to the
-    /// KV cache at the positions the view gives.
-    pub tokens: &'a [u32],
-    /// Index in `tokens` of the token whose next-token logits are wanted
-    /// (the last real one), or `None` (a prefill chunk before the last).
-    pub logits_at: Option<usize>,
-    /// Leading real tokens whose next-token logits are wanted too, to score
-    /// the prompt (prompt logprobs): `tokens[..scored]`, all before
-    /// `logits_at`; 0 for none.
-    pub scored: usize,
+    /// What the row runs, written to the KV cache at the positions the
+    /// view gives.
+    pub input: RowInput<'a>,
+    /// Positions in the row (`0..len`) whose next-token logits are wanted,
+    /// in order: the last real token for a row that samples
+    /// (`real - 1..real`), every token of a scored prompt chunk (prompt
+    /// logprobs), every draft position of a verification row (speculative
+    /// decoding), nothing for a prefill chunk before the last.
+    pub logits: Range<usize>,
+}
+
+impl<'a> StepRow<'a> {
+    /// A row of token ids wanting the logits of `logits_at` (or none).
+    pub fn tokens(tokens: &'a [u32], logits_at: Option<usize>) -> Self {
+        StepRow {
+            input: RowInput::Tokens(tokens),
+            logits: logits_at.map_or(0..0, |i| i..i + 1),
+        }
+    }
 }
 
 /// How the step's attention reads the cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AttentionPath {
     /// One attention per row over that row's keys.
     #[default]
@@ -76,34 +115,34 @@ impl Step {
     /// Packs `rows` and reads their positions from `kv`.
     ///
     /// # Errors
-    /// A row whose token count differs from the positions reserved for it,
-    /// an empty step, or rows attended together that hold more than one token.
+    /// [`ModelError::StepMismatch`]: an empty step, a row count other than
+    /// the view's, a row whose token count differs from the positions
+    /// reserved for it, or logits wanted past a row's end.
     pub fn new(
         rows: &[StepRow<'_>],
         kv: &dyn AttentionKv,
         path: AttentionPath,
     ) -> Result<Self, ModelError> {
         if rows.is_empty() || rows.len() != kv.num_rows() {
-            return Err(ModelError::Cache(format!(
-                "{} rows for a KV view of {}",
-                rows.len(),
-                kv.num_rows()
-            )));
+            return Err(StepMismatch::RowCount {
+                rows: rows.len(),
+                view_rows: kv.num_rows(),
+            }
+            .into());
         }
         let mut spans = Vec::with_capacity(rows.len());
         let mut positions = Vec::new();
         for (r, row) in rows.iter().enumerate() {
             let pos = kv.new_positions(r);
-            let bad_logits = row.logits_at.is_some_and(|i| i >= row.tokens.len())
-                || row.scored > row.logits_at.unwrap_or(row.tokens.len());
-            if pos.len() != row.tokens.len() || row.tokens.is_empty() || bad_logits {
-                return Err(ModelError::Cache(format!(
-                    "row {r}: {} tokens, {} positions reserved, logits at {:?}, {} scored",
-                    row.tokens.len(),
-                    pos.len(),
-                    row.logits_at,
-                    row.scored
-                )));
+            let len = row.input.len();
+            if pos.len() != len || len == 0 || row.logits.end > len {
+                return Err(StepMismatch::Row {
+                    row: r,
+                    tokens: len,
+                    positions: pos.len(),
+                    logits: row.logits.clone(),
+                }
+                .into());
             }
             spans.push(positions.len()..positions.len() + pos.len());
             positions.extend(pos.map(|p| p as i32));
@@ -111,7 +150,7 @@ impl Step {
         let batched_decode_rows = match path {
             AttentionPath::PerRow => 0,
             AttentionPath::BatchedDecode | AttentionPath::PagedDecode => {
-                rows.iter().take_while(|r| r.tokens.len() == 1).count()
+                rows.iter().take_while(|r| r.input.len() == 1).count()
             }
         };
         let paged_kernel = path == AttentionPath::PagedDecode
@@ -128,16 +167,51 @@ impl Step {
         })
     }
 
-    /// Packed indices of the tokens whose logits are wanted, in row order:
-    /// each row's scored tokens, then its `logits_at`.
+    /// Packed indices of the tokens whose logits are wanted, in row order
+    /// (each row's [`StepRow::logits`]).
     pub fn logit_indices(&self, rows: &[StepRow<'_>]) -> Vec<i32> {
         rows.iter()
             .zip(&self.rows)
-            .flat_map(|(row, span)| {
-                (0..row.scored)
-                    .chain(row.logits_at)
-                    .map(move |i| (span.start + i) as i32)
-            })
+            .flat_map(|(row, span)| row.logits.clone().map(move |i| (span.start + i) as i32))
             .collect()
     }
+
+    /// Whether every row's input is token ids.
+    pub fn all_tokens(rows: &[StepRow<'_>]) -> bool {
+        rows.iter().all(|r| matches!(r.input, RowInput::Tokens(_)))
+    }
+}
+
+/// A step whose rows do not match its KV view or its own shape: a bug
+/// above the model (the engine reserves positions for exactly the rows it
+/// runs), reported instead of panicking.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepMismatch {
+    /// The step has no row, or not as many as the view.
+    #[error("{rows} rows for a KV view of {view_rows}")]
+    RowCount { rows: usize, view_rows: usize },
+    /// A row's token count differs from the positions reserved for it, or
+    /// it wants logits past its end.
+    #[error("row {row}: {tokens} tokens, {positions} positions reserved, logits at {logits:?}")]
+    Row {
+        row: usize,
+        tokens: usize,
+        positions: usize,
+        logits: Range<usize>,
+    },
+    /// More new queries than live keys (the view must return the new keys
+    /// too).
+    #[error("{queries} queries over {keys} live keys")]
+    QueriesOverKeys { queries: i32, keys: i32 },
+    /// A row attended in a padded batch with no live key, or more than the
+    /// batch was padded to.
+    #[error("row of {live} live keys in a batch padded to {padded}")]
+    PaddedRow { live: usize, padded: usize },
+    /// Input embeddings whose shape is not `[tokens, hidden]`.
+    #[error("row {row}: input embeddings of shape {shape:?}, want [tokens, {hidden}]")]
+    Embeddings {
+        row: usize,
+        shape: Vec<i32>,
+        hidden: usize,
+    },
 }

@@ -95,8 +95,7 @@ impl Weights {
 fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read_to_string(&index)
-            .map_err(|e| ModelError::Io(format!("{}: {e}", index.display())))?;
+        let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", index.display())))?;
         let map = v
@@ -116,7 +115,7 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
         return Ok(vec![single]);
     }
     let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| ModelError::Io(format!("{}: {e}", dir.display())))?
+        .map_err(|e| ModelError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();

@@ -16,7 +16,8 @@ use mlxcel_model::attention::{Attention, AttentionSpec};
 use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
 use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
-    AttentionPath, LoadOptions, Model, ModelConfig, ModelError, Step, StepRow, Weights,
+    AttentionPath, LoadOptions, Model, ModelConfig, ModelError, RowInput, Step, StepMismatch,
+    StepRow, Weights,
 };
 
 /// What a family's decoder is, beyond the shared config.
@@ -313,6 +314,57 @@ impl Decoder {
     }
 }
 
+impl Decoder {
+    /// The step's input hidden states `[1, tokens, hidden]`: token rows
+    /// through the (scaled) token embedding, embedding rows as given.
+    /// `ids` (pipelined decode) replaces every row's host tokens.
+    fn embed_rows(
+        &self,
+        rows: &[StepRow<'_>],
+        ids: Option<&Array>,
+        step: &Step,
+    ) -> Result<Array, ModelError> {
+        let embed = |ids: &Array| -> Result<Array, ModelError> {
+            scaled(self.embed_tokens.forward(ids)?, &self.embedding_scale)
+        };
+        if let Some(ids) = ids {
+            return embed(&ids.reshape(&[1, step.tokens as i32])?);
+        }
+        if Step::all_tokens(rows) {
+            let tokens: Vec<u32> = rows
+                .iter()
+                .flat_map(|r| match r.input {
+                    RowInput::Tokens(t) => t.iter().copied(),
+                    RowInput::Embeddings(_) => [].iter().copied(),
+                })
+                .collect();
+            return embed(&Array::from_u32(&tokens, &[1, step.tokens as i32])?);
+        }
+        let hidden = self.config.hidden_size;
+        let mut parts = Vec::with_capacity(rows.len());
+        for (r, row) in rows.iter().enumerate() {
+            let part = match row.input {
+                RowInput::Tokens(t) => embed(&Array::from_u32(t, &[1, t.len() as i32])?)?,
+                RowInput::Embeddings(e) => {
+                    let shape = e.shape();
+                    if shape.len() != 2 || shape[1] as usize != hidden {
+                        return Err(StepMismatch::Embeddings {
+                            row: r,
+                            shape,
+                            hidden,
+                        }
+                        .into());
+                    }
+                    e.astype(self.dtype)?.reshape(&[1, shape[0], shape[1]])?
+                }
+            };
+            parts.push(part);
+        }
+        let parts: Vec<&Array> = parts.iter().collect();
+        Ok(mlxcel_mlx::concatenate(&parts, 1)?)
+    }
+}
+
 impl Model for Decoder {
     fn config(&self) -> &ModelConfig {
         &self.config
@@ -326,6 +378,11 @@ impl Model for Decoder {
         self.layers.iter().map(|l| l.self_attn.window()).collect()
     }
 
+    fn embed_tokens(&self, ids: &[u32]) -> Result<Array, ModelError> {
+        let ids = Array::from_u32(ids, &[ids.len() as i32])?;
+        scaled(self.embed_tokens.forward(&ids)?, &self.embedding_scale)
+    }
+
     fn build_step(
         &self,
         rows: &[StepRow<'_>],
@@ -336,14 +393,7 @@ impl Model for Decoder {
         let built = std::time::Instant::now();
         profile::restart_clock();
         let step = Step::new(rows, kv, path)?;
-        let ids = match ids {
-            Some(ids) => ids.reshape(&[1, step.tokens as i32])?,
-            None => {
-                let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-                Array::from_u32(&tokens, &[1, step.tokens as i32])?
-            }
-        };
-        let mut h = scaled(self.embed_tokens.forward(&ids)?, &self.embedding_scale)?;
+        let mut h = self.embed_rows(rows, ids, &step)?;
         mark("embed", &[&h, &step.positions])?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, i, kv, &step, &self.residual_scale)?;

@@ -10,38 +10,51 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
-use super::{Emitted, NextToken, Sampled, Worker};
+use super::{Emitted, NextToken, Worker};
 use crate::api::{FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob};
+use crate::error::StepError;
 use crate::logits::log_probs;
 use crate::output::OutputPiece;
+use crate::runner::{RowOutput, StepOutput};
 use crate::scheduler::StepPlan;
+
+impl RowOutput {
+    /// A sampling row's next token: its last device token, or its last
+    /// host logits row.
+    fn next_token(&self) -> Option<NextToken<'_>> {
+        match self.tokens.last() {
+            Some(&t) => Some(NextToken::Sampled(t)),
+            None => self
+                .logits_row(self.logits_rows().checked_sub(1)?)
+                .map(NextToken::Logits),
+        }
+    }
+}
 
 impl Worker<'_> {
     /// Streams each sampling row's next token (sampled on the device, or
     /// sampled here from its logits row); forks the other choices of a
     /// request whose prompt was just computed; finishes and removes
     /// sequences that are done or whose client left.
-    pub(super) fn sample_and_emit(&mut self, plan: &StepPlan, sampled: &Sampled) {
-        let sampling: Vec<usize> = plan
-            .rows
-            .iter()
-            .filter(|r| r.sample)
-            .map(|r| r.seq)
-            .collect();
-        for (i, &seq) in sampling.iter().enumerate() {
+    pub(super) fn sample_and_emit(&mut self, plan: &StepPlan, output: &StepOutput) {
+        for (r, out) in plan.rows.iter().zip(&output.rows) {
+            if !r.sample {
+                continue;
+            }
+            let seq = r.seq;
             if self.done.contains(&self.running[seq].id) {
                 continue;
             }
-            let Some(next) = sampled.row(i) else {
-                self.fail(seq, "internal error: no sample for a sampling row");
+            let Some(next) = out.next_token() else {
+                self.fail(seq, &StepError::Internal("no sample for a sampling row"));
                 continue;
             };
             let mut choices = vec![seq];
             if !self.running[seq].forks.is_empty() {
                 match self.fork_choices(seq) {
                     Ok(forked) => choices.extend(forked),
-                    Err(message) => {
-                        self.fail(seq, &message);
+                    Err(e) => {
+                        self.fail(seq, &e);
                         continue;
                     }
                 }
@@ -57,11 +70,11 @@ impl Worker<'_> {
         match self.emit(seq, next) {
             Ok(Emitted::Continue) => {}
             Ok(Emitted::Finished | Emitted::Cancelled) => self.done.push(self.running[seq].id),
-            Err(message) => self.fail(seq, &message),
+            Err(e) => self.fail(seq, &e),
         }
     }
 
-    fn emit(&mut self, seq: usize, next: NextToken<'_>) -> Result<Emitted, String> {
+    fn emit(&mut self, seq: usize, next: NextToken<'_>) -> Result<Emitted, StepError> {
         let text = self.text;
         let s = &mut self.running[seq];
         let _enter = s.span.enter();
@@ -76,7 +89,7 @@ impl Worker<'_> {
                     let mut owned = logits.to_vec();
                     s.processor.apply(&mut owned);
                     if let Some(c) = &mut s.constraint {
-                        c.mask_logits(&mut owned).map_err(|e| e.to_string())?;
+                        c.mask_logits(&mut owned)?;
                     }
                     Cow::Owned(owned)
                 };
@@ -97,7 +110,7 @@ impl Worker<'_> {
         s.processor.record(token);
         let grammar_done = match &mut s.constraint {
             Some(c) => {
-                c.accept(token).map_err(|e| e.to_string())?;
+                c.accept(token)?;
                 c.is_finished()
             }
             None => false,
@@ -123,10 +136,10 @@ impl Worker<'_> {
         let mut piece = if is_eos {
             String::new()
         } else {
-            s.detok.push(tokenizer, token).map_err(|e| e.to_string())?
+            s.detok.push(tokenizer, token)?
         };
         if finish.is_some() {
-            piece.push_str(&s.detok.flush(tokenizer).map_err(|e| e.to_string())?);
+            piece.push_str(&s.detok.flush(tokenizer)?);
         }
         let mut out = s.filter.push(&piece);
         if out.stopped {

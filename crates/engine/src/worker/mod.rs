@@ -12,17 +12,20 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use mlxcel_kv::{GroupAdmission, KvCache, KvSequence};
-use mlxcel_model::{AttentionPath, Model};
+use mlxcel_model::AttentionPath;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest, Timings, Usage};
 use crate::constraint::ConstrainedDecoder;
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::error::StepError;
 use crate::logits::LogitsProcessor;
 use crate::output::OutputFilter;
 use crate::reasoning::ReasoningSplitter;
+use crate::runner::{InFlight, StepRunner};
 
 mod emit;
+mod pipeline;
 mod step;
 use crate::sampler::Sampler;
 use crate::scheduler::SchedulerConfig;
@@ -174,49 +177,6 @@ enum NextToken<'a> {
     Logits(&'a [f32]),
 }
 
-/// A step's samples, per sampling row in row order: a token sampled on the
-/// device, or a row of logits read back.
-struct Sampled {
-    on_device: Vec<bool>,
-    tokens: Vec<u32>,
-    logits: Vec<f32>,
-    /// Logits rows `[scored tokens, vocab]` of the step's scored prompt
-    /// tokens, in row order (empty when none).
-    scored: Vec<f32>,
-}
-
-impl Sampled {
-    /// `tokens` are the device rows' tokens and `logits` the other rows'
-    /// logits rows concatenated, both in row order; `scored` the scored
-    /// tokens' logits rows.
-    fn new(on_device: &[bool], tokens: Vec<u32>, logits: Vec<f32>, scored: Vec<f32>) -> Self {
-        Sampled {
-            on_device: on_device.to_vec(),
-            tokens,
-            logits,
-            scored,
-        }
-    }
-
-    /// Sampling row `i`'s token or logits.
-    fn row(&self, i: usize) -> Option<NextToken<'_>> {
-        let device_before = self.on_device.get(..i)?.iter().filter(|&&d| d).count();
-        if *self.on_device.get(i)? {
-            return self
-                .tokens
-                .get(device_before)
-                .copied()
-                .map(NextToken::Sampled);
-        }
-        let host_rows = self.on_device.len() - self.tokens.len();
-        let vocab = self.logits.len().checked_div(host_rows)?;
-        let h = i - device_before;
-        self.logits
-            .get(h * vocab..(h + 1) * vocab)
-            .map(NextToken::Logits)
-    }
-}
-
 /// A choice still to fork from choice 0.
 struct Fork {
     index: usize,
@@ -245,7 +205,8 @@ enum Emitted {
 
 /// The engine thread's state.
 pub(crate) struct Worker<'m> {
-    model: &'m dyn Model,
+    /// Runs each step's forward (`crate::runner`).
+    runner: Box<dyn StepRunner + 'm>,
     text: &'m Text,
     kv: KvCache,
     config: WorkerConfig,
@@ -255,18 +216,33 @@ pub(crate) struct Worker<'m> {
     /// Ids of the sequences that ended during the step being run.
     done: Vec<u64>,
     /// A pipelined decode step whose tokens are not read yet.
-    inflight: Option<step::Queued>,
+    inflight: Option<pipeline::Queued>,
     /// The last pipelined step failed: the next step runs synchronously.
     pipeline_paused: bool,
     counters: EngineStats,
     published: Arc<Mutex<EngineStats>>,
-    /// Tensor parallelism: rank 0's side of the group.
-    group: Option<crate::tensor_parallel::Leader>,
+}
+
+/// The event streams of every request the engine holds (for a runner that
+/// fails them itself when a step never returns).
+pub(crate) struct Streams<'a> {
+    running: &'a [Sequence],
+    waiting: &'a VecDeque<Job>,
+}
+
+impl InFlight for Streams<'_> {
+    fn streams(&self) -> Vec<UnboundedSender<GenerationEvent>> {
+        self.running
+            .iter()
+            .map(|s| s.job.events.clone())
+            .chain(self.waiting.iter().map(|j| j.events.clone()))
+            .collect()
+    }
 }
 
 impl<'m> Worker<'m> {
     pub(crate) fn new(
-        model: &'m dyn Model,
+        runner: Box<dyn StepRunner + 'm>,
         text: &'m Text,
         kv: KvCache,
         config: WorkerConfig,
@@ -278,7 +254,7 @@ impl<'m> Worker<'m> {
             ..EngineStats::default()
         };
         let mut w = Worker {
-            model,
+            runner,
             text,
             kv,
             config,
@@ -290,34 +266,23 @@ impl<'m> Worker<'m> {
             pipeline_paused: false,
             counters,
             published,
-            group: None,
         };
         w.publish();
         w
     }
 
-    /// The worker of rank 0 of a tensor-parallel group (`None`: a single
-    /// process).
-    pub(crate) fn with_group(mut self, group: Option<crate::tensor_parallel::Leader>) -> Self {
-        self.group = group;
-        self
-    }
-
-    /// Tensor parallelism: once the group is broken, every request still
-    /// here fails (none can run any more); returns whether it is.
+    /// Once the runner can run no step any more (a broken tensor-parallel
+    /// group), every request still here fails; returns whether it can't.
     fn fail_all_if_broken(&mut self) -> bool {
-        let Some(reason) = self.group.as_ref().and_then(|g| g.health.broken()) else {
+        let Err(e) = self.runner.health() else {
             return false;
         };
+        let failed = e.event();
         for job in self.waiting.drain(..) {
-            let _ = job.events.send(GenerationEvent::Failed {
-                message: reason.clone(),
-            });
+            let _ = job.events.send(failed.clone());
         }
         for s in self.running.drain(..) {
-            let _ = s.job.events.send(GenerationEvent::Failed {
-                message: reason.clone(),
-            });
+            let _ = s.job.events.send(failed.clone());
         }
         self.inflight = None;
         true
@@ -354,13 +319,8 @@ impl<'m> Worker<'m> {
             self.reclaim();
             self.publish();
         }
-        if let Some(group) = &self.group {
-            if group.check().is_ok() {
-                if let Err(e) = group.send(&crate::tensor_parallel::Plan::Stop) {
-                    tracing::warn!(error = %e, "telling the other ranks to stop");
-                }
-            }
-        }
+        // Dropping the runner tells a tensor-parallel group's other ranks
+        // to stop.
         tracing::info!("engine thread stopping");
     }
 
@@ -429,9 +389,7 @@ impl<'m> Worker<'m> {
                 Ok(seq) => self.running.push(seq),
                 Err((job, e)) => {
                     tracing::error!(error = %e, "prefix lookup failed");
-                    let _ = job.events.send(GenerationEvent::Failed {
-                        message: e.to_string(),
-                    });
+                    let _ = job.events.send(StepError::from(e).event());
                 }
             }
         }
@@ -509,7 +467,7 @@ impl<'m> Worker<'m> {
     /// request's other choices; returns their indices in `running`. Each
     /// shares its blocks and samples from the same logits with its own
     /// generator (the seed on ChaCha stream `index`).
-    fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, String> {
+    fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, StepError> {
         let forks = std::mem::take(&mut self.running[seq].forks);
         let mut children = Vec::with_capacity(forks.len());
         let (prompt, max_tokens) = {
@@ -526,8 +484,8 @@ impl<'m> Worker<'m> {
         let own: Vec<usize> = rule.iter().map(|r| r.per_extra_choice).collect();
         for fork in forks {
             let parent = &self.running[seq];
-            let kv = self.kv.fork(&parent.kv).map_err(|e| e.to_string())?;
-            let held = self.kv.group_blocks_held(&kv).map_err(|e| e.to_string())?;
+            let kv = self.kv.fork(&parent.kv)?;
+            let held = self.kv.group_blocks_held(&kv)?;
             let id = self.next_id;
             self.next_id += 1;
             let span = tracing::info_span!(parent: &parent.span, "choice", index = fork.index);

@@ -343,7 +343,7 @@ impl GgufModel {
             arch = arch.name,
             "decoding GGUF tensors to float32 (types MLX's reader does not read)"
         );
-        let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
+        let io = |e: std::io::Error| ModelError::io(&self.path, e);
         let mut file = std::fs::File::open(&self.path).map_err(io)?;
         let mut loaded = Loaded::default();
         let mut bytes = Vec::new();
@@ -382,7 +382,7 @@ impl GgufModel {
         t: &TensorInfo,
         bytes: &mut Vec<u8>,
     ) -> Result<Vec<f32>, ModelError> {
-        let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
+        let io = |e: std::io::Error| ModelError::io(&self.path, e);
         let size = t
             .shape
             .iter()
@@ -411,7 +411,7 @@ impl GgufModel {
         let Some(t) = self.header.tensor(ROPE_FREQS) else {
             return Ok(None);
         };
-        let io = |e: std::io::Error| ModelError::Io(format!("{}: {e}", self.path.display()));
+        let io = |e: std::io::Error| ModelError::io(&self.path, e);
         let mut file = std::fs::File::open(&self.path).map_err(io)?;
         self.read_f32(&mut file, t, &mut Vec::new()).map(Some)
     }

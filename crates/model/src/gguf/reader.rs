@@ -232,12 +232,8 @@ impl GgufHeader {
     /// GGUF file (bad magic, unsupported version, truncation, a tensor past
     /// the end of the file, an unknown tensor type id).
     pub fn read(path: &Path) -> Result<Self, ModelError> {
-        let file = std::fs::File::open(path)
-            .map_err(|e| ModelError::Io(format!("{}: {e}", path.display())))?;
-        let size = file
-            .metadata()
-            .map_err(|e| ModelError::Io(format!("{}: {e}", path.display())))?
-            .len();
+        let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let size = file.metadata().map_err(|e| ModelError::io(path, e))?.len();
         let mut r = Cursor {
             inner: BufReader::new(file),
             pos: 0,

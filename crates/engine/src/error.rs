@@ -1,0 +1,103 @@
+//! The errors of the step path: everything that can fail a request after
+//! it was admitted, typed by kind all the way to the HTTP edge (which maps
+//! each kind to a status code) and `/metrics` (which counts failures by
+//! kind).
+
+use crate::api::GenerationEvent;
+
+/// Why a step (or the work after it for one row) failed.
+///
+/// A step error fails the requests of that step only (invariant 6); the
+/// engine goes on, unless the tensor-parallel group is broken
+/// ([`StepError::GroupBroken`]), after which no step can run.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// The KV bookkeeping refused an operation (a bug above the KV crate,
+    /// or a pool exhausted despite admission).
+    #[error(transparent)]
+    Kv(mlxcel_kv::KvError),
+    /// The model could not build the step.
+    #[error(transparent)]
+    Model(mlxcel_model::ModelError),
+    /// MLX failed while evaluating the step.
+    #[error(transparent)]
+    Mlx(mlxcel_mlx::Error),
+    /// MLX could not allocate what the step needs.
+    #[error("out of memory: {0}")]
+    OutOfMemory(mlxcel_mlx::Error),
+    /// A panic inside the step, caught at the step boundary.
+    #[error("internal error: {0}")]
+    Panic(String),
+    /// The tensor-parallel group stopped working (a rank failed or stopped
+    /// answering): no step can run any more.
+    #[error("tensor parallelism: {0}")]
+    GroupBroken(String),
+    /// The output grammar rejected a token or could not mask logits.
+    #[error(transparent)]
+    Grammar(#[from] crate::constraint::ConstraintError),
+    /// The tokenizer could not decode a sampled token.
+    #[error(transparent)]
+    Text(#[from] crate::tokenizer::TextError),
+    /// The engine's own bookkeeping broke a rule (a bug), reported instead
+    /// of panicking.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
+    /// A row's forward was injected to fail (tests only).
+    #[cfg(feature = "fault-injection")]
+    #[error("injected fault (token {0})")]
+    Injected(u32),
+}
+
+impl From<mlxcel_mlx::Error> for StepError {
+    fn from(e: mlxcel_mlx::Error) -> Self {
+        if e.is_out_of_memory() {
+            StepError::OutOfMemory(e)
+        } else {
+            StepError::Mlx(e)
+        }
+    }
+}
+
+impl From<mlxcel_kv::KvError> for StepError {
+    fn from(e: mlxcel_kv::KvError) -> Self {
+        match e {
+            mlxcel_kv::KvError::Mlx(e) => e.into(),
+            e => StepError::Kv(e),
+        }
+    }
+}
+
+impl From<mlxcel_model::ModelError> for StepError {
+    fn from(e: mlxcel_model::ModelError) -> Self {
+        match e {
+            mlxcel_model::ModelError::Mlx(e) => e.into(),
+            mlxcel_model::ModelError::Kv(e) => e.into(),
+            e => StepError::Model(e),
+        }
+    }
+}
+
+impl StepError {
+    /// A panic payload caught at the step boundary.
+    pub fn from_panic(panic: &(dyn std::any::Any + Send)) -> Self {
+        StepError::Panic(
+            panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "panic".into()),
+        )
+    }
+
+    /// Whether the error means no step can run any more.
+    pub fn is_group_broken(&self) -> bool {
+        matches!(self, StepError::GroupBroken(_))
+    }
+
+    /// The event that fails a request with this error.
+    pub fn event(&self) -> GenerationEvent {
+        GenerationEvent::Failed {
+            message: self.to_string(),
+        }
+    }
+}

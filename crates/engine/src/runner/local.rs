@@ -1,0 +1,349 @@
+//! The local runner: one process runs the whole model.
+//!
+//! A step is one guard: reserve the rows' positions, build the graph,
+//! evaluate it with the cache's writes, read back what the rows asked for,
+//! complete the reservation (pads rewound on success, everything on
+//! failure, a panic caught and treated as a failure). Rows that want a
+//! greedy token get it by argmax on the device, so only the token id comes
+//! back, not a `[vocab]` row of logits: one device round trip per step.
+//! Pipelined decode steps ([`StepRunner::queue_decode`]) are evaluated
+//! with `async_eval` and read later (mlx-lm's `generate_step` does the
+//! same; see `docs/performance.md`).
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+
+use mlxcel_kv::{KvCache, KvSequence, RowReserve, StorageBackend};
+use mlxcel_mlx::{Array, Dtype};
+use mlxcel_model::profile;
+use mlxcel_model::{AttentionPath, Model, StepRow};
+
+use super::{
+    BatchRow, DecodeInput, InFlight, Pending, RowOutput, StepBatch, StepOutput, StepRunner,
+};
+use crate::error::StepError;
+
+/// What a runner wrapping the local one does around a step
+/// ([`LocalRunner::run_with`]): the tensor-parallel leader describes the
+/// step to the other ranks between building and evaluating it.
+pub(crate) trait StepHook {
+    /// After the rows' positions are reserved, before the graph is built.
+    ///
+    /// # Errors
+    /// Fails the step (the reservation is rolled back).
+    fn reserved(
+        &mut self,
+        kv: &mut KvCache,
+        rows: &[(&KvSequence, usize)],
+    ) -> Result<(), StepError> {
+        let _ = (kv, rows);
+        Ok(())
+    }
+
+    /// After the graph is built without error, before it is evaluated.
+    ///
+    /// # Errors
+    /// Fails the step.
+    fn built(&mut self, rows: &[StepRow<'_>]) -> Result<(), StepError> {
+        let _ = rows;
+        Ok(())
+    }
+
+    /// After the evaluation of a step that passed [`StepHook::built`]: may
+    /// change its outcome.
+    fn evaluated(
+        &mut self,
+        outcome: Result<StepOutput, StepError>,
+    ) -> Result<StepOutput, StepError> {
+        outcome
+    }
+}
+
+/// The hook of a plain local step.
+struct NoHook;
+
+impl StepHook for NoHook {}
+
+/// Runs steps of one model in this process.
+pub(crate) struct LocalRunner<'m> {
+    model: &'m dyn Model,
+    /// How decode rows read the cache (per row on dense storage).
+    path: AttentionPath,
+    /// Test-only: make chosen forwards fail.
+    #[cfg(feature = "fault-injection")]
+    fault: crate::fault::FaultInjection,
+}
+
+impl<'m> LocalRunner<'m> {
+    /// A runner of `model` over caches of `backend`, decode rows read by
+    /// `path` (per row whatever `path` on dense storage).
+    pub(crate) fn new(model: &'m dyn Model, backend: StorageBackend, path: AttentionPath) -> Self {
+        LocalRunner {
+            model,
+            path: match backend {
+                StorageBackend::Paged => path,
+                StorageBackend::Dense => AttentionPath::PerRow,
+            },
+            #[cfg(feature = "fault-injection")]
+            fault: crate::fault::FaultInjection::default(),
+        }
+    }
+
+    /// The runner, failing the forwards `fault` chooses (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn with_fault(mut self, fault: crate::fault::FaultInjection) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    /// [`StepRunner::run`] with `hook` called around the forward.
+    ///
+    /// # Errors
+    /// As [`StepRunner::run`].
+    pub(crate) fn run_with(
+        &mut self,
+        kv: &mut KvCache,
+        batch: &StepBatch<'_>,
+        hook: &mut dyn StepHook,
+    ) -> Result<StepOutput, StepError> {
+        batch.check()?;
+        let started = Instant::now();
+        let reserve: Vec<RowReserve<'_>> = batch
+            .rows
+            .iter()
+            .map(|r| RowReserve {
+                seq: r.kv,
+                real: r.real,
+                padded: r.padded(),
+            })
+            .collect();
+        let reservation = kv.reserve_step(&reserve)?;
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.forward(kv, batch, hook, started)))
+            .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)));
+        let completing = Instant::now();
+        let completed = kv.complete_step(reservation, outcome.is_ok());
+        profile::record("engine.complete_step", completing);
+        let output = outcome?;
+        completed?;
+        Ok(output)
+    }
+
+    /// Builds, evaluates and reads back a reserved step.
+    fn forward(
+        &self,
+        kv: &mut KvCache,
+        batch: &StepBatch<'_>,
+        hook: &mut dyn StepHook,
+        started: Instant,
+    ) -> Result<StepOutput, StepError> {
+        let kv_rows: Vec<(&KvSequence, usize)> =
+            batch.rows.iter().map(|r| (r.kv, r.padded())).collect();
+        hook.reserved(kv, &kv_rows)?;
+        #[cfg(feature = "fault-injection")]
+        self.inject_fault(batch)?;
+        let rows = batch.model_rows();
+        let mut view = kv.step(&kv_rows)?;
+        profile::record("engine.prepare", started);
+        let logits = self.model.build_step(&rows, None, &mut view, self.path)?;
+        hook.built(&rows)?;
+        let outcome = read_back(&logits, &batch.rows, mlxcel_kv::AttentionKv::storage(&view));
+        hook.evaluated(outcome)
+    }
+
+    /// Fails (or panics) when a row holds the poison token.
+    #[cfg(feature = "fault-injection")]
+    fn inject_fault(&self, batch: &StepBatch<'_>) -> Result<(), StepError> {
+        let tokens: Vec<Vec<u32>> = batch
+            .rows
+            .iter()
+            .map(|r| match r.input {
+                mlxcel_model::RowInput::Tokens(t) => t.to_vec(),
+                mlxcel_model::RowInput::Embeddings(_) => Vec::new(),
+            })
+            .collect();
+        self.fault.check(&tokens)
+    }
+}
+
+impl StepRunner for LocalRunner<'_> {
+    fn attention_path(&self) -> AttentionPath {
+        self.path
+    }
+
+    fn run(
+        &mut self,
+        kv: &mut KvCache,
+        batch: &StepBatch<'_>,
+        _in_flight: &dyn InFlight,
+    ) -> Result<StepOutput, StepError> {
+        self.run_with(kv, batch, &mut NoHook)
+    }
+
+    fn can_queue(&self) -> bool {
+        true
+    }
+
+    fn queue_decode(
+        &mut self,
+        kv: &mut KvCache,
+        batch: &StepBatch<'_>,
+        input: DecodeInput<'_>,
+    ) -> Result<Pending, StepError> {
+        let started = Instant::now();
+        if batch.rows.iter().any(|r| r.padded() != 1 || r.real != 1) {
+            return Err(StepError::Internal("a queued decode row of several tokens"));
+        }
+        // Everything that can fail before the positions are reserved.
+        let device_ids = match input {
+            DecodeInput::Host => None,
+            DecodeInput::Device { after, picks: None } => Some(after.tokens.clone()),
+            DecodeInput::Device {
+                after,
+                picks: Some(picks),
+            } => {
+                let picks = Array::from_i32(picks, &[picks.len() as i32])?;
+                Some(after.tokens.take(&picks, 0)?)
+            }
+        };
+        let reserve: Vec<RowReserve<'_>> = batch
+            .rows
+            .iter()
+            .map(|r| RowReserve {
+                seq: r.kv,
+                real: 1,
+                padded: 1,
+            })
+            .collect();
+        let reservation = kv.reserve_step(&reserve)?;
+        let rows = batch.model_rows();
+        let kv_rows: Vec<(&KvSequence, usize)> = batch.rows.iter().map(|r| (r.kv, 1)).collect();
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            let mut view = kv.step(&kv_rows)?;
+            let logits = self
+                .model
+                .build_step(&rows, device_ids.as_ref(), &mut view, self.path)?;
+            let tokens = logits.argmax(-1, false)?.astype(Dtype::Uint32)?;
+            let mut outputs = vec![&tokens];
+            outputs.extend(mlxcel_kv::AttentionKv::storage(&view));
+            mlxcel_mlx::async_eval(&outputs)?;
+            drop(outputs);
+            Ok::<_, StepError>(tokens)
+        }))
+        .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)));
+        kv.complete_step(reservation.clone(), outcome.is_ok())?;
+        profile::record("engine.queue", started);
+        Ok(Pending {
+            tokens: outcome?,
+            reservation,
+        })
+    }
+
+    fn read(&mut self, kv: &mut KvCache, pending: &Pending) -> Result<Vec<u32>, StepError> {
+        let read = profile::region("engine.wait_tokens", || pending.tokens.to_vec_u32());
+        read.map_err(|e| {
+            // Roll the step (and any queued behind it) back.
+            if let Err(undo) = kv.complete_step(pending.reservation.clone(), false) {
+                tracing::error!(error = %undo, "rolling back a failed pipelined step");
+            }
+            StepError::from(e)
+        })
+    }
+}
+
+/// Where each row's wanted positions sit among the step's logits rows
+/// (`[wanted positions, vocab]`, rows in order).
+struct Placement {
+    /// Packed logits rows of every host position, in row order.
+    host: Vec<i32>,
+    /// Packed logits rows of every device position, in row order.
+    device: Vec<i32>,
+    /// Logits rows in all.
+    total: usize,
+}
+
+impl Placement {
+    fn of(rows: &[BatchRow<'_>]) -> Self {
+        let (mut host, mut device, mut at) = (Vec::new(), Vec::new(), 0i32);
+        let offset = |at: i32, wanted: &Range<usize>, r: &Range<usize>| {
+            (r.start - wanted.start) as i32 + at..(r.end - wanted.start) as i32 + at
+        };
+        for row in rows {
+            let wanted = row.wanted();
+            if !row.host_logits.is_empty() {
+                host.extend(offset(at, &wanted, &row.host_logits));
+            }
+            if !row.device_argmax.is_empty() {
+                device.extend(offset(at, &wanted, &row.device_argmax));
+            }
+            at += wanted.len() as i32;
+        }
+        Placement {
+            host,
+            device,
+            total: at as usize,
+        }
+    }
+}
+
+/// Evaluates a step (its logits `[wanted positions, vocab]` and the cache
+/// `storage`) with the device positions reduced to their greedy token
+/// there, and reads back those tokens and the host positions' logits: one
+/// device round trip.
+fn read_back(
+    logits: &Array,
+    rows: &[BatchRow<'_>],
+    storage: Vec<&Array>,
+) -> Result<StepOutput, StepError> {
+    let place = Placement::of(rows);
+    let take = |idx: &[i32]| -> Result<Option<Array>, mlxcel_mlx::Error> {
+        if idx.is_empty() {
+            return Ok(None);
+        }
+        if idx.len() == place.total && idx.iter().enumerate().all(|(i, &r)| r == i as i32) {
+            return Ok(Some(logits.clone()));
+        }
+        let idx = Array::from_i32(idx, &[idx.len() as i32])?;
+        Ok(Some(logits.take(&idx, 0)?))
+    };
+    let tokens = match take(&place.device)? {
+        Some(l) => Some(l.argmax(-1, false)?.astype(Dtype::Uint32)?),
+        None => None,
+    };
+    let host = take(&place.host)?;
+    let mut outputs: Vec<&Array> = tokens.iter().chain(host.iter()).collect();
+    outputs.extend(storage);
+    profile::region("model.eval", || mlxcel_mlx::eval(&outputs))?;
+    let (tokens, host) = profile::region("engine.logits_to_host", || {
+        Ok::<_, mlxcel_mlx::Error>((
+            match &tokens {
+                Some(t) => t.to_vec_u32()?,
+                None => Vec::new(),
+            },
+            match &host {
+                Some(h) => h.to_vec_f32()?,
+                None => Vec::new(),
+            },
+        ))
+    })?;
+    let vocab = host.len().checked_div(place.host.len()).unwrap_or(0);
+    let (mut t, mut h) = (0, 0);
+    let rows = rows
+        .iter()
+        .map(|row| {
+            let (nt, nh) = (row.device_argmax.len(), row.host_logits.len());
+            let out = RowOutput {
+                tokens: tokens.get(t..t + nt).unwrap_or_default().to_vec(),
+                logits: host
+                    .get(h * vocab..(h + nh) * vocab)
+                    .unwrap_or_default()
+                    .to_vec(),
+                vocab: if nh > 0 { vocab } else { 0 },
+            };
+            t += nt;
+            h += nh;
+            out
+        })
+        .collect();
+    Ok(StepOutput { rows })
+}

@@ -1,0 +1,240 @@
+//! The step runner: the seam between the engine core (which schedules,
+//! samples and streams) and what runs a step's forward.
+//!
+//! The core hands a runner one scheduled step as plain data
+//! ([`StepBatch`]: each row's KV sequence, input, real token count and the
+//! positions whose logits it wants) and gets typed output back
+//! ([`StepOutput`]) or a typed [`StepError`]. A runner owns the whole
+//! forward as one guard: reserve the rows' positions, build the graph,
+//! evaluate it, read back what the rows asked for, and complete the
+//! reservation (pad tokens rewound on success, every position on failure,
+//! panics included), so a failed step leaves the cache as it was.
+//!
+//! Runners (vLLM v1's `engine/core.py` step: schedule → execute → update;
+//! mistral.rs's one pipeline per kind of model run):
+//! - [`local::LocalRunner`]: one process, one model.
+//! - [`tensor_parallel::LeaderRunner`]: rank 0 of a tensor-parallel group;
+//!   wraps a local runner and sends each step to the other ranks before it
+//!   is evaluated ([`tensor_parallel::follower`] runs them).
+//!
+//! What changes the step itself goes here, as a new runner or a strategy a
+//! runner calls: several tokens per row with logits at each (verification
+//! of draft tokens: a row's `logits` range covers them), rows whose input
+//! is embeddings ([`RowInput::Embeddings`]), per-layer state that is not
+//! K/V (the KV view the runner builds carries it,
+//! `mlxcel_kv::LayerState`).
+
+pub(crate) mod local;
+pub(crate) mod tensor_parallel;
+
+use std::ops::Range;
+
+use mlxcel_kv::{KvCache, KvSequence, StepReservation};
+use mlxcel_mlx::Array;
+use mlxcel_model::{AttentionPath, RowInput, StepRow};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::GenerationEvent;
+use crate::error::StepError;
+
+/// One row of a step: a sequence's next tokens and what it wants back.
+#[derive(Debug, Clone)]
+pub(crate) struct BatchRow<'a> {
+    /// The sequence whose cache the row extends.
+    pub(crate) kv: &'a KvSequence,
+    /// What the row runs: its real tokens, then pad tokens (rewound after
+    /// the step), or input embeddings.
+    pub(crate) input: RowInput<'a>,
+    /// Real tokens at the front of `input`; the rest are pads.
+    pub(crate) real: usize,
+    /// Positions (in `0..real`) whose next-token logits come back to the
+    /// host, float32 `[vocab]` each: a scored prompt chunk, a row sampled
+    /// on the host.
+    pub(crate) host_logits: Range<usize>,
+    /// Positions whose greedy next token is taken on the device (argmax),
+    /// so only the token id comes back. Follows `host_logits` when both
+    /// are non-empty (`host_logits.end == device_argmax.start`).
+    pub(crate) device_argmax: Range<usize>,
+}
+
+impl BatchRow<'_> {
+    /// Every position whose logits the model must produce.
+    fn wanted(&self) -> Range<usize> {
+        match (self.host_logits.is_empty(), self.device_argmax.is_empty()) {
+            (true, true) => 0..0,
+            (false, true) => self.host_logits.clone(),
+            (true, false) => self.device_argmax.clone(),
+            (false, false) => self.host_logits.start..self.device_argmax.end,
+        }
+    }
+
+    /// Tokens the row runs (pads included).
+    pub(crate) fn padded(&self) -> usize {
+        self.input.len()
+    }
+}
+
+/// One scheduled step: its rows in order (decode rows first).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StepBatch<'a> {
+    pub(crate) rows: Vec<BatchRow<'a>>,
+}
+
+impl<'a> StepBatch<'a> {
+    /// The rows as the model takes them.
+    pub(crate) fn model_rows(&self) -> Vec<StepRow<'a>> {
+        self.rows
+            .iter()
+            .map(|r| StepRow {
+                input: r.input,
+                logits: r.wanted(),
+            })
+            .collect()
+    }
+
+    /// Checks each row's ranges: within its real tokens, and host logits
+    /// before device ones with nothing between.
+    ///
+    /// # Errors
+    /// [`StepError::Internal`] for a row that breaks the rule.
+    pub(crate) fn check(&self) -> Result<(), StepError> {
+        for r in &self.rows {
+            let ok = r.real >= 1
+                && r.real <= r.padded()
+                && r.host_logits.end <= r.real
+                && r.device_argmax.end <= r.real
+                && (r.host_logits.is_empty()
+                    || r.device_argmax.is_empty()
+                    || r.host_logits.end == r.device_argmax.start);
+            if !ok {
+                return Err(StepError::Internal(
+                    "a step row's logits ranges do not fit its tokens",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What came back for one row of a step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct RowOutput {
+    /// The greedy token at each of the row's `device_argmax` positions.
+    pub(crate) tokens: Vec<u32>,
+    /// Float32 logits `[host_logits.len(), vocab]`, row-major.
+    pub(crate) logits: Vec<f32>,
+    /// Logits per position (the model's vocabulary); 0 when none came back.
+    pub(crate) vocab: usize,
+}
+
+impl RowOutput {
+    /// The logits of the row's `i`-th host position.
+    pub(crate) fn logits_row(&self, i: usize) -> Option<&[f32]> {
+        if self.vocab == 0 {
+            return None;
+        }
+        self.logits.get(i * self.vocab..(i + 1) * self.vocab)
+    }
+
+    /// Host positions read back.
+    pub(crate) fn logits_rows(&self) -> usize {
+        self.logits.len().checked_div(self.vocab).unwrap_or(0)
+    }
+}
+
+/// A step's output: one [`RowOutput`] per row, in row order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct StepOutput {
+    pub(crate) rows: Vec<RowOutput>,
+}
+
+/// A greedy decode step queued on the device whose tokens are not read
+/// yet (pipelined decode: the next step is built from these tokens before
+/// they reach the host).
+pub(crate) struct Pending {
+    /// The sampled tokens, uint32 `[rows]`, being evaluated.
+    pub(crate) tokens: Array,
+    /// The positions it reserved (already completed): rolled back if the
+    /// evaluation fails.
+    pub(crate) reservation: StepReservation,
+}
+
+impl Drop for Pending {
+    /// Waits for the step's evaluation: a step dropped unread (its rows
+    /// ended) must not leave device work running behind the engine.
+    fn drop(&mut self) {
+        let _ = self.tokens.eval();
+    }
+}
+
+/// Where a queued decode step's input tokens come from.
+#[derive(Clone, Copy)]
+pub(crate) enum DecodeInput<'a> {
+    /// The rows' host tokens (`BatchRow::input`).
+    Host,
+    /// A queued step's sampled tokens, not read yet: all of them in order
+    /// (`picks: None`) or those at `picks`.
+    Device {
+        after: &'a Pending,
+        picks: Option<&'a [i32]>,
+    },
+}
+
+/// The request streams a runner fails by itself if a step never returns
+/// (a tensor-parallel peer that stopped answering blocks the engine thread
+/// in a collective). Asked only by runners that need it.
+pub(crate) trait InFlight {
+    /// Every running and waiting request's event stream.
+    fn streams(&self) -> Vec<UnboundedSender<GenerationEvent>>;
+}
+
+/// What runs a step (see the module docs).
+pub(crate) trait StepRunner {
+    /// How decode rows read a paged cache in this runner.
+    fn attention_path(&self) -> AttentionPath;
+
+    /// Runs one step: reserve → build → evaluate → read back → complete.
+    /// On error nothing of the step stays in `kv`.
+    ///
+    /// # Errors
+    /// Any [`StepError`]; [`StepError::GroupBroken`] means no later step
+    /// can run either.
+    fn run(
+        &mut self,
+        kv: &mut KvCache,
+        batch: &StepBatch<'_>,
+        in_flight: &dyn InFlight,
+    ) -> Result<StepOutput, StepError>;
+
+    /// Whether [`StepRunner::queue_decode`] is available (pipelined
+    /// decode needs every input on the device; tensor parallelism sends
+    /// inputs from the host).
+    fn can_queue(&self) -> bool;
+
+    /// Reserves and queues a greedy decode step (one token per row, every
+    /// row's token taken by argmax on the device) without reading it back.
+    /// The reservation is completed at once; [`StepRunner::read`] rolls it
+    /// back if the evaluation fails.
+    ///
+    /// # Errors
+    /// Any [`StepError`] while building (nothing stays reserved).
+    fn queue_decode(
+        &mut self,
+        kv: &mut KvCache,
+        batch: &StepBatch<'_>,
+        input: DecodeInput<'_>,
+    ) -> Result<Pending, StepError>;
+
+    /// Waits for a queued step and reads its tokens (one per row).
+    ///
+    /// # Errors
+    /// The evaluation failed: `pending`'s positions (and those of any step
+    /// queued behind it, which ends later) are rolled back.
+    fn read(&mut self, kv: &mut KvCache, pending: &Pending) -> Result<Vec<u32>, StepError>;
+
+    /// `Err` once the runner can run no step any more (a broken
+    /// tensor-parallel group).
+    fn health(&self) -> Result<(), StepError> {
+        Ok(())
+    }
+}
