@@ -6,7 +6,7 @@
 use mlxcel_mlx::Array;
 use serde_json::{json, Map, Value as Json};
 
-use super::reader::GgufHeader;
+use super::{GgufHeader, Meta};
 use crate::{ModelConfig, ModelError};
 
 /// One GGUF architecture (`general.architecture`).
@@ -161,51 +161,6 @@ pub fn checkpoint_name(arch: &Arch, gguf: &str) -> Option<String> {
     }
     let hf = MODEL_TENSORS.iter().find(|(g, _)| *g == stem)?.1;
     Some(format!("{hf}.{suffix}"))
-}
-
-/// Typed access to an architecture's metadata keys.
-pub struct Meta<'a> {
-    pub header: &'a GgufHeader,
-    pub arch: &'a str,
-}
-
-impl Meta<'_> {
-    /// `{arch}.{key}` as an unsigned integer, if present.
-    pub fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
-        let full = format!("{}.{key}", self.arch);
-        match self.header.get(&full) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| ModelError::Config(format!("GGUF {full} is not an integer"))),
-        }
-    }
-
-    /// `{arch}.{key}` as an unsigned integer.
-    pub fn required_uint(&self, key: &str) -> Result<u64, ModelError> {
-        self.uint(key)?
-            .ok_or_else(|| ModelError::Config(format!("GGUF metadata has no {}.{key}", self.arch)))
-    }
-
-    /// `{arch}.{key}` as a float, if present.
-    pub fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
-        let full = format!("{}.{key}", self.arch);
-        match self.header.get(&full) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| ModelError::Config(format!("GGUF {full} is not a number"))),
-        }
-    }
-
-    /// `{arch}.{key}` as a string, if present.
-    pub fn string(&self, key: &str) -> Option<&str> {
-        self.header
-            .get(&format!("{}.{key}", self.arch))
-            .and_then(|v| v.as_str())
-    }
 }
 
 /// The `config.json` the GGUF's metadata describes (keys as Hugging Face

@@ -3,20 +3,20 @@
 //! `config.json` ([`arch::config_json`]), the tensors get the checkpoint's
 //! names and layout ([`arch::checkpoint_name`], [`Arch::fix_tensor`]).
 //!
-//! The header is read and checked in Rust ([`reader`]). When MLX's GGUF
+//! The header is read and checked in Rust (`mlxcel-gguf`: [`GgufHeader`],
+//! with no MLX). When MLX's GGUF
 //! loader reads every tensor type of the file, it reads the tensor data:
 //! it keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized weights
 //! (group size 32, float16 scales and biases) and dequantizes Q6_K to
 //! float16. A file with other types (Q5_0, Q5_1, Q5_K, BF16: llama.cpp's
 //! Q4_K_M puts Q5_0 where a row is not a whole number of 256-element
 //! k-quant blocks, as in Gemma 3 270M) makes MLX's loader fail on the whole
-//! file, so such a file is read tensor by tensor by [`dequant`], every
+//! file, so such a file is read tensor by tensor by [`dequant`] (also
+//! `mlxcel-gguf`), every
 //! tensor to float32. The tokenizer's metadata is read by mlxcel-engine
 //! from [`GgufModel::header`]. Format: ggml's `docs/gguf.md`.
 
 pub mod arch;
-pub mod dequant;
-pub mod reader;
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -25,17 +25,29 @@ use std::path::{Path, PathBuf};
 use mlxcel_mlx::{Array, Dtype};
 
 pub use arch::{Arch, ARCHS};
-pub use reader::{GgufHeader, TensorInfo, TensorType, Value};
+pub use mlxcel_gguf::{
+    dequant, is_gguf, GgufError, GgufHeader, HeaderError, Meta, TensorInfo, TensorType, Value,
+};
 
 use crate::config::QuantSpec;
 use crate::{ModelConfig, ModelError, Weights};
 
-/// Whether `path` names a GGUF file (a file whose name ends in `.gguf`).
-pub fn is_gguf(path: &Path) -> bool {
-    path.is_file()
-        && path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+/// A GGUF error as the model layer reports it (the message unchanged):
+/// unreadable file [`ModelError::Io`]; missing or mistyped metadata
+/// [`ModelError::Config`]; an invalid header or tensor data
+/// [`ModelError::Weights`].
+impl From<GgufError> for ModelError {
+    fn from(e: GgufError) -> Self {
+        match e {
+            GgufError::Io { .. } => ModelError::Io(e.to_string()),
+            GgufError::MissingKey(_) | GgufError::KeyType { .. } => {
+                ModelError::Config(e.to_string())
+            }
+            GgufError::Invalid { .. }
+            | GgufError::NoDecoder(_)
+            | GgufError::PartialBlocks { .. } => ModelError::Weights(e.to_string()),
+        }
+    }
 }
 
 /// Group size of `--quantize`: 32, the group llama.cpp's own 4- and
