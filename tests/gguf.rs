@@ -24,6 +24,7 @@ use mlxcel_kv::{KvCache, KvCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::gguf::GgufModel;
 use mlxcel_model::{LoadOptions, Model, WeightMode};
+use mlxcel_models::gguf_arch;
 use serde_json::Value;
 
 /// The SmolLM2 GGUF inside the project's `.venv`.
@@ -165,7 +166,7 @@ fn gguf_served_directly_matches_its_float32_conversion() {
 #[test]
 fn the_engine_serves_a_gguf_file_with_its_own_tokenizer_and_template() {
     let path = gguf_path();
-    let header = GgufModel::open(&path).unwrap().header;
+    let header = GgufModel::open(&path, gguf_arch).unwrap().header;
     let text = GgufText::from_header(&path, &header).expect("tokenizer from metadata");
     let reference = TextTokenizer::from_model_dir(&model_dir()).unwrap();
     let ours = &text.tokenizer;

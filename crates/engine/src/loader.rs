@@ -22,7 +22,7 @@ pub fn gguf_text(
     path: &Path,
     template_file: Option<&Path>,
 ) -> Result<(TextTokenizer, Option<ChatTemplate>, Vec<u32>), EngineError> {
-    let gguf = mlxcel_model::gguf::GgufModel::open(path)?;
+    let gguf = mlxcel_model::gguf::GgufModel::open(path, mlxcel_models::gguf_arch)?;
     let text = GgufText::from_header(path, &gguf.header)?;
     let source = match template_file {
         Some(file) => Some(

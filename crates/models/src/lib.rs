@@ -4,8 +4,10 @@
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
 //! `granite.rs`, `phi3.rs`, `olmo2.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
-//! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`), and
-//! how it builds each layer from the shared layers of `mlxcel-model`. The
+//! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`),
+//! how it builds each layer from the shared layers of `mlxcel-model`, and
+//! the GGUF architectures it serves ([`Family::gguf`]: tensor names, extra
+//! config keys, tensor fix-ups). The
 //! engine depends on this registry only: [`read_config`] and
 //! [`load_model`]. Adding a family: docs/adding-a-family.md.
 
@@ -20,7 +22,7 @@ mod qwen3;
 
 use std::path::Path;
 
-use mlxcel_model::gguf::{self, GgufModel};
+use mlxcel_model::gguf::{self, GgufArch, GgufModel};
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 
 /// One family: its `model_type`s, how it adjusts the shared config, and how
@@ -35,6 +37,9 @@ pub struct Family {
     pub configure: fn(&mut ModelConfig) -> Result<(), ModelError>,
     /// Loads the model from an opened checkpoint.
     pub load: LoadFn,
+    /// The GGUF architectures (`general.architecture`) it serves and how
+    /// their files map to its checkpoint layout (empty: none).
+    pub gguf: &'static [GgufArch],
 }
 
 /// How a family loads its model from an opened checkpoint.
@@ -69,6 +74,26 @@ pub fn family(model_type: &str) -> Result<&'static Family, ModelError> {
         })
 }
 
+/// The mapping of GGUF architecture `name` (`general.architecture`),
+/// from the family that serves it.
+///
+/// # Errors
+/// [`ModelError::Unsupported`] naming it and the supported ones.
+pub fn gguf_arch(name: &str) -> Result<&'static GgufArch, ModelError> {
+    gguf_archs().find(|a| a.name == name).ok_or_else(|| {
+        let names: Vec<&str> = gguf_archs().map(|a| a.name).collect();
+        ModelError::Unsupported(format!(
+            "GGUF architecture {name} (supported: {})",
+            names.join(", ")
+        ))
+    })
+}
+
+/// Every GGUF architecture served, in registry order.
+fn gguf_archs() -> impl Iterator<Item = &'static GgufArch> {
+    FAMILIES.iter().flat_map(|f| f.gguf.iter())
+}
+
 /// Every `model_type` served, in registry order.
 pub fn supported() -> Vec<&'static str> {
     FAMILIES
@@ -86,7 +111,7 @@ pub fn supported() -> Vec<&'static str> {
 /// unsupported architecture or tensor type (named).
 pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
     let mut config = if gguf::is_gguf(dir) {
-        GgufModel::open(dir)?.config()?
+        GgufModel::open(dir, gguf_arch)?.config()?
     } else {
         ModelConfig::from_model_dir(dir)?
     };
@@ -106,7 +131,7 @@ pub fn load_model(
 ) -> Result<Box<dyn Model>, ModelError> {
     let family = family(&config.model_type)?;
     let mut weights = if gguf::is_gguf(dir) {
-        let file = GgufModel::open(dir)?;
+        let file = GgufModel::open(dir, gguf_arch)?;
         match options.quantize {
             Some(policy) => file.weights_requantized(&mut config, policy)?.0,
             None => file.weights(&config)?,
@@ -166,6 +191,30 @@ fn keep(_: &mut ModelConfig) -> Result<(), ModelError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unknown_gguf_architectures_are_named() {
+        let err = super::gguf_arch("mamba").err().unwrap().to_string();
+        assert!(
+            err.contains("mamba") && err.contains("llama, qwen2, qwen3, gemma3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn each_gguf_architecture_becomes_a_model_type_of_its_family() {
+        for family in super::FAMILIES {
+            for arch in family.gguf {
+                assert_eq!(super::gguf_arch(arch.name).unwrap().name, arch.name);
+                assert!(
+                    family.model_types.contains(&arch.model_type),
+                    "{} -> {}",
+                    arch.name,
+                    arch.model_type
+                );
+            }
+        }
+    }
+
     #[test]
     fn sliding_layers_follow_layer_types_or_the_pattern() {
         let global = |v: Vec<bool>| -> Vec<usize> { (0..v.len()).filter(|&i| !v[i]).collect() };

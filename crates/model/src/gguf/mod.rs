@@ -1,7 +1,10 @@
 //! GGUF checkpoints (llama.cpp's single-file format) read as the
 //! checkpoints the families already load: the metadata becomes a
 //! `config.json` ([`arch::config_json`]), the tensors get the checkpoint's
-//! names and layout ([`arch::checkpoint_name`], [`Arch::fix_tensor`]).
+//! names and layout ([`arch::checkpoint_name`], [`GgufArch::fix_tensor`]).
+//! Each architecture's mapping ([`GgufArch`]) is declared by the family
+//! that serves it (`mlxcel-models`, `Family::gguf`); this module holds the
+//! shared machinery and lists no architecture.
 //!
 //! The header is read and checked in Rust (`mlxcel-gguf`: [`GgufHeader`],
 //! with no MLX). When MLX's GGUF
@@ -24,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use mlxcel_mlx::{Array, Dtype};
 
-pub use arch::{Arch, ARCHS};
+pub use arch::GgufArch;
 pub use mlxcel_gguf::{
     dequant, is_gguf, GgufError, GgufHeader, HeaderError, Meta, TensorInfo, TensorType, Value,
 };
@@ -150,24 +153,31 @@ fn requantize_spec(
 pub struct GgufModel {
     pub path: PathBuf,
     pub header: GgufHeader,
-    arch: &'static Arch,
+    arch: &'static GgufArch,
 }
 
 impl GgufModel {
-    /// Reads the header of `path` and checks that mlxcel can serve it.
+    /// Reads the header of `path` (the one read of it: the tokenizer's
+    /// metadata is [`GgufModel::header`] too) and checks that mlxcel can
+    /// serve it, with the mapping `find_arch` gives its
+    /// `general.architecture` (the family registry's lookup).
     ///
     /// # Errors
     /// [`ModelError::Io`] for an unreadable file; [`ModelError::Weights`]
-    /// for a file that is not valid GGUF; [`ModelError::Unsupported`]
-    /// naming an unsupported architecture, or the tensors of unsupported
-    /// types (with the type) or unknown names.
-    pub fn open(path: &Path) -> Result<Self, ModelError> {
+    /// for a file that is not valid GGUF; [`ModelError::Config`] for a file
+    /// without `general.architecture`; `find_arch`'s error for an
+    /// unsupported architecture; [`ModelError::Unsupported`] naming the
+    /// tensors of unsupported types (with the type) or unknown names.
+    pub fn open(
+        path: &Path,
+        find_arch: impl FnOnce(&str) -> Result<&'static GgufArch, ModelError>,
+    ) -> Result<Self, ModelError> {
         let header = GgufHeader::read(path)?;
         let name = header
             .get("general.architecture")
             .and_then(|v| v.as_str())
             .ok_or_else(|| ModelError::Config("GGUF has no general.architecture".into()))?;
-        let arch = arch::arch(name)?;
+        let arch = find_arch(name)?;
         let mut unsupported: Vec<String> = header
             .tensors
             .iter()
@@ -203,8 +213,8 @@ impl GgufModel {
         })
     }
 
-    /// The architecture table entry.
-    pub fn arch(&self) -> &'static Arch {
+    /// The architecture's mapping.
+    pub fn arch(&self) -> &'static GgufArch {
         self.arch
     }
 
