@@ -8,9 +8,10 @@
 //! how it builds each layer from the shared layers of `mlxcel-model`, and
 //! the GGUF architectures it serves ([`Family::gguf`]: tensor names, extra
 //! config keys, tensor fix-ups). The
-//! engine depends on this registry only: [`read_config`] and
-//! [`load_model`]. Adding a family: docs/adding-a-family.md.
+//! engine depends on this registry only: a [`Checkpoint`] (or
+//! [`read_config`] and [`load_model`]). Adding a family: docs/adding-a-family.md.
 
+mod checkpoint;
 pub mod decoder;
 mod gemma3;
 mod granite;
@@ -22,8 +23,10 @@ mod qwen3;
 
 use std::path::Path;
 
-use mlxcel_model::gguf::{self, GgufArch, GgufModel};
+use mlxcel_model::gguf::GgufArch;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
+
+pub use checkpoint::Checkpoint;
 
 /// One family: its `model_type`s, how it adjusts the shared config, and how
 /// it loads.
@@ -103,44 +106,30 @@ pub fn supported() -> Vec<&'static str> {
 }
 
 /// Reads `dir/config.json` as its family reads it; when `dir` is a GGUF
-/// file, the config its metadata describes (`mlxcel_model::gguf`).
+/// file, the config its metadata describes (`mlxcel_model::gguf`). Opens
+/// the checkpoint for this alone: a start-up that also loads the model or
+/// the GGUF tokenizer opens one [`Checkpoint`] instead.
 ///
 /// # Errors
 /// Missing or malformed `config.json`, an unsupported `model_type`, or a
 /// family's refusal of the config; for GGUF, an invalid file or an
 /// unsupported architecture or tensor type (named).
 pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
-    let mut config = if gguf::is_gguf(dir) {
-        GgufModel::open(dir, gguf_arch)?.config()?
-    } else {
-        ModelConfig::from_model_dir(dir)?
-    };
-    (family(&config.model_type)?.configure)(&mut config)?;
-    Ok(config)
+    Checkpoint::open(dir)?.config()
 }
 
 /// Loads the model in `dir` (a checkpoint directory or a GGUF file; its
-/// config from [`read_config`]) with its family.
+/// config from [`read_config`]) with its family ([`Checkpoint::load_model`]
+/// on a checkpoint opened for this alone).
 ///
 /// # Errors
 /// An unsupported `model_type`, or any loading error of the family.
 pub fn load_model(
     dir: &Path,
-    mut config: ModelConfig,
+    config: ModelConfig,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
-    let family = family(&config.model_type)?;
-    let mut weights = if gguf::is_gguf(dir) {
-        let file = GgufModel::open(dir, gguf_arch)?;
-        match options.quantize {
-            Some(policy) => file.weights_requantized(&mut config, policy)?.0,
-            None => file.weights(&config)?,
-        }
-    } else {
-        Weights::open(dir)?
-    };
-    tracing::info!(family = family.name, model_type = %config.model_type, "loading model");
-    (family.load)(config, &mut weights, options)
+    Checkpoint::open(dir)?.load_model(config, options)
 }
 
 /// The family's own `config.json` keys, deserialized from `config.raw`.
