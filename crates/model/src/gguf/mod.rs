@@ -6,18 +6,18 @@
 //! that serves it (`mlxcel-models`, `Family::gguf`); this module holds the
 //! shared machinery and lists no architecture.
 //!
-//! The header is read and checked in Rust (`mlxcel-gguf`: [`GgufHeader`],
-//! with no MLX). When MLX's GGUF
-//! loader reads every tensor type of the file, it reads the tensor data:
-//! it keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized weights
-//! (group size 32, float16 scales and biases) and dequantizes Q6_K to
-//! float16. A file with other types (Q5_0, Q5_1, Q5_K, BF16: llama.cpp's
+//! The header is read and checked in Rust (`mlxcel-gguf`, no MLX:
+//! [`GgufHeader`]), once per start (`mlxcel_models::Checkpoint`). When
+//! MLX's GGUF loader reads every tensor type of the file, it reads the
+//! tensor data: it keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized
+//! weights (group size 32, float16 scales and biases) and dequantizes Q6_K
+//! to float16. A file with other types (Q5_0, Q5_1, Q5_K, BF16: llama.cpp's
 //! Q4_K_M puts Q5_0 where a row is not a whole number of 256-element
 //! k-quant blocks, as in Gemma 3 270M) makes MLX's loader fail on the whole
 //! file, so such a file is read tensor by tensor by [`dequant`] (also
-//! `mlxcel-gguf`), every
-//! tensor to float32. The tokenizer's metadata is read by mlxcel-engine
-//! from [`GgufModel::header`]. Format: ggml's `docs/gguf.md`.
+//! `mlxcel-gguf`), every tensor to float32. The tokenizer's metadata is
+//! read by mlxcel-engine from [`GgufModel::header`]. Format: ggml's
+//! `docs/gguf.md`.
 
 pub mod arch;
 
