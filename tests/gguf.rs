@@ -6,8 +6,9 @@
 //! logits agree within float rounding and the greedy tokens are identical.
 //! The tokenizer built from the metadata is checked against the converted
 //! checkpoint's `tokenizer.json` (whose pre-tokenizer
-//! scripts/prepare_model.py fixed by hand), and bad or unsupported files
-//! must fail with errors that name the problem.
+//! scripts/prepare_model.py fixed by hand), the engine reads the file's
+//! header once per start, and bad or unsupported files must fail with
+//! errors that name the problem.
 
 mod common;
 
@@ -20,10 +21,12 @@ use mlxcel_engine::gguf_text::GgufText;
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_engine::tokenizer::TextTokenizer;
 use mlxcel_engine::{Engine, EngineConfig};
+use mlxcel_gguf::count_reads::header_reads;
 use mlxcel_kv::{KvCache, KvCacheConfig, StorageBackend};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::gguf::GgufModel;
 use mlxcel_model::{LoadOptions, Model, WeightMode};
+use mlxcel_models::gguf_arch;
 use serde_json::Value;
 
 /// The SmolLM2 GGUF inside the project's `.venv`.
@@ -165,7 +168,7 @@ fn gguf_served_directly_matches_its_float32_conversion() {
 #[test]
 fn the_engine_serves_a_gguf_file_with_its_own_tokenizer_and_template() {
     let path = gguf_path();
-    let header = GgufModel::open(&path).unwrap().header;
+    let header = GgufModel::open(&path, gguf_arch).unwrap().header;
     let text = GgufText::from_header(&path, &header).expect("tokenizer from metadata");
     let reference = TextTokenizer::from_model_dir(&model_dir()).unwrap();
     let ours = &text.tokenizer;
@@ -233,6 +236,24 @@ fn the_engine_serves_a_gguf_file_with_its_own_tokenizer_and_template() {
     }
     let eos = g.greedy.iter().position(|&t| t == 2).unwrap();
     assert_eq!(ids, g.greedy[..eos], "{}: served tokens", g.name);
+}
+
+/// `Engine::start` opens the checkpoint once: the one read of the header
+/// (the whole vocabulary) serves the config, the tokenizer and template,
+/// and the weights (counted per path, so other tests' reads of the file do
+/// not count: the engine gets its own link to it).
+#[test]
+fn the_engine_reads_the_gguf_header_once() {
+    let dir = std::env::temp_dir().join(format!("mlxcel-gguf-once-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join("smollm2.gguf");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(gguf_path(), &link).unwrap();
+    let engine = Engine::start(EngineConfig::new(link.clone())).expect("engine on a GGUF file");
+    assert_eq!(engine.eos_token_ids(), &[2]);
+    assert_eq!(header_reads(&link), 1, "one header read per start");
+    drop(engine);
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// A minimal GGUF v3 file: string metadata, then tensors (dimensions in

@@ -22,6 +22,7 @@ use mlxcel_mlx::Dtype;
 use mlxcel_model::config::QuantSpec;
 use mlxcel_model::gguf::{GgufModel, Requantize};
 use mlxcel_model::{LoadOptions, WeightMode, Weights};
+use mlxcel_models::gguf_arch;
 use serde_json::Value;
 
 const GGUF_NAME: &str = "gemma-3-270m-q4_k_m.gguf";
@@ -74,7 +75,7 @@ fn the_metadata_describes_the_converted_config() {
 
 #[test]
 fn decoded_tensors_equal_the_float32_conversion() {
-    let model = GgufModel::open(&gguf()).expect("open GGUF");
+    let model = GgufModel::open(&gguf(), gguf_arch).expect("open GGUF");
     assert!(!model.mlx_reads_all(), "the file has Q5_0 tensors");
     let config = read_config(&gguf()).unwrap();
     let mut ours = model.weights(&config).expect("decode GGUF");
@@ -153,7 +154,7 @@ fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
     };
     let mut config = read_config(&path).expect("config");
     let layers = config.num_hidden_layers;
-    let (mut weights, quantized) = GgufModel::open(&path)
+    let (mut weights, quantized) = GgufModel::open(&path, gguf_arch)
         .unwrap()
         .weights_requantized(&mut config, Requantize::All(spec))
         .expect("re-quantized");
@@ -209,7 +210,7 @@ fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
 #[test]
 fn quantize_auto_follows_the_stored_precision() {
     let path = gguf();
-    let file = GgufModel::open(&path).unwrap();
+    let file = GgufModel::open(&path, gguf_arch).unwrap();
     let mut want = std::collections::HashMap::new();
     for t in &file.header.tensors {
         let Some(bits) = t.ty.stored_bits() else {
@@ -255,7 +256,7 @@ fn quantize_auto_follows_the_stored_precision() {
 #[test]
 fn the_sentencepiece_tokenizer_matches_the_reference() {
     let path = gguf();
-    let header = GgufModel::open(&path).unwrap().header;
+    let header = GgufModel::open(&path, gguf_arch).unwrap().header;
     let text = GgufText::from_header(&path, &header).expect("tokenizer from metadata");
     let tok = &text.tokenizer;
     assert_eq!(tok.vocab_size(), 262_144);

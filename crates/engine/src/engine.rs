@@ -281,9 +281,10 @@ impl Engine {
     pub fn start(mut config: EngineConfig) -> Result<Engine, EngineError> {
         let started = Instant::now();
         let dir = config.model_dir.clone();
-        let model_config = crate::loader::read_config(&dir)?;
-        let (tokenizer, template, eos) = if mlxcel_model::gguf::is_gguf(&dir) {
-            crate::loader::gguf_text(&dir, config.chat_template.as_deref())?
+        let checkpoint = crate::loader::Checkpoint::open(&dir)?;
+        let model_config = checkpoint.config()?;
+        let (tokenizer, template, eos) = if let Some(header) = checkpoint.gguf_header() {
+            crate::loader::gguf_text(&dir, header, config.chat_template.as_deref())?
         } else {
             let tokenizer = TextTokenizer::from_model_dir(&dir)?;
             let template = match &config.chat_template {
@@ -360,7 +361,7 @@ impl Engine {
                 let setup = (|| {
                     mlxcel_mlx::use_device(gpu)?;
                     tracing::info!(dir = %dir.display(), ?dtype, ?weight_mode, gpu, "loading model");
-                    let model = crate::loader::load_model(&dir, model_config, options)?;
+                    let model = checkpoint.load_model(model_config, options)?;
                     let kv = match plan.kv_cache(model.as_ref()) {
                         Ok(kv) => kv,
                         Err(e) => {

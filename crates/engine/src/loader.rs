@@ -1,11 +1,14 @@
 //! Loading a checkpoint: the registry of `mlxcel-models` picks the family
 //! for its `model_type` (re-exported here for front ends and tests); a
-//! checkpoint is a directory or a GGUF file.
+//! checkpoint is a directory or a GGUF file, opened once per start
+//! ([`Checkpoint`]: a GGUF header serves the config, the tokenizer and the
+//! weights).
 
 use std::path::Path;
 
 pub use mlxcel_model::gguf::is_gguf;
-pub use mlxcel_models::{load_model, read_config};
+use mlxcel_model::gguf::GgufHeader;
+pub use mlxcel_models::{load_model, read_config, Checkpoint};
 
 use crate::chat_template::ChatTemplate;
 use crate::gguf_text::GgufText;
@@ -13,17 +16,18 @@ use crate::tokenizer::{TextError, TextTokenizer};
 use crate::EngineError;
 
 /// The tokenizer, chat template (`template_file` if given, else
-/// `tokenizer.chat_template`) and EOS ids of the GGUF file at `path`.
+/// `tokenizer.chat_template`) and EOS ids of a GGUF file, from its
+/// `header` (read once, by [`Checkpoint::open`]; `path` names the file in
+/// errors).
 ///
 /// # Errors
-/// An invalid or unsupported GGUF, an unsupported tokenizer, a template
-/// that does not compile.
+/// An unsupported tokenizer, a template that does not compile.
 pub fn gguf_text(
     path: &Path,
+    header: &GgufHeader,
     template_file: Option<&Path>,
 ) -> Result<(TextTokenizer, Option<ChatTemplate>, Vec<u32>), EngineError> {
-    let gguf = mlxcel_model::gguf::GgufModel::open(path)?;
-    let text = GgufText::from_header(path, &gguf.header)?;
+    let text = GgufText::from_header(path, header)?;
     let source = match template_file {
         Some(file) => Some(
             std::fs::read_to_string(file).map_err(|source| TextError::Io {

@@ -21,10 +21,12 @@
 //! (see docs/architecture.md, "KV windows and KV groups").
 
 use serde::Deserialize;
+use serde_json::{json, Map, Value as Json};
 
-use mlxcel_mlx::Dtype;
+use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{AttentionSpec, QkNorm};
 use mlxcel_model::config::RopeScaling;
+use mlxcel_model::gguf::{GgufArch, Meta};
 use mlxcel_model::layers::Activation;
 use mlxcel_model::rope::RopeSpec;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
@@ -37,7 +39,74 @@ pub const FAMILY: Family = Family {
     model_types: &["gemma3_text"],
     configure,
     load,
+    gguf: &[GGUF],
 };
+
+/// llama.cpp's `gemma3` GGUF architecture: Gemma 3's keys its metadata
+/// does not record ([`gemma3_config`]), its sandwich-norm tensor names, 1
+/// taken off every norm ([`gemma_norms`]).
+const GGUF: GgufArch = GgufArch {
+    name: "gemma3",
+    model_type: "gemma3_text",
+    layer_tensors: GEMMA3_LAYER_TENSORS,
+    extra_config: gemma3_config,
+    fix_tensor: gemma_norms,
+};
+
+/// The decoder-layer tensors of Gemma 3 (sandwich norms: `ffn_norm` is
+/// the norm before the MLP, `post_ffw_norm` the one after it).
+const GEMMA3_LAYER_TENSORS: &[(&str, &str)] = &[
+    ("attn_norm", "input_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+];
+
+/// Gemma 3's keys that its GGUF metadata does not record, as Gemma 3's own
+/// configuration fixes them: every 6th layer global, local layers with
+/// RoPE base 10 000, GELU (tanh) MLP, no logit soft-capping. Queries are
+/// scaled by `query_pre_attn_scalar^-0.5`, where the scalar is the head
+/// size (`attention.key_length`: 256 for 270M, 1B, 4B and 12B) except for
+/// the 27B model (62 layers), whose scalar is `hidden_size / heads` (168),
+/// the rule llama.cpp's Gemma 3 loader applies too.
+fn gemma3_config(meta: &Meta<'_>, c: &mut Map<String, Json>) -> Result<(), ModelError> {
+    let layers = meta.required_uint("block_count")?;
+    let scalar = if layers == 62 {
+        meta.required_uint("embedding_length")? / meta.required_uint("attention.head_count")?
+    } else {
+        meta.required_uint("attention.key_length")?
+    };
+    c.insert("query_pre_attn_scalar".into(), json!(scalar));
+    c.insert("sliding_window_pattern".into(), json!(6));
+    c.insert("rope_local_base_freq".into(), json!(10_000.0));
+    c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+    // Gemma's own dtype: `--dtype auto` on a GPU computes in it (float16
+    // overflows Gemma's residual stream, and the family refuses it).
+    c.insert("torch_dtype".into(), json!("bfloat16"));
+    Ok(())
+}
+
+/// llama.cpp's converter stores each Gemma RMSNorm weight as `1 + w`
+/// (its kernel multiplies by the stored weight); the checkpoint layout the
+/// family reads is `w` (it computes `1 + w`), so 1 comes off every norm.
+/// Gemma's q and k rows are not permuted (its RoPE rotates halves, as the
+/// checkpoint's).
+fn gemma_norms(name: &str, a: Array, _: &ModelConfig) -> Result<Array, ModelError> {
+    if name.ends_with("norm.weight") {
+        Ok(a.subtract(&Array::scalar(1.0)?)?)
+    } else {
+        Ok(a)
+    }
+}
 
 /// Gemma 3's own `config.json` keys (defaults: mlx_lm's).
 #[derive(Debug, Deserialize)]

@@ -16,6 +16,7 @@ pub const FAMILY: Family = Family {
     model_types: &["granite"],
     configure: crate::keep,
     load,
+    gguf: &[],
 };
 
 /// Granite's multipliers.

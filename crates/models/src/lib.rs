@@ -4,11 +4,14 @@
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
 //! `granite.rs`, `phi3.rs`, `olmo2.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
-//! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`), and
-//! how it builds each layer from the shared layers of `mlxcel-model`. The
-//! engine depends on this registry only: [`read_config`] and
-//! [`load_model`]. Adding a family: docs/adding-a-family.md.
+//! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`),
+//! how it builds each layer from the shared layers of `mlxcel-model`, and
+//! the GGUF architectures it serves ([`Family::gguf`]: tensor names, extra
+//! config keys, tensor fix-ups). The
+//! engine depends on this registry only: a [`Checkpoint`] (or
+//! [`read_config`] and [`load_model`]). Adding a family: docs/adding-a-family.md.
 
+mod checkpoint;
 pub mod decoder;
 mod gemma3;
 mod granite;
@@ -20,8 +23,10 @@ mod qwen3;
 
 use std::path::Path;
 
-use mlxcel_model::gguf::{self, GgufModel};
+use mlxcel_model::gguf::GgufArch;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
+
+pub use checkpoint::Checkpoint;
 
 /// One family: its `model_type`s, how it adjusts the shared config, and how
 /// it loads.
@@ -35,6 +40,9 @@ pub struct Family {
     pub configure: fn(&mut ModelConfig) -> Result<(), ModelError>,
     /// Loads the model from an opened checkpoint.
     pub load: LoadFn,
+    /// The GGUF architectures (`general.architecture`) it serves and how
+    /// their files map to its checkpoint layout (empty: none).
+    pub gguf: &'static [GgufArch],
 }
 
 /// How a family loads its model from an opened checkpoint.
@@ -69,6 +77,26 @@ pub fn family(model_type: &str) -> Result<&'static Family, ModelError> {
         })
 }
 
+/// The mapping of GGUF architecture `name` (`general.architecture`),
+/// from the family that serves it.
+///
+/// # Errors
+/// [`ModelError::Unsupported`] naming it and the supported ones.
+pub fn gguf_arch(name: &str) -> Result<&'static GgufArch, ModelError> {
+    gguf_archs().find(|a| a.name == name).ok_or_else(|| {
+        let names: Vec<&str> = gguf_archs().map(|a| a.name).collect();
+        ModelError::Unsupported(format!(
+            "GGUF architecture {name} (supported: {})",
+            names.join(", ")
+        ))
+    })
+}
+
+/// Every GGUF architecture served, in registry order.
+fn gguf_archs() -> impl Iterator<Item = &'static GgufArch> {
+    FAMILIES.iter().flat_map(|f| f.gguf.iter())
+}
+
 /// Every `model_type` served, in registry order.
 pub fn supported() -> Vec<&'static str> {
     FAMILIES
@@ -78,44 +106,30 @@ pub fn supported() -> Vec<&'static str> {
 }
 
 /// Reads `dir/config.json` as its family reads it; when `dir` is a GGUF
-/// file, the config its metadata describes (`mlxcel_model::gguf`).
+/// file, the config its metadata describes (`mlxcel_model::gguf`). Opens
+/// the checkpoint for this alone: a start-up that also loads the model or
+/// the GGUF tokenizer opens one [`Checkpoint`] instead.
 ///
 /// # Errors
 /// Missing or malformed `config.json`, an unsupported `model_type`, or a
 /// family's refusal of the config; for GGUF, an invalid file or an
 /// unsupported architecture or tensor type (named).
 pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
-    let mut config = if gguf::is_gguf(dir) {
-        GgufModel::open(dir)?.config()?
-    } else {
-        ModelConfig::from_model_dir(dir)?
-    };
-    (family(&config.model_type)?.configure)(&mut config)?;
-    Ok(config)
+    Checkpoint::open(dir)?.config()
 }
 
 /// Loads the model in `dir` (a checkpoint directory or a GGUF file; its
-/// config from [`read_config`]) with its family.
+/// config from [`read_config`]) with its family ([`Checkpoint::load_model`]
+/// on a checkpoint opened for this alone).
 ///
 /// # Errors
 /// An unsupported `model_type`, or any loading error of the family.
 pub fn load_model(
     dir: &Path,
-    mut config: ModelConfig,
+    config: ModelConfig,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
-    let family = family(&config.model_type)?;
-    let mut weights = if gguf::is_gguf(dir) {
-        let file = GgufModel::open(dir)?;
-        match options.quantize {
-            Some(policy) => file.weights_requantized(&mut config, policy)?.0,
-            None => file.weights(&config)?,
-        }
-    } else {
-        Weights::open(dir)?
-    };
-    tracing::info!(family = family.name, model_type = %config.model_type, "loading model");
-    (family.load)(config, &mut weights, options)
+    Checkpoint::open(dir)?.load_model(config, options)
 }
 
 /// The family's own `config.json` keys, deserialized from `config.raw`.
@@ -166,6 +180,30 @@ fn keep(_: &mut ModelConfig) -> Result<(), ModelError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unknown_gguf_architectures_are_named() {
+        let err = super::gguf_arch("mamba").err().unwrap().to_string();
+        assert!(
+            err.contains("mamba") && err.contains("llama, qwen2, qwen3, gemma3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn each_gguf_architecture_becomes_a_model_type_of_its_family() {
+        for family in super::FAMILIES {
+            for arch in family.gguf {
+                assert_eq!(super::gguf_arch(arch.name).unwrap().name, arch.name);
+                assert!(
+                    family.model_types.contains(&arch.model_type),
+                    "{} -> {}",
+                    arch.name,
+                    arch.model_type
+                );
+            }
+        }
+    }
+
     #[test]
     fn sliding_layers_follow_layer_types_or_the_pattern() {
         let global = |v: Vec<bool>| -> Vec<usize> { (0..v.len()).filter(|&i| !v[i]).collect() };

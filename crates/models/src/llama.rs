@@ -15,7 +15,10 @@
 
 use serde::Deserialize;
 
+use mlxcel_mlx::Array;
 use mlxcel_model::attention::AttentionSpec;
+use mlxcel_model::gguf::arch::{no_extra_config, LLAMA_LAYER_TENSORS};
+use mlxcel_model::gguf::GgufArch;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 
 use crate::decoder::{Decoder, DecoderSpec};
@@ -26,6 +29,17 @@ pub const FAMILY: Family = Family {
     model_types: &["llama", "mistral"],
     configure,
     load,
+    gguf: &[GGUF],
+};
+
+/// llama.cpp's `llama` GGUF architecture (Llama, SmolLM, Mistral files):
+/// llama's tensor names, the q/k rows put back in the checkpoint's order.
+const GGUF: GgufArch = GgufArch {
+    name: "llama",
+    model_type: "llama",
+    layer_tensors: LLAMA_LAYER_TENSORS,
+    extra_config: no_extra_config,
+    fix_tensor: unpermute_qk,
 };
 
 #[derive(Debug, Deserialize)]
@@ -89,6 +103,48 @@ fn load(
     Ok(Box::new(Decoder::load(config, &spec, weights, options)?))
 }
 
+/// llama.cpp's converter reorders the rows of each llama q and k head so
+/// that the two halves RoPE rotates together (HF's layout) sit in adjacent
+/// rows (ggml's layout): checkpoint row `j·(d/2) + i` of a head of `d`
+/// rows is stored as GGUF row `2i + j` (`i < d/2`, `j` in 0..2). This puts
+/// them back, for the weight and, when quantized, its scales and biases
+/// (rows carry their quantization groups along) and a bias.
+fn unpermute_qk(name: &str, a: Array, config: &ModelConfig) -> Result<Array, ModelError> {
+    let heads = if name.contains(".self_attn.q_proj.") {
+        config.num_attention_heads
+    } else if name.contains(".self_attn.k_proj.") {
+        config.num_key_value_heads
+    } else {
+        return Ok(a);
+    };
+    let rows = a.dim(0)? as usize;
+    let d = config.head_dim;
+    if rows != heads * d || !d.is_multiple_of(2) {
+        return Err(ModelError::Weights(format!(
+            "{name}: {rows} rows are not {heads} heads of {d}"
+        )));
+    }
+    Ok(a.take(
+        &Array::from_u32(&unpermute_rows(heads, d), &[rows as i32])?,
+        0,
+    )?)
+}
+
+/// For each checkpoint row, the GGUF row it comes from (see
+/// [`unpermute_qk`]).
+fn unpermute_rows(heads: usize, d: usize) -> Vec<u32> {
+    let half = d / 2;
+    let mut rows = Vec::with_capacity(heads * d);
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..half {
+                rows.push((h * d + 2 * i + j) as u32);
+            }
+        }
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,5 +183,37 @@ mod tests {
             c.sliding_window, None,
             "layer_types without a sliding layer"
         );
+    }
+
+    #[test]
+    fn gguf_layer_tensors_are_llamas() {
+        use mlxcel_model::gguf::arch::checkpoint_name;
+        assert_eq!(
+            checkpoint_name(&GGUF, "blk.3.attn_q.weight").as_deref(),
+            Some("model.layers.3.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            checkpoint_name(&GGUF, "blk.12.ffn_norm.weight").as_deref(),
+            Some("model.layers.12.post_attention_layernorm.weight")
+        );
+    }
+
+    #[test]
+    fn unpermuting_inverts_llama_cpp_row_order() {
+        // llama.cpp stores checkpoint row h·d + j·d/2 + i at h·d + 2i + j.
+        let (heads, d) = (3, 8);
+        let mut gguf_of_hf = vec![0usize; heads * d];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..d / 2 {
+                    gguf_of_hf[h * d + j * d / 2 + i] = h * d + 2 * i + j;
+                }
+            }
+        }
+        let rows = unpermute_rows(heads, d);
+        for (hf, &src) in rows.iter().enumerate() {
+            assert_eq!(src as usize, gguf_of_hf[hf]);
+        }
+        assert_eq!(&rows[..8], &[0, 2, 4, 6, 1, 3, 5, 7]);
     }
 }

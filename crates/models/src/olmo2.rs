@@ -15,6 +15,7 @@ pub const FAMILY: Family = Family {
     model_types: &["olmo2"],
     configure: crate::keep,
     load,
+    gguf: &[],
 };
 
 fn load(

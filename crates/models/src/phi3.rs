@@ -18,6 +18,7 @@ pub const FAMILY: Family = Family {
     model_types: &["phi3"],
     configure,
     load,
+    gguf: &[],
 };
 
 /// What Phi-3 reads that the shared config does not.

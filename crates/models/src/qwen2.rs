@@ -4,6 +4,8 @@
 //! `models/qwen2.py`.
 
 use mlxcel_model::attention::AttentionSpec;
+use mlxcel_model::gguf::arch::{keep_tensor, no_extra_config, LLAMA_LAYER_TENSORS};
+use mlxcel_model::gguf::GgufArch;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 use serde::Deserialize;
 
@@ -15,6 +17,18 @@ pub const FAMILY: Family = Family {
     model_types: &["qwen2"],
     configure,
     load,
+    gguf: &[GGUF],
+};
+
+/// llama.cpp's `qwen2` GGUF architecture: llama's tensor names, q/k rows
+/// in the checkpoint's order (llama.cpp's RoPE for Qwen rotates halves, as
+/// the checkpoint's does).
+const GGUF: GgufArch = GgufArch {
+    name: "qwen2",
+    model_type: "qwen2",
+    layer_tensors: LLAMA_LAYER_TENSORS,
+    extra_config: no_extra_config,
+    fix_tensor: keep_tensor,
 };
 
 /// What Qwen2 reads that the shared config does not.

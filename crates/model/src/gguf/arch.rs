@@ -1,16 +1,20 @@
-//! What each GGUF architecture becomes: its `model_type`, the config keys
-//! read from its metadata, its tensor names, and the tensors it must
-//! rewrite. Adding an architecture is one [`Arch`] in [`ARCHS`] (see
+//! The shared machinery of a GGUF architecture's mapping: what a
+//! [`GgufArch`] declares (its `model_type`, the config keys read from its
+//! metadata, its tensor names, the tensors it must rewrite), the tensors
+//! every architecture shares, and the `config.json` its metadata becomes.
+//! The architectures themselves are declared by the families that serve
+//! them, next to their config (`mlxcel-models`: `Family::gguf`; see
 //! docs/adding-a-family.md, "GGUF checkpoints").
 
 use mlxcel_mlx::Array;
 use serde_json::{json, Map, Value as Json};
 
-use super::reader::GgufHeader;
+use super::{GgufHeader, Meta};
 use crate::{ModelConfig, ModelError};
 
-/// One GGUF architecture (`general.architecture`).
-pub struct Arch {
+/// One GGUF architecture (`general.architecture`) and how its files
+/// become the checkpoint its family loads.
+pub struct GgufArch {
     /// `general.architecture` (also the prefix of its metadata keys:
     /// `llama.block_count`).
     pub name: &'static str,
@@ -20,98 +24,32 @@ pub struct Arch {
     /// names they become (`model.layers.N.{hf}`).
     pub layer_tensors: &'static [(&'static str, &'static str)],
     /// Adds the architecture's own config keys to the shared ones that
-    /// [`config_json`] wrote.
+    /// [`config_json`] wrote ([`no_extra_config`] when it has none).
     pub extra_config: fn(&Meta<'_>, &mut Map<String, Json>) -> Result<(), ModelError>,
     /// Rewrites a tensor, by its checkpoint name, after renaming (llama:
-    /// the q/k rows back to the checkpoint's RoPE layout).
+    /// the q/k rows back to the checkpoint's RoPE layout;
+    /// [`keep_tensor`] when it rewrites none).
     pub fix_tensor: fn(&str, Array, &ModelConfig) -> Result<Array, ModelError>,
 }
 
-impl std::fmt::Debug for Arch {
+impl std::fmt::Debug for GgufArch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Arch")
+        f.debug_struct("GgufArch")
             .field("name", &self.name)
             .field("model_type", &self.model_type)
             .finish_non_exhaustive()
     }
 }
 
-/// Every architecture served from GGUF.
-pub const ARCHS: &[Arch] = &[
-    Arch {
-        name: "llama",
-        model_type: "llama",
-        layer_tensors: LLAMA_LAYER_TENSORS,
-        extra_config: no_extra_config,
-        fix_tensor: unpermute_qk,
-    },
-    Arch {
-        name: "qwen2",
-        model_type: "qwen2",
-        layer_tensors: LLAMA_LAYER_TENSORS,
-        extra_config: no_extra_config,
-        fix_tensor: keep_tensor,
-    },
-    Arch {
-        name: "qwen3",
-        model_type: "qwen3",
-        layer_tensors: QWEN3_LAYER_TENSORS,
-        extra_config: no_extra_config,
-        fix_tensor: keep_tensor,
-    },
-    Arch {
-        name: "gemma3",
-        model_type: "gemma3_text",
-        layer_tensors: GEMMA3_LAYER_TENSORS,
-        extra_config: gemma3_config,
-        fix_tensor: gemma_norms,
-    },
-];
-
 /// The decoder-layer tensors of llama-like architectures (names from
-/// llama.cpp's `gguf-py` tensor map).
-const LLAMA_LAYER_TENSORS: &[(&str, &str)] = &[
+/// llama.cpp's `gguf-py` tensor map; Llama's and Qwen2's).
+pub const LLAMA_LAYER_TENSORS: &[(&str, &str)] = &[
     ("attn_norm", "input_layernorm"),
     ("attn_q", "self_attn.q_proj"),
     ("attn_k", "self_attn.k_proj"),
     ("attn_v", "self_attn.v_proj"),
     ("attn_output", "self_attn.o_proj"),
     ("ffn_norm", "post_attention_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
-];
-
-/// The decoder-layer tensors of Qwen3: llama's plus per-head RMSNorms of
-/// q and k (llama.cpp leaves Qwen's q/k rows in the checkpoint's order:
-/// its RoPE for Qwen rotates halves, as the checkpoint's does).
-const QWEN3_LAYER_TENSORS: &[(&str, &str)] = &[
-    ("attn_norm", "input_layernorm"),
-    ("attn_q", "self_attn.q_proj"),
-    ("attn_k", "self_attn.k_proj"),
-    ("attn_v", "self_attn.v_proj"),
-    ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
-];
-
-/// The decoder-layer tensors of Gemma 3 (sandwich norms: `ffn_norm` is
-/// the norm before the MLP, `post_ffw_norm` the one after it).
-const GEMMA3_LAYER_TENSORS: &[(&str, &str)] = &[
-    ("attn_norm", "input_layernorm"),
-    ("attn_q", "self_attn.q_proj"),
-    ("attn_k", "self_attn.k_proj"),
-    ("attn_v", "self_attn.v_proj"),
-    ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
-    ("post_attention_norm", "post_attention_layernorm"),
-    ("ffn_norm", "pre_feedforward_layernorm"),
-    ("post_ffw_norm", "post_feedforward_layernorm"),
     ("ffn_gate", "mlp.gate_proj"),
     ("ffn_up", "mlp.up_proj"),
     ("ffn_down", "mlp.down_proj"),
@@ -126,25 +64,11 @@ const MODEL_TENSORS: &[(&str, &str)] = &[
     ("rope_freqs", "rope_freqs"),
 ];
 
-/// The architecture named `name`.
-///
-/// # Errors
-/// [`ModelError::Unsupported`] naming it and the supported ones.
-pub fn arch(name: &str) -> Result<&'static Arch, ModelError> {
-    ARCHS.iter().find(|a| a.name == name).ok_or_else(|| {
-        let names: Vec<&str> = ARCHS.iter().map(|a| a.name).collect();
-        ModelError::Unsupported(format!(
-            "GGUF architecture {name} (supported: {})",
-            names.join(", ")
-        ))
-    })
-}
-
 /// The checkpoint name of GGUF tensor `gguf` (`blk.3.attn_q.weight` ->
 /// `model.layers.3.self_attn.q_proj.weight`; MLX's `.scales` / `.biases`
 /// of a quantized tensor follow its `.weight`), or `None` when the
 /// architecture has no such tensor.
-pub fn checkpoint_name(arch: &Arch, gguf: &str) -> Option<String> {
+pub fn checkpoint_name(arch: &GgufArch, gguf: &str) -> Option<String> {
     let (stem, suffix) = gguf.rsplit_once('.')?;
     if !matches!(suffix, "weight" | "bias" | "scales" | "biases") {
         return None;
@@ -163,51 +87,6 @@ pub fn checkpoint_name(arch: &Arch, gguf: &str) -> Option<String> {
     Some(format!("{hf}.{suffix}"))
 }
 
-/// Typed access to an architecture's metadata keys.
-pub struct Meta<'a> {
-    pub header: &'a GgufHeader,
-    pub arch: &'a str,
-}
-
-impl Meta<'_> {
-    /// `{arch}.{key}` as an unsigned integer, if present.
-    pub fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
-        let full = format!("{}.{key}", self.arch);
-        match self.header.get(&full) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| ModelError::Config(format!("GGUF {full} is not an integer"))),
-        }
-    }
-
-    /// `{arch}.{key}` as an unsigned integer.
-    pub fn required_uint(&self, key: &str) -> Result<u64, ModelError> {
-        self.uint(key)?
-            .ok_or_else(|| ModelError::Config(format!("GGUF metadata has no {}.{key}", self.arch)))
-    }
-
-    /// `{arch}.{key}` as a float, if present.
-    pub fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
-        let full = format!("{}.{key}", self.arch);
-        match self.header.get(&full) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| ModelError::Config(format!("GGUF {full} is not a number"))),
-        }
-    }
-
-    /// `{arch}.{key}` as a string, if present.
-    pub fn string(&self, key: &str) -> Option<&str> {
-        self.header
-            .get(&format!("{}.{key}", self.arch))
-            .and_then(|v| v.as_str())
-    }
-}
-
 /// The `config.json` the GGUF's metadata describes (keys as Hugging Face
 /// writes them, read by [`ModelConfig::from_json_str`] and the family):
 /// sizes from `{arch}.embedding_length`, `block_count`,
@@ -220,7 +99,7 @@ impl Meta<'_> {
 /// # Errors
 /// A missing size key, a value of the wrong type, or a RoPE scaling type
 /// other than none or linear.
-pub fn config_json(arch: &Arch, header: &GgufHeader) -> Result<Json, ModelError> {
+pub fn config_json(arch: &GgufArch, header: &GgufHeader) -> Result<Json, ModelError> {
     let meta = Meta {
         header,
         arch: arch.name,
@@ -293,100 +172,34 @@ pub fn config_json(arch: &Arch, header: &GgufHeader) -> Result<Json, ModelError>
     Ok(Json::Object(c))
 }
 
-fn no_extra_config(_: &Meta<'_>, _: &mut Map<String, Json>) -> Result<(), ModelError> {
+/// The [`GgufArch::extra_config`] of an architecture whose config keys
+/// are all shared ones.
+pub fn no_extra_config(_: &Meta<'_>, _: &mut Map<String, Json>) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// Gemma 3's keys that its GGUF metadata does not record, as Gemma 3's own
-/// configuration fixes them: every 6th layer global, local layers with
-/// RoPE base 10 000, GELU (tanh) MLP, no logit soft-capping. Queries are
-/// scaled by `query_pre_attn_scalar^-0.5`, where the scalar is the head
-/// size (`attention.key_length`: 256 for 270M, 1B, 4B and 12B) except for
-/// the 27B model (62 layers), whose scalar is `hidden_size / heads` (168),
-/// the rule llama.cpp's Gemma 3 loader applies too.
-fn gemma3_config(meta: &Meta<'_>, c: &mut Map<String, Json>) -> Result<(), ModelError> {
-    let layers = meta.required_uint("block_count")?;
-    let scalar = if layers == 62 {
-        meta.required_uint("embedding_length")? / meta.required_uint("attention.head_count")?
-    } else {
-        meta.required_uint("attention.key_length")?
-    };
-    c.insert("query_pre_attn_scalar".into(), json!(scalar));
-    c.insert("sliding_window_pattern".into(), json!(6));
-    c.insert("rope_local_base_freq".into(), json!(10_000.0));
-    c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
-    // Gemma's own dtype: `--dtype auto` on a GPU computes in it (float16
-    // overflows Gemma's residual stream, and the family refuses it).
-    c.insert("torch_dtype".into(), json!("bfloat16"));
-    Ok(())
-}
-
-/// llama.cpp's converter stores each Gemma RMSNorm weight as `1 + w`
-/// (its kernel multiplies by the stored weight); the checkpoint layout the
-/// family reads is `w` (it computes `1 + w`), so 1 comes off every norm.
-/// Gemma's q and k rows are not permuted (its RoPE rotates halves, as the
-/// checkpoint's).
-fn gemma_norms(name: &str, a: Array, _: &ModelConfig) -> Result<Array, ModelError> {
-    if name.ends_with("norm.weight") {
-        Ok(a.subtract(&Array::scalar(1.0)?)?)
-    } else {
-        Ok(a)
-    }
-}
-
-fn keep_tensor(_: &str, a: Array, _: &ModelConfig) -> Result<Array, ModelError> {
+/// The [`GgufArch::fix_tensor`] of an architecture whose tensors need no
+/// rewriting.
+pub fn keep_tensor(_: &str, a: Array, _: &ModelConfig) -> Result<Array, ModelError> {
     Ok(a)
-}
-
-/// llama.cpp's converter reorders the rows of each llama q and k head so
-/// that the two halves RoPE rotates together (HF's layout) sit in adjacent
-/// rows (ggml's layout): checkpoint row `j·(d/2) + i` of a head of `d`
-/// rows is stored as GGUF row `2i + j` (`i < d/2`, `j` in 0..2). This puts
-/// them back, for the weight and, when quantized, its scales and biases
-/// (rows carry their quantization groups along) and a bias.
-fn unpermute_qk(name: &str, a: Array, config: &ModelConfig) -> Result<Array, ModelError> {
-    let heads = if name.contains(".self_attn.q_proj.") {
-        config.num_attention_heads
-    } else if name.contains(".self_attn.k_proj.") {
-        config.num_key_value_heads
-    } else {
-        return Ok(a);
-    };
-    let rows = a.dim(0)? as usize;
-    let d = config.head_dim;
-    if rows != heads * d || !d.is_multiple_of(2) {
-        return Err(ModelError::Weights(format!(
-            "{name}: {rows} rows are not {heads} heads of {d}"
-        )));
-    }
-    Ok(a.take(
-        &Array::from_u32(&unpermute_rows(heads, d), &[rows as i32])?,
-        0,
-    )?)
-}
-
-/// For each checkpoint row, the GGUF row it comes from (see
-/// [`unpermute_qk`]).
-fn unpermute_rows(heads: usize, d: usize) -> Vec<u32> {
-    let half = d / 2;
-    let mut rows = Vec::with_capacity(heads * d);
-    for h in 0..heads {
-        for j in 0..2 {
-            for i in 0..half {
-                rows.push((h * d + 2 * i + j) as u32);
-            }
-        }
-    }
-    rows
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A llama-like architecture (the shared tensor names).
+    const LLAMA_LIKE: GgufArch = GgufArch {
+        name: "llama",
+        model_type: "llama",
+        layer_tensors: LLAMA_LAYER_TENSORS,
+        extra_config: no_extra_config,
+        fix_tensor: keep_tensor,
+    };
+
     #[test]
     fn names_map_to_the_checkpoint_layout() {
-        let llama = arch("llama").unwrap();
+        let llama = &LLAMA_LIKE;
         let cases = [
             (
                 "blk.3.attn_q.weight",
@@ -416,33 +229,5 @@ mod tests {
         ] {
             assert_eq!(checkpoint_name(llama, unknown), None, "{unknown}");
         }
-    }
-
-    #[test]
-    fn unpermuting_inverts_llama_cpp_row_order() {
-        // llama.cpp stores checkpoint row h·d + j·d/2 + i at h·d + 2i + j.
-        let (heads, d) = (3, 8);
-        let mut gguf_of_hf = vec![0usize; heads * d];
-        for h in 0..heads {
-            for j in 0..2 {
-                for i in 0..d / 2 {
-                    gguf_of_hf[h * d + j * d / 2 + i] = h * d + 2 * i + j;
-                }
-            }
-        }
-        let rows = unpermute_rows(heads, d);
-        for (hf, &src) in rows.iter().enumerate() {
-            assert_eq!(src as usize, gguf_of_hf[hf]);
-        }
-        assert_eq!(&rows[..8], &[0, 2, 4, 6, 1, 3, 5, 7]);
-    }
-
-    #[test]
-    fn unknown_architectures_are_named() {
-        let err = arch("mamba").err().unwrap().to_string();
-        assert!(
-            err.contains("mamba") && err.contains("llama, qwen2, qwen3, gemma3"),
-            "{err}"
-        );
     }
 }

@@ -1,22 +1,25 @@
 //! GGUF checkpoints (llama.cpp's single-file format) read as the
 //! checkpoints the families already load: the metadata becomes a
 //! `config.json` ([`arch::config_json`]), the tensors get the checkpoint's
-//! names and layout ([`arch::checkpoint_name`], [`Arch::fix_tensor`]).
+//! names and layout ([`arch::checkpoint_name`], [`GgufArch::fix_tensor`]).
+//! Each architecture's mapping ([`GgufArch`]) is declared by the family
+//! that serves it (`mlxcel-models`, `Family::gguf`); this module holds the
+//! shared machinery and lists no architecture.
 //!
-//! The header is read and checked in Rust ([`reader`]). When MLX's GGUF
-//! loader reads every tensor type of the file, it reads the tensor data:
-//! it keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized weights
-//! (group size 32, float16 scales and biases) and dequantizes Q6_K to
-//! float16. A file with other types (Q5_0, Q5_1, Q5_K, BF16: llama.cpp's
+//! The header is read and checked in Rust (`mlxcel-gguf`, no MLX:
+//! [`GgufHeader`]), once per start (`mlxcel_models::Checkpoint`). When
+//! MLX's GGUF loader reads every tensor type of the file, it reads the
+//! tensor data: it keeps Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized
+//! weights (group size 32, float16 scales and biases) and dequantizes Q6_K
+//! to float16. A file with other types (Q5_0, Q5_1, Q5_K, BF16: llama.cpp's
 //! Q4_K_M puts Q5_0 where a row is not a whole number of 256-element
 //! k-quant blocks, as in Gemma 3 270M) makes MLX's loader fail on the whole
-//! file, so such a file is read tensor by tensor by [`dequant`], every
-//! tensor to float32. The tokenizer's metadata is read by mlxcel-engine
-//! from [`GgufModel::header`]. Format: ggml's `docs/gguf.md`.
+//! file, so such a file is read tensor by tensor by [`dequant`] (also
+//! `mlxcel-gguf`), every tensor to float32. The tokenizer's metadata is
+//! read by mlxcel-engine from [`GgufModel::header`]. Format: ggml's
+//! `docs/gguf.md`.
 
 pub mod arch;
-pub mod dequant;
-pub mod reader;
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -24,18 +27,30 @@ use std::path::{Path, PathBuf};
 
 use mlxcel_mlx::{Array, Dtype};
 
-pub use arch::{Arch, ARCHS};
-pub use reader::{GgufHeader, TensorInfo, TensorType, Value};
+pub use arch::GgufArch;
+pub use mlxcel_gguf::{
+    dequant, is_gguf, GgufError, GgufHeader, HeaderError, Meta, TensorInfo, TensorType, Value,
+};
 
 use crate::config::QuantSpec;
 use crate::{ModelConfig, ModelError, Weights};
 
-/// Whether `path` names a GGUF file (a file whose name ends in `.gguf`).
-pub fn is_gguf(path: &Path) -> bool {
-    path.is_file()
-        && path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+/// A GGUF error as the model layer reports it (the message unchanged):
+/// unreadable file [`ModelError::Io`]; missing or mistyped metadata
+/// [`ModelError::Config`]; an invalid header or tensor data
+/// [`ModelError::Weights`].
+impl From<GgufError> for ModelError {
+    fn from(e: GgufError) -> Self {
+        match e {
+            GgufError::Io { path, source } => ModelError::io(path, source),
+            GgufError::MissingKey(_) | GgufError::KeyType { .. } => {
+                ModelError::Config(e.to_string())
+            }
+            GgufError::Invalid { .. }
+            | GgufError::NoDecoder(_)
+            | GgufError::PartialBlocks { .. } => ModelError::Weights(e.to_string()),
+        }
+    }
 }
 
 /// Group size of `--quantize`: 32, the group llama.cpp's own 4- and
@@ -138,24 +153,31 @@ fn requantize_spec(
 pub struct GgufModel {
     pub path: PathBuf,
     pub header: GgufHeader,
-    arch: &'static Arch,
+    arch: &'static GgufArch,
 }
 
 impl GgufModel {
-    /// Reads the header of `path` and checks that mlxcel can serve it.
+    /// Reads the header of `path` (the one read of it: the tokenizer's
+    /// metadata is [`GgufModel::header`] too) and checks that mlxcel can
+    /// serve it, with the mapping `find_arch` gives its
+    /// `general.architecture` (the family registry's lookup).
     ///
     /// # Errors
     /// [`ModelError::Io`] for an unreadable file; [`ModelError::Weights`]
-    /// for a file that is not valid GGUF; [`ModelError::Unsupported`]
-    /// naming an unsupported architecture, or the tensors of unsupported
-    /// types (with the type) or unknown names.
-    pub fn open(path: &Path) -> Result<Self, ModelError> {
+    /// for a file that is not valid GGUF; [`ModelError::Config`] for a file
+    /// without `general.architecture`; `find_arch`'s error for an
+    /// unsupported architecture; [`ModelError::Unsupported`] naming the
+    /// tensors of unsupported types (with the type) or unknown names.
+    pub fn open(
+        path: &Path,
+        find_arch: impl FnOnce(&str) -> Result<&'static GgufArch, ModelError>,
+    ) -> Result<Self, ModelError> {
         let header = GgufHeader::read(path)?;
         let name = header
             .get("general.architecture")
             .and_then(|v| v.as_str())
             .ok_or_else(|| ModelError::Config("GGUF has no general.architecture".into()))?;
-        let arch = arch::arch(name)?;
+        let arch = find_arch(name)?;
         let mut unsupported: Vec<String> = header
             .tensors
             .iter()
@@ -191,8 +213,8 @@ impl GgufModel {
         })
     }
 
-    /// The architecture table entry.
-    pub fn arch(&self) -> &'static Arch {
+    /// The architecture's mapping.
+    pub fn arch(&self) -> &'static GgufArch {
         self.arch
     }
 

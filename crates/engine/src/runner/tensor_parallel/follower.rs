@@ -22,7 +22,8 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
         .tensor_parallel
         .ok_or_else(|| EngineError::Config("a follower needs --tensor-parallel".into()))?;
     let dir = &config.model_dir;
-    let mut model_config = crate::loader::read_config(dir)?;
+    let checkpoint = crate::loader::Checkpoint::open(dir)?;
+    let mut model_config = checkpoint.config()?;
     model_config.tensor_parallel = Some(tp.shard);
     let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
     mlxcel_mlx::set_cudnn_attention(config.cudnn_attention)?;
@@ -38,8 +39,7 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
         ?dtype,
         "tensor-parallel follower: loading its shard"
     );
-    let model = crate::loader::load_model(
-        dir,
+    let model = checkpoint.load_model(
         model_config,
         mlxcel_model::LoadOptions {
             dtype,

@@ -1,6 +1,7 @@
 //! ggml's block formats decoded to float32, for the GGUF files whose
 //! tensor types MLX's reader cannot read (Q5_0, Q5_1, Q5_K, BF16): such a
-//! file is read tensor by tensor here instead (see [`super::GgufModel`]).
+//! file is read tensor by tensor here instead (by `mlxcel_model::gguf`'s
+//! `GgufModel`).
 //!
 //! Each quantized type stores a row as blocks of 32 (or, k-quants, 256
 //! "super-block") elements; a block holds float16 scale(s) and the packed
@@ -9,7 +10,7 @@
 //! layouts are ggml's `ggml-common.h` (`block_q4_0`, ..., `block_q6_k`);
 //! the decoding is its `dequantize_row_*` arithmetic, in float32.
 
-use super::reader::TensorType;
+use crate::{GgufError, TensorType};
 
 /// Decodes one block, appending its elements.
 type BlockDecoder = fn(&[u8], &mut Vec<f32>);
@@ -17,9 +18,10 @@ type BlockDecoder = fn(&[u8], &mut Vec<f32>);
 /// Decodes `bytes` (whole blocks of `ty`) to float32, appending to `out`.
 ///
 /// # Errors
-/// A type this module does not decode (named), or `bytes` that are not a
-/// whole number of blocks.
-pub fn dequantize(ty: TensorType, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
+/// [`GgufError::NoDecoder`] for a type this module does not decode,
+/// [`GgufError::PartialBlocks`] for `bytes` that are not a whole number of
+/// blocks.
+pub fn dequantize(ty: TensorType, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), GgufError> {
     let (block_bytes, decode): (usize, BlockDecoder) = match ty.0 {
         0 => (4, |b, o| {
             o.push(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -38,13 +40,14 @@ pub fn dequantize(ty: TensorType, bytes: &[u8], out: &mut Vec<f32>) -> Result<()
         12 => (144, q4_k),
         13 => (176, q5_k),
         14 => (210, q6_k),
-        _ => return Err(format!("no decoder for {ty}")),
+        _ => return Err(GgufError::NoDecoder(ty)),
     };
     if !bytes.len().is_multiple_of(block_bytes) {
-        return Err(format!(
-            "{} bytes are not whole {ty} blocks of {block_bytes}",
-            bytes.len()
-        ));
+        return Err(GgufError::PartialBlocks {
+            bytes: bytes.len(),
+            ty,
+            block_bytes,
+        });
     }
     out.reserve(bytes.len() / block_bytes * elements_per_block(ty));
     for block in bytes.chunks_exact(block_bytes) {
@@ -317,9 +320,13 @@ mod tests {
 
     #[test]
     fn unknown_types_and_partial_blocks_are_errors() {
-        let e = dequantize(TensorType(16), &[0; 66], &mut Vec::new()).unwrap_err();
+        let e = dequantize(TensorType(16), &[0; 66], &mut Vec::new())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("IQ2_XXS"), "{e}");
-        let e = dequantize(TensorType(8), &[0; 35], &mut Vec::new()).unwrap_err();
+        let e = dequantize(TensorType(8), &[0; 35], &mut Vec::new())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("Q8_0"), "{e}");
     }
 }

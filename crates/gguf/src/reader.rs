@@ -15,7 +15,7 @@ use std::fmt;
 use std::io::{BufReader, Read};
 use std::path::Path;
 
-use crate::ModelError;
+use crate::{GgufError, HeaderError};
 
 /// A metadata value. Integers keep their sign class, floats are widened
 /// to `f64` (an `f32` value converts back exactly).
@@ -111,7 +111,7 @@ impl TensorType {
 
     /// `(name, elements per block, bytes per block)` of the types ggml
     /// defines (ggml's `ggml.h` and `ggml-common.h`).
-    fn layout(self) -> Option<(&'static str, u64, u64)> {
+    pub(crate) fn layout(self) -> Option<(&'static str, u64, u64)> {
         Some(match self.0 {
             0 => ("F32", 1, 4),
             1 => ("F16", 1, 2),
@@ -153,14 +153,14 @@ impl TensorType {
     /// Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. Other types (Q2_K, Q3_K, Q8_K,
     /// the i-quants, ...) are refused by name before any tensor is read.
     pub fn is_supported(self) -> bool {
-        super::dequant::decodes(self)
+        crate::dequant::decodes(self)
     }
 
     /// Whether MLX's GGUF reader reads this type: F32 and F16 as they
     /// are; Q4_0, Q4_1, Q4_K and Q8_0 as MLX affine quantized weights
     /// (group size 32); Q6_K dequantized to float16. A file with any other
     /// type (its reader fails on the whole file) is read by mlxcel's own
-    /// decoder ([`super::dequant`]) instead, every tensor to float32.
+    /// decoder ([`crate::dequant`]) instead, every tensor to float32.
     pub fn mlx_reads(self) -> bool {
         matches!(self.0, 0 | 1 | 2 | 3 | 8 | 12 | 14)
     }
@@ -227,30 +227,50 @@ impl GgufHeader {
     /// tensor's data inside the file.
     ///
     /// # Errors
-    /// [`ModelError::Io`] when the file cannot be read;
-    /// [`ModelError::Weights`] naming what is wrong when it is not a valid
-    /// GGUF file (bad magic, unsupported version, truncation, a tensor past
-    /// the end of the file, an unknown tensor type id).
-    pub fn read(path: &Path) -> Result<Self, ModelError> {
-        let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let size = file.metadata().map_err(|e| ModelError::io(path, e))?.len();
+    /// [`GgufError::Io`] when the file cannot be read;
+    /// [`GgufError::Invalid`] naming what is wrong ([`HeaderError`]) when
+    /// it is not a valid GGUF file (bad magic, unsupported version,
+    /// truncation, a tensor past the end of the file, an unknown tensor
+    /// type id).
+    pub fn read(path: &Path) -> Result<Self, GgufError> {
+        #[cfg(feature = "count-reads")]
+        crate::count_reads::record(path);
+        let io = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let size = file.metadata().map_err(io)?.len();
         let mut r = Cursor {
             inner: BufReader::new(file),
             pos: 0,
             size,
         };
-        let bad = |msg: String| ModelError::Weights(format!("{}: {msg}", path.display()));
-        Self::parse(&mut r).map_err(bad)
+        Self::parse(&mut r).map_err(|source| GgufError::Invalid {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
-    fn parse<R: Read>(r: &mut Cursor<R>) -> Result<Self, String> {
+    /// Parses a header from `bytes` (a whole file), as
+    /// [`GgufHeader::read`] does a file's.
+    #[cfg(test)]
+    pub(crate) fn parse_bytes(bytes: &[u8]) -> Result<Self, HeaderError> {
+        Self::parse(&mut Cursor {
+            inner: bytes,
+            pos: 0,
+            size: bytes.len() as u64,
+        })
+    }
+
+    fn parse<R: Read>(r: &mut Cursor<R>) -> Result<Self, HeaderError> {
         let magic = r.bytes::<4>()?;
         if &magic != b"GGUF" {
-            return Err("not a GGUF file (no GGUF magic)".into());
+            return Err(HeaderError::BadMagic);
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(format!("GGUF version {version} (supported: 2 and 3)"));
+            return Err(HeaderError::Version(version));
         }
         let tensor_count = r.u64()?;
         let kv_count = r.u64()?;
@@ -258,7 +278,10 @@ impl GgufHeader {
         for _ in 0..kv_count {
             let key = r.string()?;
             let ty = r.u32()?;
-            let value = r.value(ty, 0).map_err(|e| format!("metadata {key}: {e}"))?;
+            let value = r.value(ty, 0).map_err(|e| HeaderError::Metadata {
+                key: key.clone(),
+                source: Box::new(e),
+            })?;
             metadata.insert(key, value);
         }
         // Each description takes at least 24 bytes.
@@ -272,7 +295,7 @@ impl GgufHeader {
             Some(v) => v
                 .as_u64()
                 .filter(|a| *a > 0 && a.is_power_of_two())
-                .ok_or("general.alignment is not a power of two")?,
+                .ok_or(HeaderError::Alignment)?,
         };
         let data_start = r.pos.div_ceil(alignment) * alignment;
         for t in &tensors {
@@ -281,10 +304,11 @@ impl GgufHeader {
                 .checked_add(t.offset)
                 .and_then(|s| s.checked_add(bytes));
             if !t.offset.is_multiple_of(alignment) || end.is_none_or(|e| e > r.size) {
-                return Err(format!(
-                    "tensor {} ({} bytes at offset {}) lies outside the file",
-                    t.name, bytes, t.offset
-                ));
+                return Err(HeaderError::OutsideFile {
+                    name: t.name.clone(),
+                    bytes,
+                    offset: t.offset,
+                });
             }
         }
         Ok(GgufHeader {
@@ -307,26 +331,33 @@ impl GgufHeader {
 }
 
 /// The data size of `t` in bytes.
-fn tensor_bytes(t: &TensorInfo) -> Result<u64, String> {
+fn tensor_bytes(t: &TensorInfo) -> Result<u64, HeaderError> {
     let (_, block, block_bytes) =
         t.ty.layout()
-            .ok_or_else(|| format!("tensor {} has unknown type id {}", t.name, t.ty.0))?;
+            .ok_or_else(|| HeaderError::UnknownTensorType {
+                name: t.name.clone(),
+                id: t.ty.0,
+            })?;
     let inner = t.shape.last().copied().unwrap_or(1);
     if !inner.is_multiple_of(block) {
-        return Err(format!(
-            "tensor {}: row of {inner} elements is not a whole number of {} blocks",
-            t.name,
-            t.ty.name()
-        ));
+        return Err(HeaderError::PartialRow {
+            name: t.name.clone(),
+            row: inner,
+            ty: t.ty,
+        });
     }
+    let overflow = |what| HeaderError::Overflow {
+        name: t.name.clone(),
+        what,
+    };
     let count = t
         .shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| format!("tensor {}: shape overflows", t.name))?;
+        .ok_or_else(|| overflow("shape"))?;
     (count / block)
         .checked_mul(block_bytes)
-        .ok_or_else(|| format!("tensor {}: size overflows", t.name))
+        .ok_or_else(|| overflow("size"))
 }
 
 /// The fewest bytes a value of metadata type `ty` takes in the file.
@@ -350,49 +381,49 @@ struct Cursor<R> {
 }
 
 impl<R: Read> Cursor<R> {
-    fn bytes<const N: usize>(&mut self) -> Result<[u8; N], String> {
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N], HeaderError> {
         let mut b = [0u8; N];
         self.inner
             .read_exact(&mut b)
-            .map_err(|_| format!("truncated at byte {}", self.pos))?;
+            .map_err(|_| HeaderError::Truncated(self.pos))?;
         self.pos += N as u64;
         Ok(b)
     }
 
-    fn u32(&mut self) -> Result<u32, String> {
+    fn u32(&mut self) -> Result<u32, HeaderError> {
         Ok(u32::from_le_bytes(self.bytes()?))
     }
 
-    fn u64(&mut self) -> Result<u64, String> {
+    fn u64(&mut self) -> Result<u64, HeaderError> {
         Ok(u64::from_le_bytes(self.bytes()?))
     }
 
     /// Fails unless `count` items of at least `min_bytes` each fit in what
     /// is left of the file.
-    fn check_count(&self, count: u64, min_bytes: u64) -> Result<(), String> {
+    fn check_count(&self, count: u64, min_bytes: u64) -> Result<(), HeaderError> {
         let left = self.size.saturating_sub(self.pos);
         if count.checked_mul(min_bytes).is_none_or(|n| n > left) {
-            return Err(format!(
-                "a count of {count} at byte {} does not fit in the file",
-                self.pos
-            ));
+            return Err(HeaderError::CountTooLarge {
+                count,
+                at: self.pos,
+            });
         }
         Ok(())
     }
 
-    fn string(&mut self) -> Result<String, String> {
+    fn string(&mut self) -> Result<String, HeaderError> {
         let len = self.u64()?;
         self.check_count(len, 1)?;
         let mut buf = vec![0u8; len as usize];
         self.inner
             .read_exact(&mut buf)
-            .map_err(|_| format!("truncated at byte {}", self.pos))?;
+            .map_err(|_| HeaderError::Truncated(self.pos))?;
         self.pos += len;
-        String::from_utf8(buf).map_err(|_| format!("string at byte {} is not UTF-8", self.pos))
+        String::from_utf8(buf).map_err(|_| HeaderError::NotUtf8(self.pos))
     }
 
     /// A value of GGUF metadata type `ty` (`gguf_metadata_value_type`).
-    fn value(&mut self, ty: u32, depth: u32) -> Result<Value, String> {
+    fn value(&mut self, ty: u32, depth: u32) -> Result<Value, HeaderError> {
         Ok(match ty {
             0 => Value::UInt(u8::from_le_bytes(self.bytes()?).into()),
             1 => Value::Int(i8::from_le_bytes(self.bytes()?).into()),
@@ -404,12 +435,12 @@ impl<R: Read> Cursor<R> {
             7 => match u8::from_le_bytes(self.bytes()?) {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
-                b => return Err(format!("bool byte {b}")),
+                b => return Err(HeaderError::BadBool(b)),
             },
             8 => Value::String(self.string()?),
             9 => {
                 if depth > 2 {
-                    return Err("arrays nested too deep".into());
+                    return Err(HeaderError::NestedTooDeep);
                 }
                 let elem = self.u32()?;
                 let len = self.u64()?;
@@ -423,21 +454,21 @@ impl<R: Read> Cursor<R> {
             10 => Value::UInt(self.u64()?),
             11 => Value::Int(i64::from_le_bytes(self.bytes()?)),
             12 => Value::Float(f64::from_le_bytes(self.bytes()?)),
-            t => return Err(format!("unknown value type {t}")),
+            t => return Err(HeaderError::UnknownValueType(t)),
         })
     }
 
-    fn tensor_info(&mut self) -> Result<TensorInfo, String> {
+    fn tensor_info(&mut self) -> Result<TensorInfo, HeaderError> {
         let name = self.string()?;
         let n_dims = self.u32()?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(format!("tensor {name} has {n_dims} dimensions"));
+            return Err(HeaderError::Dimensions { name, dims: n_dims });
         }
         let mut shape = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
             let d = self.u64()?;
             if d == 0 || d > i32::MAX as u64 {
-                return Err(format!("tensor {name} has a dimension of {d}"));
+                return Err(HeaderError::Dimension { name, dim: d });
             }
             shape.push(d);
         }
@@ -452,3 +483,6 @@ impl<R: Read> Cursor<R> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
