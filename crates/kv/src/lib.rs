@@ -3,7 +3,7 @@
 //! The bookkeeping (pool.rs, hash.rs, sequence.rs, prefix.rs) is plain Rust
 //! with no MLX call; the tensor side (storage.rs: pool arrays, gather,
 //! scatter, block copies, dense buffers) follows the plain-data instructions
-//! the bookkeeping returns. cache.rs joins them into the engine's
+//! the bookkeeping returns. cache/ joins them into the engine's
 //! [`KvCache`]; step.rs is the view one forward reads and writes through.
 //!
 //! Units: a *position* is an absolute token index in a sequence (its RoPE

@@ -11,6 +11,7 @@
 use std::ops::Range;
 
 use mlxcel_mlx::Array;
+use serde::{Deserialize, Serialize};
 
 use crate::cache::{KvCache, KvSequence};
 use crate::error::KvError;
@@ -23,7 +24,7 @@ use crate::storage::{KvLayout, PagedStorage};
 /// `[start, end)`, its `new` last positions being this step's tokens, and
 /// its block table (block ids, `blocks[0]` holding position
 /// `start / block_size * block_size`).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RowLayout {
     /// First live position.
     pub start: usize,
@@ -37,7 +38,7 @@ pub struct RowLayout {
 
 /// A block copy as plain data: the first `tokens` slots of block `src`
 /// into block `dst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CopyLayout {
     pub src: u32,
     pub dst: u32,
@@ -56,7 +57,7 @@ impl From<BlockCopy> for CopyLayout {
 
 /// What a follower's KV needs for one step: the copies to make first, then
 /// the rows (packed in this order, as [`crate::StepKv`] packs them).
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct StepLayout {
     pub copies: Vec<CopyLayout>,
     pub rows: Vec<RowLayout>,
@@ -354,5 +355,41 @@ impl AttentionKv for ReplicaStep<'_> {
 
     fn storage(&self) -> Vec<&Array> {
         self.storage.arrays().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CopyLayout, RowLayout, StepLayout};
+
+    #[test]
+    fn step_layout_round_trips_through_json() {
+        let layout = StepLayout {
+            copies: vec![CopyLayout {
+                src: 3,
+                dst: 7,
+                tokens: 5,
+            }],
+            rows: vec![
+                RowLayout {
+                    start: 0,
+                    end: 21,
+                    new: 1,
+                    blocks: vec![7, 2],
+                },
+                RowLayout {
+                    start: 16,
+                    end: 40,
+                    new: 8,
+                    blocks: vec![4, 9],
+                },
+            ],
+        };
+        let json = serde_json::to_string(&layout).unwrap();
+        let back: StepLayout = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, layout);
+        let empty: StepLayout =
+            serde_json::from_str(&serde_json::to_string(&StepLayout::default()).unwrap()).unwrap();
+        assert_eq!(empty, StepLayout::default());
     }
 }

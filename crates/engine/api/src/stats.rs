@@ -1,0 +1,69 @@
+//! The engine's counters and gauges ([`EngineStats`]) and what a
+//! prefix-cache reset freed ([`CacheReset`]).
+
+/// What `/v1/cache/reset` freed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheReset {
+    /// Cached blocks nobody held, now empty.
+    pub blocks_freed: usize,
+    /// Their K/V size in bytes.
+    pub bytes_freed: usize,
+}
+
+/// A snapshot of the engine's scheduler and KV cache, updated every step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Sequences running (admitted, holding KV).
+    pub running: usize,
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// `dense` or `paged`.
+    pub kv_storage_backend: String,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
+    /// Bytes of K/V per block.
+    pub kv_block_bytes: usize,
+    /// Blocks in the pool.
+    pub kv_blocks_total: usize,
+    /// Blocks holding K/V: held by a running request or by the prefix cache.
+    pub kv_blocks_used: usize,
+    /// Empty blocks.
+    pub kv_blocks_free: usize,
+    /// Blocks held by running requests.
+    pub kv_blocks_active: usize,
+    /// Blocks registered in the prefix cache (held or not).
+    pub kv_blocks_cached: usize,
+    /// Prefix cache on.
+    pub prefix_cache_enabled: bool,
+    /// Most unreferenced cached blocks kept.
+    pub prefix_cache_capacity_blocks: usize,
+    /// Prefix-cache lookups, hits (at least one block), misses.
+    pub prefix_cache_lookups: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_misses: u64,
+    /// Prompt tokens looked up, and those served from the cache.
+    pub prefix_cache_tokens_queried: u64,
+    pub prefix_cache_tokens_reused: u64,
+    /// Blocks newly cached; cached blocks evicted to reuse them.
+    pub prefix_cache_inserts: u64,
+    pub prefix_cache_evictions: u64,
+    /// Forwards run.
+    pub steps: u64,
+    /// Forwards that failed (their requests failed; the engine went on).
+    pub failed_steps: u64,
+    /// Steps with at least one prefill row / one decode row.
+    pub prefill_steps: u64,
+    pub decode_steps: u64,
+    /// Real prompt tokens prefilled, pad tokens run and rewound, decode
+    /// tokens run.
+    pub prefill_tokens: u64,
+    pub pad_tokens: u64,
+    pub decode_tokens: u64,
+    /// Decode-row attentions by path: together over the paged pool (the
+    /// paged-attention kernel, or a padded batch), or one row at a time.
+    pub attention_batched_rows: u64,
+    pub attention_per_row_rows: u64,
+    /// Decode steps queued before the previous step's tokens were read
+    /// (pipelined decode).
+    pub pipelined_steps: u64,
+}

@@ -1,0 +1,480 @@
+//! The command-line flags: the model's ([`ModelArgs`], shared by every
+//! subcommand, and the [`EngineConfig`] they describe), the server's
+//! ([`ServeArgs`]), their value enums and parsers.
+
+use clap::{Args, ValueEnum};
+use mlxcel_engine::{AttentionPath, EngineConfig, GgufQuantize, ReasoningParser, StorageBackend};
+use mlxcel_http::cors::AllowedOrigins;
+use mlxcel_mlx::Dtype;
+use mlxcel_model::WeightMode;
+use std::path::PathBuf;
+
+use crate::model_source;
+
+/// `--dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    /// float32 on CPU, the checkpoint's dtype on GPU.
+    Auto,
+    Float32,
+    Float16,
+    Bfloat16,
+}
+
+/// `--weights`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WeightsArg {
+    /// Dequantize on CPU, keep quantized on GPU.
+    Auto,
+    /// Keep quantized weights quantized (quantized matmul).
+    Quantized,
+    /// Dequantize quantized weights once at load (dense matmul).
+    Dequantized,
+}
+
+/// `--quantize`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizeArg {
+    /// On a GPU, 4 or 8 bits as the file stored each matrix; none on a CPU.
+    Auto,
+    /// 4-bit MLX affine quantization.
+    #[value(name = "4")]
+    Q4,
+    /// 8-bit MLX affine quantization.
+    #[value(name = "8")]
+    Q8,
+    /// Keep them as the file has them.
+    None,
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// The GPU when MLX has one, else the CPU.
+    Auto,
+    Cpu,
+    Gpu,
+}
+
+/// Flags that choose and load the model (shared by every subcommand).
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// MLX checkpoint directory (config.json, *.safetensors, tokenizer.json),
+    /// a GGUF file (`model.gguf`: weights, tokenizer and chat template from
+    /// the one file), or a hub repository id (`org/name`), taken from the
+    /// local hub cache or downloaded into it.
+    #[arg(short = 'm', long = "model", env = "MLXCEL_MODEL", value_hint = clap::ValueHint::AnyPath)]
+    pub model: PathBuf,
+    /// Compute dtype.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    pub dtype: DtypeArg,
+    /// How quantized weights are used.
+    #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
+    pub weights: WeightsArg,
+    /// A GGUF file's floating-point matrices (types MLX does not keep
+    /// quantized, such as Q6_K or Q5_0) quantized at load to 4 or 8 bits
+    /// (group size 32), or kept (`none`). `auto`: on a GPU, each to about
+    /// the precision the file stored it at (float tensors kept); on a CPU,
+    /// none. Only for GGUF files; no effect with dequantized weights.
+    #[arg(long, value_enum, default_value_t = QuantizeArg::Auto)]
+    pub quantize: QuantizeArg,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
+    /// Prefill tokens one step runs, in tokens; prompts are split into
+    /// chunks ending at multiples of it, interleaved with decode (`auto`:
+    /// 2048 on a GPU, 512 on a CPU).
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub prefill_chunk_size: AutoOr<usize>,
+    /// Pad each prefill chunk to a multiple of this many tokens (`auto`: 32
+    /// on Apple M5 and newer GPUs, 0 elsewhere). Pad tokens are masked and
+    /// rewound.
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub prefill_tile: AutoOr<usize>,
+    /// Sequences decoded together (continuous batching).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub parallel: u32,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_block_size: u32,
+    /// KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB), or `auto`:
+    /// room for `--parallel` sequences of the model's full context, at most a
+    /// quarter of physical memory. Requests that don't fit wait.
+    #[arg(long, default_value = "auto", value_parser = parse_auto_bytes)]
+    pub kv_cache_budget: AutoOr<usize>,
+    /// Where K/V live: one paged pool of blocks, or contiguous buffers per
+    /// sequence (`auto`: paged when `--parallel` > 1).
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    pub decode_storage_backend: BackendArg,
+    /// How decode rows read a paged cache: a paged-attention kernel reading
+    /// the pool through block tables (`paged`, GPU only), one attention over
+    /// all rows gathered and padded to the longest (`batched`), or one per
+    /// row (`auto`: paged on a GPU, batched elsewhere).
+    #[arg(long, value_enum, default_value_t = AttentionPathArg::Auto)]
+    pub attention_path: AttentionPathArg,
+    /// Run every kind of step once before serving, so that GPU kernels are
+    /// compiled before the first request (`auto`: on a GPU).
+    #[arg(long, value_enum, default_value_t = SwitchArg::Auto)]
+    pub warmup: SwitchArg,
+    /// Let MLX's CUDA backend use cuDNN's fused attention for prefill (it
+    /// builds a graph for every new prompt shape, 50-800 ms each).
+    #[arg(long)]
+    pub cudnn_attention: bool,
+    /// Where MLX's CUDA backend keeps the GPU kernels it compiles, so that
+    /// restarts don't compile them again (`auto`:
+    /// `$XDG_CACHE_HOME/mlxcel/kernels`, else `~/.cache/mlxcel/kernels`;
+    /// `none`: MLX's default under /tmp). `MLX_PTX_CACHE_DIR`, when set,
+    /// wins.
+    #[arg(long, default_value = "auto", value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+    pub kernel_cache_dir: String,
+    /// Read each decode step's tokens before queueing the next one (the
+    /// default queues the next step first, overlapping host and device).
+    #[arg(long)]
+    pub no_decode_pipeline: bool,
+    /// Keep at most N tokens of K/V per sequence: older ones are dropped
+    /// from the front (positions keep counting), so long prompts and
+    /// generations run in bounded memory. Models with a sliding window use
+    /// it as the bound.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_kv_size: Option<u32>,
+    /// A Jinja chat template file to use instead of the model's own (e.g.
+    /// one that renders tools).
+    #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// Split a chat reply's `<think>` block off as `reasoning_content`:
+    /// `auto` when the chat template writes `<think>` (Qwen3, QwQ,
+    /// DeepSeek-R1), `think` always, `none` never.
+    #[arg(long, value_enum, default_value_t = ReasoningParserArg::Auto)]
+    pub reasoning_parser: ReasoningParserArg,
+    /// Let control-token strings typed in message content (`<|im_end|>`...)
+    /// become control tokens, as the chat template's own markup does. Off:
+    /// content is encoded as plain text, so a user cannot close their turn
+    /// or forge another role's.
+    #[arg(long)]
+    pub special_tokens_in_content: bool,
+    /// Turn the prompt prefix cache off (it needs paged storage).
+    #[arg(long)]
+    pub no_prompt_cache: bool,
+    /// Most unused cached KV blocks the prompt cache keeps (least recently
+    /// used go first); `auto`: the whole pool.
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub prompt_cache_capacity: AutoOr<usize>,
+}
+
+/// A flag value that is `auto` or a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AutoOr<T> {
+    Auto,
+    Value(T),
+}
+
+impl<T: Copy> AutoOr<T> {
+    fn value(self) -> Option<T> {
+        match self {
+            AutoOr::Auto => None,
+            AutoOr::Value(v) => Some(v),
+        }
+    }
+}
+
+fn parse_auto_usize(s: &str) -> Result<AutoOr<usize>, String> {
+    if s == "auto" {
+        return Ok(AutoOr::Auto);
+    }
+    s.parse()
+        .map(AutoOr::Value)
+        .map_err(|_| format!("expected `auto` or a number of tokens, got `{s}`"))
+}
+
+/// `auto`, or bytes with an optional K/M/G (x1000) or KiB/MiB/GiB (x1024) suffix.
+fn parse_auto_bytes(s: &str) -> Result<AutoOr<usize>, String> {
+    if s == "auto" {
+        return Ok(AutoOr::Auto);
+    }
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KB" => 1_000,
+        "M" | "MB" => 1_000_000,
+        "G" | "GB" => 1_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("unknown size unit `{other}`")),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .map(AutoOr::Value)
+        .ok_or_else(|| format!("expected `auto` or a size in bytes, got `{s}`"))
+}
+
+/// `--decode-storage-backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    Auto,
+    Dense,
+    Paged,
+}
+
+/// `--attention-path`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionPathArg {
+    Auto,
+    Paged,
+    Batched,
+    PerRow,
+}
+
+/// `--reasoning-parser`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReasoningParserArg {
+    Auto,
+    Think,
+    None,
+}
+
+/// An on/off flag whose default depends on the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SwitchArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl ModelArgs {
+    /// The engine configuration these flags describe.
+    pub fn engine_config(&self, alias: Option<String>) -> anyhow::Result<EngineConfig> {
+        if self.device == DeviceArg::Gpu && !mlxcel_mlx::gpu_available() {
+            anyhow::bail!("--device gpu: this MLX build has no GPU backend here");
+        }
+        let dir = model_source::resolve(&self.model, None)?;
+        // A hub snapshot's directory name is a commit hash: serve the repo id
+        // (a GGUF file is served under its file name).
+        let local = self.model.is_dir() || mlxcel_engine::loader::is_gguf(&self.model);
+        let alias = alias.or_else(|| (!local).then(|| self.model.to_string_lossy().into_owned()));
+        let mut c = EngineConfig::new(dir);
+        c.alias = alias;
+        c.dtype = match self.dtype {
+            DtypeArg::Auto => None,
+            DtypeArg::Float32 => Some(Dtype::Float32),
+            DtypeArg::Float16 => Some(Dtype::Float16),
+            DtypeArg::Bfloat16 => Some(Dtype::Bfloat16),
+        };
+        c.weight_mode = match self.weights {
+            WeightsArg::Auto => None,
+            WeightsArg::Quantized => Some(WeightMode::Quantized),
+            WeightsArg::Dequantized => Some(WeightMode::Dequantized),
+        };
+        c.quantize = match self.quantize {
+            QuantizeArg::Auto => GgufQuantize::Auto,
+            QuantizeArg::None => GgufQuantize::Off,
+            QuantizeArg::Q4 | QuantizeArg::Q8 if !mlxcel_engine::loader::is_gguf(&c.model_dir) => {
+                anyhow::bail!(
+                    "--quantize {} applies to GGUF files; {} is a checkpoint directory \
+                     (quantize it with mlx_lm.convert -q)",
+                    if self.quantize == QuantizeArg::Q4 {
+                        4
+                    } else {
+                        8
+                    },
+                    c.model_dir.display()
+                )
+            }
+            QuantizeArg::Q4 => GgufQuantize::Bits(4),
+            QuantizeArg::Q8 => GgufQuantize::Bits(8),
+        };
+        c.use_gpu = self.device != DeviceArg::Cpu;
+        let gpu = c.use_gpu && mlxcel_mlx::gpu_available();
+        c.prefill_chunk_size = match self.prefill_chunk_size {
+            AutoOr::Auto => mlxcel_engine::auto_prefill_chunk_size(gpu),
+            AutoOr::Value(0) => anyhow::bail!("--prefill-chunk-size must be at least 1"),
+            AutoOr::Value(n) => n,
+        };
+        c.warmup = match self.warmup {
+            SwitchArg::Auto => None,
+            SwitchArg::On => Some(true),
+            SwitchArg::Off => Some(false),
+        };
+        c.cudnn_attention = self.cudnn_attention;
+        c.special_tokens_in_content = self.special_tokens_in_content;
+        c.reasoning_parser = match self.reasoning_parser {
+            ReasoningParserArg::Auto => ReasoningParser::Auto,
+            ReasoningParserArg::Think => ReasoningParser::Think,
+            ReasoningParserArg::None => ReasoningParser::None,
+        };
+        c.kernel_cache_dir = match self.kernel_cache_dir.as_str() {
+            "none" => None,
+            "auto" => default_kernel_cache_dir(),
+            dir => Some(PathBuf::from(dir)),
+        };
+        c.pipeline = !self.no_decode_pipeline;
+        c.prefill_tile = self.prefill_tile.value();
+        c.parallel = self.parallel as usize;
+        c.kv_block_size = self.kv_block_size as usize;
+        c.kv_cache_budget = self.kv_cache_budget.value();
+        c.storage_backend = match self.decode_storage_backend {
+            BackendArg::Auto => None,
+            BackendArg::Dense => Some(StorageBackend::Dense),
+            BackendArg::Paged => Some(StorageBackend::Paged),
+        };
+        c.prefix_cache = !self.no_prompt_cache;
+        c.max_kv_size = self.max_kv_size.map(|n| n as usize);
+        c.chat_template = self.chat_template.clone();
+        c.prefix_cache_capacity = self.prompt_cache_capacity.value();
+        c.attention_path = match self.attention_path {
+            AttentionPathArg::Auto | AttentionPathArg::Paged => AttentionPath::PagedDecode,
+            AttentionPathArg::Batched => AttentionPath::BatchedDecode,
+            AttentionPathArg::PerRow => AttentionPath::PerRow,
+        };
+        Ok(c)
+    }
+}
+
+/// `--kernel-cache-dir auto`: `$XDG_CACHE_HOME/mlxcel/kernels`, else
+/// `$HOME/.cache/mlxcel/kernels`; `None` without either variable.
+fn default_kernel_cache_dir() -> Option<PathBuf> {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(cache.join("mlxcel").join("kernels"))
+}
+
+/// OpenAI-compatible LLM inference server on MLX.
+///
+/// Serves the OpenAI API (chat and text completions, responses, models,
+/// streaming) for one MLX model, plus /health, /metrics (Prometheus),
+/// /tokenize, /detokenize, /v1/cache/stats, /v1/cache/reset and
+/// /openapi.json. Flags can also be set in a TOML file
+/// (--config).
+#[derive(Debug, clap::Parser)]
+#[command(name = "mlxcel-server", version)]
+pub struct ServerCli {
+    /// The server's flags.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// Flags of the HTTP server.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Read flags from this TOML file: keys are the long flag names
+    /// (`kv-cache-budget = "4GiB"`, `no-prompt-cache = true`); the command
+    /// line and the flags' environment variables win over it.
+    #[arg(long, value_name = "FILE", env = "MLXCEL_CONFIG", value_hint = clap::ValueHint::FilePath)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", env = "MLXCEL_HOST")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8080, env = "MLXCEL_PORT")]
+    pub port: u16,
+    /// Name the model is served under (default: the directory name).
+    #[arg(long)]
+    pub alias: Option<String>,
+    /// `max_tokens` of requests that do not set it.
+    #[arg(long, default_value_t = 512)]
+    pub default_max_tokens: usize,
+    /// Require `Authorization: Bearer <KEY>` on every route but `GET /health`.
+    #[arg(
+        long,
+        env = "MLXCEL_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
+    pub api_key: Option<ApiKeyArg>,
+    /// Origins whose browser pages may call the API: `*`, or a
+    /// comma-separated list such as `https://app.example.com`. Default: no
+    /// CORS headers.
+    #[arg(long, value_name = "ORIGINS")]
+    pub allowed_origins: Option<AllowedOrigins>,
+    /// After SIGTERM or SIGINT, how many seconds open requests may run
+    /// before they fail with an error; the server exits once they have
+    /// ended. A second signal exits at once.
+    #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub shutdown_timeout: std::time::Duration,
+    /// Most responses of `POST /v1/responses` kept in memory for
+    /// `previous_response_id` and `GET /v1/responses/{id}`; storing one
+    /// more evicts the oldest. 0 turns the store off (then `store: true`
+    /// and `previous_response_id` are a 400).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub responses_store_size: usize,
+    /// Split the model over the processes `mlx.launch` started, one per
+    /// rank (tensor parallelism: attention heads and MLP columns): rank 0
+    /// serves HTTP, the others run their shard of each step. See
+    /// docs/distributed.md.
+    #[arg(long)]
+    pub tensor_parallel: bool,
+    /// MLX distributed backend of `--tensor-parallel`: `any` (the one the
+    /// launcher configured), `ring` (TCP), `jaccl` (RDMA over
+    /// Thunderbolt), `mpi`, `nccl` (NVIDIA).
+    #[arg(long, value_enum, default_value_t = DistributedBackendArg::Any)]
+    pub distributed_backend: DistributedBackendArg,
+    /// With `--tensor-parallel`: seconds one step of the group may take
+    /// before rank 0 gives up on it (a rank that stopped answering can
+    /// block a collective for as long as the backend waits); its requests
+    /// then fail and `/health` reports unhealthy.
+    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub tensor_parallel_timeout: std::time::Duration,
+}
+
+/// `--distributed-backend`: MLX's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DistributedBackendArg {
+    Any,
+    Ring,
+    Jaccl,
+    Mpi,
+    Nccl,
+}
+
+impl DistributedBackendArg {
+    /// The name MLX's `distributed::init` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DistributedBackendArg::Any => "any",
+            DistributedBackendArg::Ring => "ring",
+            DistributedBackendArg::Jaccl => "jaccl",
+            DistributedBackendArg::Mpi => "mpi",
+            DistributedBackendArg::Nccl => "nccl",
+        }
+    }
+}
+
+/// A non-negative number of seconds (decimals allowed).
+fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .and_then(|secs| std::time::Duration::try_from_secs_f64(secs).ok())
+        .ok_or_else(|| format!("expected a number of seconds, got `{s}`"))
+}
+
+/// The `--api-key` value: not empty, and never shown by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKeyArg(pub(crate) String);
+
+impl std::str::FromStr for ApiKeyArg {
+    type Err = &'static str;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() {
+            return Err("the API key must not be empty");
+        }
+        // A bearer token is read without surrounding whitespace, so such a
+        // key could never match.
+        if s.trim() != s {
+            return Err("the API key must not start or end with whitespace");
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for ApiKeyArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKeyArg(<redacted>)")
+    }
+}
