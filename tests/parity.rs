@@ -31,7 +31,7 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
             GenerationEvent::Finished { reason, usage, .. } => {
                 return (ids, text, reason, usage.completion_tokens)
             }
-            GenerationEvent::Failed { message } => panic!("failed: {message}"),
+            GenerationEvent::Failed { message, .. } => panic!("failed: {message}"),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {

@@ -284,7 +284,7 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
         match event {
             GenerationEvent::Delta { text: t, .. } => text.push_str(&t),
             GenerationEvent::Finished { usage, .. } => return (text, usage),
-            GenerationEvent::Failed { message } => panic!("failed: {message}"),
+            GenerationEvent::Failed { message, .. } => panic!("failed: {message}"),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {

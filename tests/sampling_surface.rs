@@ -51,7 +51,7 @@ fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
             | GenerationEvent::ToolCallArguments { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }
-            GenerationEvent::Failed { message } => panic!("failed: {message}"),
+            GenerationEvent::Failed { message, .. } => panic!("failed: {message}"),
         }
     }
     out.into_iter()

@@ -304,7 +304,7 @@ fn generate_once(
                     };
                     break;
                 }
-                Some(GenerationEvent::Failed { message }) => {
+                Some(GenerationEvent::Failed { message, .. }) => {
                     anyhow::bail!("generation failed: {message}")
                 }
                 // No tools are offered nor prompt logprobs asked for.

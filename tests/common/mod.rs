@@ -102,7 +102,7 @@ pub fn collect_tokens(
         match event {
             GenerationEvent::Delta { token, .. } => ids.push(token),
             GenerationEvent::Finished { usage, .. } => return Ok((ids, usage)),
-            GenerationEvent::Failed { message } => return Err(message),
+            GenerationEvent::Failed { message, .. } => return Err(message),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
             | GenerationEvent::ToolCallArguments { .. }) => {

@@ -3,7 +3,7 @@
 //! each kind to a status code) and `/metrics` (which counts failures by
 //! kind).
 
-use crate::api::GenerationEvent;
+use crate::api::{FailureKind, GenerationEvent};
 
 /// Why a step (or the work after it for one row) failed.
 ///
@@ -94,9 +94,24 @@ impl StepError {
         matches!(self, StepError::GroupBroken(_))
     }
 
+    /// The kind of failure, as the front ends see it.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            StepError::Kv(_) => FailureKind::KvCache,
+            StepError::Model(_) | StepError::Mlx(_) => FailureKind::Model,
+            StepError::OutOfMemory(_) => FailureKind::OutOfMemory,
+            StepError::Panic(_) | StepError::Internal(_) => FailureKind::Internal,
+            StepError::GroupBroken(_) => FailureKind::GroupBroken,
+            StepError::Grammar(_) | StepError::Text(_) => FailureKind::Output,
+            #[cfg(feature = "fault-injection")]
+            StepError::Injected(_) => FailureKind::Model,
+        }
+    }
+
     /// The event that fails a request with this error.
     pub fn event(&self) -> GenerationEvent {
         GenerationEvent::Failed {
+            kind: self.kind(),
             message: self.to_string(),
         }
     }

@@ -110,7 +110,7 @@ pub fn warm_up(
                         );
                         break;
                     }
-                    Some(GenerationEvent::Failed { message }) => {
+                    Some(GenerationEvent::Failed { message, .. }) => {
                         return Err(EngineError::Config(format!(
                             "warm-up step failed: {message}"
                         )))

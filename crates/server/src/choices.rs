@@ -13,7 +13,8 @@ use std::future::poll_fn;
 use std::task::Poll;
 
 use mlxcel_engine_api::{
-    EventStream, FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob, ToolCall, Usage,
+    EventStream, FailureKind, FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob,
+    ToolCall, Usage,
 };
 
 use crate::error::ApiError;
@@ -123,9 +124,10 @@ impl Choices {
     pub async fn next(&mut self) -> Result<Option<Piece>, ApiError> {
         while self.unfinished > 0 {
             let Some(event) = self.recv().await else {
-                return Err(ApiError::GenerationFailed(
-                    "the engine ended the request without finishing it".to_owned(),
-                ));
+                return Err(ApiError::GenerationFailed {
+                    kind: FailureKind::Internal,
+                    message: "the engine ended the request without finishing it".to_owned(),
+                });
             };
             if let Some(piece) = self.piece(event)? {
                 return Ok(Some(piece));
@@ -138,8 +140,11 @@ impl Choices {
     /// makes one.
     fn piece(&mut self, event: GenerationEvent) -> Result<Option<Piece>, ApiError> {
         let index = match &event {
-            GenerationEvent::Failed { message } => {
-                return Err(ApiError::GenerationFailed(message.clone()))
+            GenerationEvent::Failed { kind, message } => {
+                return Err(ApiError::GenerationFailed {
+                    kind: *kind,
+                    message: message.clone(),
+                })
             }
             GenerationEvent::Delta { index, .. }
             | GenerationEvent::PromptLogprobs { index, .. }

@@ -77,7 +77,7 @@ pub async fn chat_completions(
     let handle = state.service_handle();
     let events = tokio::task::spawn_blocking(move || handle.submit(generation))
         .await
-        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))?
+        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
         .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
     let events = state.metrics().instrument(events, arrived);
     let mut choices = Choices::new(vec![events], n, request.parallel_tool_calls);
@@ -147,7 +147,7 @@ pub async fn completions(
     let (echoes, streams) =
         tokio::task::spawn_blocking(move || submit_prompts(handle, generations, echo))
             .await
-            .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))?
+            .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
             .map_err(|(prompt, e)| ApiError::from_submit(e, Route::Completions { prompt }))?;
     let streams = streams
         .into_iter()

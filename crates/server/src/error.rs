@@ -9,7 +9,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine_api::{RequestField, SubmitError};
+use mlxcel_engine_api::{FailureKind, RequestField, SubmitError};
 use serde::Serialize;
 
 use crate::validate::ValidationError;
@@ -99,9 +99,17 @@ pub enum ApiError {
     /// The engine is gone or shutting down.
     #[error("The engine is unavailable: {0}")]
     Unavailable(String),
-    /// The engine failed while generating this request.
-    #[error("The engine failed while generating: {0}")]
-    GenerationFailed(String),
+    /// The engine failed while generating this request, by a failure of
+    /// `kind`: 503 when the server cannot serve it now (out of memory, a
+    /// broken tensor-parallel group), 500 otherwise (a shutdown that cut
+    /// it, a model or engine failure); the kind is the error's `code`.
+    #[error("The engine failed while generating: {message}")]
+    GenerationFailed {
+        /// What failed.
+        kind: FailureKind,
+        /// The engine's explanation.
+        message: String,
+    },
     /// A server-side failure outside generation (metrics, a task join).
     #[error("Internal server error: {0}")]
     Internal(String),
@@ -153,13 +161,19 @@ impl ApiError {
             Self::RouteNotFound { .. } | Self::UnknownResponse(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::GenerationFailed(_) | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::GenerationFailed {
+                kind: FailureKind::OutOfMemory | FailureKind::GroupBroken,
+                ..
+            } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::GenerationFailed { .. } | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn kind(&self) -> &'static str {
         match self {
-            Self::Unavailable(_) | Self::GenerationFailed(_) | Self::Internal(_) => SERVER_ERROR,
+            Self::Unavailable(_) | Self::GenerationFailed { .. } | Self::Internal(_) => {
+                SERVER_ERROR
+            }
             _ => INVALID_REQUEST,
         }
     }
@@ -193,6 +207,7 @@ impl ApiError {
             Self::UnsupportedContentEncoding(_) => Some("unsupported_content_encoding"),
             Self::Unavailable(_) => Some("service_unavailable"),
             Self::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
+            Self::GenerationFailed { kind, .. } => Some(kind.as_str()),
             _ => None,
         }
     }

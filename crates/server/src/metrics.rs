@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use mlxcel_engine_api::{EngineStats, EventStream, GenerationEvent};
+use mlxcel_engine_api::{EngineStats, EventStream, FailureKind, GenerationEvent};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -30,6 +30,8 @@ pub struct Metrics {
     ttft: Histogram,
     itl: Histogram,
     e2e: HistogramVec,
+    /// Failed requests by [`FailureKind`].
+    failures: IntCounterVec,
     engine: EngineMetrics,
     /// One scrape at a time: engine counters catch up by difference, which
     /// two concurrent scrapes would add twice.
@@ -39,6 +41,8 @@ pub struct Metrics {
 /// Engine-side series, refreshed from a stats snapshot at scrape time.
 struct EngineMetrics {
     blocks: IntGaugeVec,
+    /// Blocks per KV group and state.
+    group_blocks: IntGaugeVec,
     sequences: IntGaugeVec,
     prefix_enabled: IntGauge,
     prefix: IntCounterVec,
@@ -68,6 +72,15 @@ impl EngineMetrics {
             blocks: IntGaugeVec::new(
                 Opts::new("mlxcel_kv_blocks", "KV pool blocks by state"),
                 &["state"],
+            )
+            .expect("valid metric definition"),
+            group_blocks: IntGaugeVec::new(
+                Opts::new(
+                    "mlxcel_kv_group_blocks",
+                    "KV pool blocks per KV group (layers sharing one attention window; \
+                     window=\"full\" for full attention) by state",
+                ),
+                &["group", "window", "state"],
             )
             .expect("valid metric definition"),
             sequences: IntGaugeVec::new(
@@ -113,6 +126,7 @@ impl EngineMetrics {
 
     fn register(&self, r: &Registry) -> prometheus::Result<()> {
         r.register(Box::new(self.blocks.clone()))?;
+        r.register(Box::new(self.group_blocks.clone()))?;
         r.register(Box::new(self.sequences.clone()))?;
         r.register(Box::new(self.prefix_enabled.clone()))?;
         r.register(Box::new(self.prefix.clone()))?;
@@ -134,6 +148,25 @@ impl EngineMetrics {
             ("active", s.kv_blocks_active),
         ] {
             self.blocks.with_label_values(&[state]).set(as_i64(v));
+        }
+        for (g, group) in s.kv_groups.iter().enumerate() {
+            let (index, window) = (
+                g.to_string(),
+                group
+                    .window
+                    .map_or_else(|| "full".to_string(), |w| w.to_string()),
+            );
+            for (state, v) in [
+                ("total", group.blocks_total),
+                ("used", group.blocks_used),
+                ("free", group.blocks_free),
+                ("cached", group.blocks_cached),
+                ("active", group.blocks_active),
+            ] {
+                self.group_blocks
+                    .with_label_values(&[&index, &window, state])
+                    .set(as_i64(v));
+            }
         }
         self.sequences
             .with_label_values(&["running"])
@@ -226,10 +259,20 @@ impl Metrics {
                 &["outcome"],
             )
             .expect("valid metric definition"),
+            failures: counter_vec(
+                "mlxcel_request_failures_total",
+                "Requests the engine failed, by kind of failure (model, out_of_memory, \
+                 kv_cache, output, internal, group_broken, shutdown)",
+                &["kind"],
+            ),
             engine: EngineMetrics::new(),
             scrape: std::sync::Mutex::new(()),
         };
         m.register().expect("metric names are unique");
+        // Every kind shows, at 0 until it happens.
+        for kind in FailureKind::ALL {
+            m.failures.with_label_values(&[kind.as_str()]);
+        }
         m
     }
 
@@ -242,6 +285,7 @@ impl Metrics {
         r.register(Box::new(self.ttft.clone()))?;
         r.register(Box::new(self.itl.clone()))?;
         r.register(Box::new(self.e2e.clone()))?;
+        r.register(Box::new(self.failures.clone()))?;
         self.engine.register(r)
     }
 
@@ -330,7 +374,10 @@ impl Metrics {
                     .inc_by(usage.completion_tokens as u64);
                 Some("finished")
             }
-            GenerationEvent::Failed { .. } => Some("failed"),
+            GenerationEvent::Failed { kind, .. } => {
+                self.failures.with_label_values(&[kind.as_str()]).inc();
+                Some("failed")
+            }
         }
     }
 }

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use mlxcel_engine_api::{
-    CacheReset, EngineStats, EventStream, GenerationEvent, GenerationRequest, InferenceService,
-    SubmitError, TokenizeRequest,
+    CacheReset, EngineStats, EventStream, FailureKind, GenerationEvent, GenerationRequest,
+    InferenceService, SubmitError, TokenizeRequest,
 };
 use tokio::sync::watch;
 
@@ -131,6 +131,7 @@ async fn forward(
             () = tx.closed() => return,
             () = &mut expired => {
                 let _ = tx.send(GenerationEvent::Failed {
+                    kind: FailureKind::Shutdown,
                     message: SHUTDOWN_MESSAGE.to_owned(),
                 });
                 return;

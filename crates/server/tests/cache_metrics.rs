@@ -5,7 +5,7 @@ mod common;
 
 use axum::http::StatusCode;
 use common::*;
-use mlxcel_engine_api::FinishReason;
+use mlxcel_engine_api::{FailureKind, FinishReason, GenerationEvent};
 use serde_json::json;
 
 #[tokio::test]
@@ -133,6 +133,46 @@ async fn metrics_count_a_shared_prompt_once_over_n_choices() {
         "mlxcel_time_to_first_token_seconds_count 1",
         // Two gaps within each choice's three deltas.
         "mlxcel_inter_token_latency_seconds_count 4",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing `{line}` in:\n{text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn metrics_show_each_kv_group_and_failures_by_kind() {
+    let app = app(FakeService::scripted(vec![
+        vec![
+            delta("Hel"),
+            GenerationEvent::Failed {
+                kind: FailureKind::OutOfMemory,
+                message: "mlx: [malloc] Unable to allocate 4096 bytes".into(),
+            },
+        ],
+        vec![GenerationEvent::Failed {
+            kind: FailureKind::Model,
+            message: "forward failed".into(),
+        }],
+    ]));
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let oom = post_json(app.clone(), body.clone()).await;
+    let error = oom.error(StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(error["code"], "out_of_memory");
+    let model = post_json(app.clone(), body).await;
+    let error = model.error(StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(error["code"], "model");
+    let text = String::from_utf8(get(app, "/metrics").await.body.to_vec()).unwrap();
+    for line in [
+        r#"mlxcel_request_failures_total{kind="out_of_memory"} 1"#,
+        r#"mlxcel_request_failures_total{kind="model"} 1"#,
+        r#"mlxcel_request_failures_total{kind="group_broken"} 0"#,
+        r#"mlxcel_request_duration_seconds_count{outcome="failed"} 2"#,
+        r#"mlxcel_kv_group_blocks{group="0",state="total",window="full"} 80"#,
+        r#"mlxcel_kv_group_blocks{group="0",state="cached",window="full"} 8"#,
+        r#"mlxcel_kv_group_blocks{group="1",state="total",window="512"} 20"#,
+        r#"mlxcel_kv_group_blocks{group="1",state="free",window="512"} 18"#,
     ] {
         assert!(
             text.lines().any(|l| l == line),

@@ -223,6 +223,7 @@ async fn engine_failure_is_a_500_with_the_openai_body() {
     let fake = FakeService::new(vec![
         delta("Hel"),
         GenerationEvent::Failed {
+            kind: mlxcel_engine_api::FailureKind::Model,
             message: "forward failed".into(),
         },
     ]);

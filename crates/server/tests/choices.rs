@@ -450,6 +450,7 @@ async fn a_failure_ends_every_choice() {
         delta_at(0, "A"),
         delta_at(1, "X"),
         GenerationEvent::Failed {
+            kind: mlxcel_engine_api::FailureKind::Model,
             message: "step failed".into(),
         },
         delta_at(0, "never sent"),

@@ -298,6 +298,7 @@ async fn an_engine_failure_ends_the_stream_with_response_failed() {
     let service = FakeService::new(vec![
         delta("Hel"),
         GenerationEvent::Failed {
+            kind: mlxcel_engine_api::FailureKind::Model,
             message: "boom".into(),
         },
     ]);

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use mlxcel_engine_api::FinishReason;
+use mlxcel_engine_api::{FailureKind, FinishReason};
 use mlxcel_http::{serve, AppState, HttpConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -180,7 +180,10 @@ fn requests_after_the_signal_are_refused_and_open_ones_fail_at_the_deadline() {
             Some(GenerationEvent::Delta { .. })
         ));
         match open.recv().await {
-            Some(GenerationEvent::Failed { message }) => assert_eq!(message, SHUTDOWN_MESSAGE),
+            Some(GenerationEvent::Failed { kind, message }) => {
+                assert_eq!(kind, FailureKind::Shutdown);
+                assert_eq!(message, SHUTDOWN_MESSAGE)
+            }
             other => panic!("{other:?}"),
         }
         assert!(open.recv().await.is_none());

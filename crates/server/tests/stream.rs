@@ -118,6 +118,7 @@ async fn failure_mid_stream_sends_an_error_event_and_ends() {
     let fake = FakeService::new(vec![
         delta("Hel"),
         GenerationEvent::Failed {
+            kind: mlxcel_engine_api::FailureKind::Model,
             message: "forward failed".into(),
         },
         delta("never sent"),

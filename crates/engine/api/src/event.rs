@@ -118,8 +118,62 @@ pub enum GenerationEvent {
         timings: Timings,
     },
     /// The request failed inside the engine (every choice ends); nothing
-    /// else was affected.
-    Failed { message: String },
+    /// else was affected, unless `kind` says the engine can serve no more
+    /// ([`FailureKind::GroupBroken`]).
+    Failed { kind: FailureKind, message: String },
+}
+
+/// What kind of failure ended a request (`GenerationEvent::Failed`): the
+/// HTTP layer answers each kind with its own status and error code, and
+/// `/metrics` counts failures by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// The model could not build the request's step, or MLX failed while
+    /// running it.
+    Model,
+    /// MLX could not allocate the memory the step needs: the request may
+    /// succeed later, or shorter.
+    OutOfMemory,
+    /// The KV cache refused an operation (its pool exhausted despite
+    /// admission, or broken bookkeeping).
+    KvCache,
+    /// The output grammar or the tokenizer failed on a sampled token.
+    Output,
+    /// A bug inside the engine: a panic caught at the step boundary, or
+    /// broken bookkeeping of its own.
+    Internal,
+    /// The tensor-parallel group broke (a rank failed or stopped
+    /// answering): the engine serves no more requests.
+    GroupBroken,
+    /// The server shut down before the request ended.
+    Shutdown,
+}
+
+impl FailureKind {
+    /// Every kind, for metrics that list them all.
+    pub const ALL: [FailureKind; 7] = [
+        FailureKind::Model,
+        FailureKind::OutOfMemory,
+        FailureKind::KvCache,
+        FailureKind::Output,
+        FailureKind::Internal,
+        FailureKind::GroupBroken,
+        FailureKind::Shutdown,
+    ];
+
+    /// The kind's name on the wire and in metrics (`out_of_memory`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::Model => "model",
+            FailureKind::OutOfMemory => "out_of_memory",
+            FailureKind::KvCache => "kv_cache",
+            FailureKind::Output => "output",
+            FailureKind::Internal => "internal",
+            FailureKind::GroupBroken => "group_broken",
+            FailureKind::Shutdown => "shutdown",
+        }
+    }
 }
 
 /// The receiving end of a request's events.

@@ -18,11 +18,12 @@ mod service;
 mod stats;
 
 pub use event::{
-    EventStream, FinishReason, GenerationEvent, SampledLogprobs, Timings, TokenLogprob, Usage,
+    EventStream, FailureKind, FinishReason, GenerationEvent, SampledLogprobs, Timings,
+    TokenLogprob, Usage,
 };
 pub use request::{
     ChatMessage, GenerationRequest, Prompt, ResponseFormat, SamplingParams, TokenizeRequest,
     ToolCall, ToolChoice, ToolDefinition, RESERVED_TEMPLATE_VARIABLES,
 };
 pub use service::{InferenceService, RequestField, ServiceSlot, SubmitError};
-pub use stats::{CacheReset, EngineStats};
+pub use stats::{CacheReset, EngineStats, KvGroupStats};

@@ -66,4 +66,30 @@ pub struct EngineStats {
     /// Decode steps queued before the previous step's tokens were read
     /// (pipelined decode).
     pub pipelined_steps: u64,
+    /// The KV cache per KV group (the layers sharing one attention
+    /// window, each with its own pool), in group order; the `kv_blocks_*`
+    /// fields above are their sums.
+    pub kv_groups: Vec<KvGroupStats>,
+}
+
+/// One KV group's pool ([`EngineStats::kv_groups`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvGroupStats {
+    /// Model layers whose K/V the group holds.
+    pub layers: usize,
+    /// Their attention window in keys; `None`: full attention.
+    pub window: Option<usize>,
+    /// Bytes of K/V per block of this group (its layers only).
+    pub block_bytes: usize,
+    /// Blocks in the group's pool.
+    pub blocks_total: usize,
+    /// Blocks holding K/V (held by a running request or by the prefix
+    /// cache).
+    pub blocks_used: usize,
+    /// Empty blocks.
+    pub blocks_free: usize,
+    /// Blocks held by running requests.
+    pub blocks_active: usize,
+    /// Blocks registered in the prefix cache (held or not).
+    pub blocks_cached: usize,
 }

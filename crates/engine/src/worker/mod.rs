@@ -540,6 +540,28 @@ impl<'m> Worker<'m> {
         c.prefix_cache_tokens_reused = prefix.tokens_reused;
         c.prefix_cache_inserts = prefix.inserts;
         c.prefix_cache_evictions = prefix.evictions;
+        c.kv_groups = self
+            .kv
+            .groups()
+            .enumerate()
+            .map(|(g, group)| {
+                let n = self
+                    .kv
+                    .group_pool(g)
+                    .map(|p| p.counts())
+                    .unwrap_or_default();
+                crate::api::KvGroupStats {
+                    layers: group.layers.len(),
+                    window: group.window,
+                    block_bytes: self.kv.group_block_bytes(g),
+                    blocks_total: n.total,
+                    blocks_used: n.used + n.evictable,
+                    blocks_free: n.free - n.evictable,
+                    blocks_active: n.used,
+                    blocks_cached: n.cached,
+                }
+            })
+            .collect();
         let mut out = self.published.lock().unwrap_or_else(|p| p.into_inner());
         out.clone_from(&self.counters);
     }

@@ -115,7 +115,7 @@ pub async fn create_response(
     let handle = state.service_handle();
     let events = tokio::task::spawn_blocking(move || handle.submit(generation))
         .await
-        .map_err(|e| ApiError::GenerationFailed(format!("submitting the request: {e}")))?
+        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
         .map_err(|e| ApiError::from_submit(e, Route::Responses))?;
     let events = state.metrics().instrument(events, arrived);
     let mut choices = Choices::new(vec![events], 1, request.parallel_tool_calls);

@@ -203,6 +203,28 @@ impl InferenceService for FakeService {
             attention_batched_rows: 80,
             attention_per_row_rows: 10,
             pipelined_steps: 7,
+            kv_groups: vec![
+                mlxcel_engine_api::KvGroupStats {
+                    layers: 3,
+                    window: None,
+                    block_bytes: 768,
+                    blocks_total: 80,
+                    blocks_used: 8,
+                    blocks_free: 72,
+                    blocks_active: 2,
+                    blocks_cached: 8,
+                },
+                mlxcel_engine_api::KvGroupStats {
+                    layers: 1,
+                    window: Some(512),
+                    block_bytes: 256,
+                    blocks_total: 20,
+                    blocks_used: 2,
+                    blocks_free: 18,
+                    blocks_active: 0,
+                    blocks_cached: 0,
+                },
+            ],
             ..EngineStats::default()
         }
     }
