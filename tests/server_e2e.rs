@@ -249,7 +249,7 @@ fn check_forced_tool_calls(port: u16) {
         r
     };
     let named = |name: &str| json!({"type": "function", "function": {"name": name}});
-    let tokenizer = mlxcel_engine::tokenizer::TextTokenizer::from_model_dir(&model_dir()).unwrap();
+    let tokenizer = mlxcel_text::tokenizer::TextTokenizer::from_model_dir(&model_dir()).unwrap();
 
     // Named: one call whose arguments are all the model wrote.
     let v = ask(json!({"tool_choice": named("get_weather")})).json();

@@ -7,44 +7,32 @@ use std::path::Path;
 pub use mlxcel_model::gguf::is_gguf;
 pub use mlxcel_models::{load_model, read_config};
 
-use crate::chat_template::ChatTemplate;
-use crate::gguf_text::GgufText;
-use crate::tokenizer::{TextError, TextTokenizer};
+use mlxcel_text::Text;
+
 use crate::EngineError;
 
-/// The tokenizer, chat template (`template_file` if given, else
-/// `tokenizer.chat_template`) and EOS ids of the GGUF file at `path`.
+/// The text side of the checkpoint at `path` (a directory or a GGUF file):
+/// its tokenizer, chat template (`template_file` if given, else the
+/// model's own), EOS ids and grammar vocabulary for `vocab_size` logit rows
+/// ([`Text::from_model_dir`], [`Text::from_gguf_header`]).
 ///
 /// # Errors
-/// An invalid or unsupported GGUF, an unsupported tokenizer, a template
-/// that does not compile.
-pub fn gguf_text(
+/// An invalid or unsupported GGUF, an unreadable or unsupported tokenizer,
+/// a template that does not compile.
+pub fn load_text(
     path: &Path,
     template_file: Option<&Path>,
-) -> Result<(TextTokenizer, Option<ChatTemplate>, Vec<u32>), EngineError> {
-    let gguf = mlxcel_model::gguf::GgufModel::open(path)?;
-    let text = GgufText::from_header(path, &gguf.header)?;
-    let source = match template_file {
-        Some(file) => Some(
-            std::fs::read_to_string(file).map_err(|source| TextError::Io {
-                path: file.to_path_buf(),
-                source,
-            })?,
-        ),
-        None => text.chat_template.clone(),
-    };
-    let template = source
-        .map(|s| ChatTemplate::new(s, text.bos_token.clone(), text.eos_token.clone()))
-        .transpose()?;
-    let mut eos = text.eos_ids;
-    if let Some(id) = text
-        .eos_token
-        .as_deref()
-        .and_then(|t| text.tokenizer.token_to_id(t))
-    {
-        if !eos.contains(&id) {
-            eos.push(id);
-        }
+    vocab_size: usize,
+) -> Result<Text, EngineError> {
+    if is_gguf(path) {
+        let gguf = mlxcel_model::gguf::GgufModel::open(path)?;
+        Ok(Text::from_gguf_header(
+            path,
+            &gguf.header,
+            template_file,
+            vocab_size,
+        )?)
+    } else {
+        Ok(Text::from_model_dir(path, template_file, vocab_size)?)
     }
-    Ok((text.tokenizer, template, eos))
 }

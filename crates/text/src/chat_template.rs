@@ -21,9 +21,9 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind};
 use serde::Serialize;
 
-use crate::api::{ChatMessage, ToolCall, ToolDefinition};
 use crate::output::{TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 use crate::tokenizer::{bos_eos_strings, read_json_opt, TextError};
+use mlxcel_engine_api::{ChatMessage, ToolCall, ToolDefinition};
 
 /// Name of the one template in the environment.
 const TEMPLATE_NAME: &str = "chat_template";
@@ -171,7 +171,7 @@ impl ChatTemplate {
     /// [`ChatTemplate::render_with_tools`] with extra template variables
     /// (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). The
     /// variables the renderer sets itself
-    /// ([`crate::api::RESERVED_TEMPLATE_VARIABLES`])
+    /// ([`mlxcel_engine_api::RESERVED_TEMPLATE_VARIABLES`])
     /// win over `kwargs`.
     pub fn render_with_kwargs(
         &self,

@@ -28,8 +28,8 @@
 //!   generated arguments and no wrapper text is ever sent, even when the
 //!   choice is cut short.
 
-use crate::api::ToolCall;
 use crate::reasoning::{ReasoningSplitter, ReplyPart};
+use mlxcel_engine_api::ToolCall;
 
 /// Opening tag of a Hermes-style tool call.
 pub const TOOL_CALL_OPEN: &str = "<tool_call>";

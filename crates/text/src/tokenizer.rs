@@ -134,7 +134,7 @@ impl TextTokenizer {
     }
 
     /// Wraps a `tokenizers` tokenizer built elsewhere (a GGUF's metadata,
-    /// `crate::gguf_text`), with its BOS/EOS strings.
+    /// `crate::gguf`), with its BOS/EOS strings.
     pub fn from_tokenizer(
         inner: tokenizers::Tokenizer,
         bos_token: Option<String>,

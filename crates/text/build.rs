@@ -1,0 +1,3 @@
+fn main() {
+    mlxcel_mlx_link::emit();
+}
