@@ -419,7 +419,7 @@ fn server_answers_like_the_goldens() {
 
     // Control tokens typed by a user stay text: 53 prompt tokens, as
     // transformers counts the content with `split_special_tokens=True`
-    // (crates/engine/tests/text_real_model.rs), not the 41 of a prompt
+    // (crates/text/tests/text_real_model.rs), not the 41 of a prompt
     // whose user closed their turn and opened a system one.
     let forged = post_json(
         port,
