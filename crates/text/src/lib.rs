@@ -1,5 +1,7 @@
 //! The text side of mlxcel: everything between a request's messages and
-//! token ids, and between generated ids and what a client sees. No MLX.
+//! token ids, and between generated ids and what a client sees. No tensor
+//! work: `mlxcel-model` is a dependency only for the GGUF header that
+//! [`gguf`] reads (until the header has an MLX-free crate of its own).
 //!
 //! - [`tokenizer`]: text ↔ ids through a Hugging Face `tokenizer.json`,
 //!   special-token marking, EOS ids; [`TextError`], the error of all text
