@@ -17,9 +17,7 @@ use std::path::{Path, PathBuf};
 use common::model_dir;
 use common::parity::{argmax, config_shape, step};
 use mlxcel_engine::api::{ChatMessage, GenerationEvent, InferenceService, Prompt};
-use mlxcel_engine::gguf_text::GgufText;
 use mlxcel_engine::loader::{load_model, read_config};
-use mlxcel_engine::tokenizer::TextTokenizer;
 use mlxcel_engine::{Engine, EngineConfig};
 use mlxcel_gguf::count_reads::header_reads;
 use mlxcel_kv::{KvCache, KvCacheConfig, StorageBackend};
@@ -27,6 +25,8 @@ use mlxcel_mlx::Dtype;
 use mlxcel_model::gguf::GgufModel;
 use mlxcel_model::{LoadOptions, Model, WeightMode};
 use mlxcel_models::gguf_arch;
+use mlxcel_text::gguf::GgufText;
+use mlxcel_text::tokenizer::TextTokenizer;
 use serde_json::Value;
 
 /// The SmolLM2 GGUF inside the project's `.venv`.

@@ -15,7 +15,6 @@ use std::path::PathBuf;
 
 use common::parity::{check_model, config_shape, floats, ids, read_golden, real_model_dir};
 use mlxcel_engine::api::{InferenceService, Prompt};
-use mlxcel_engine::gguf_text::GgufText;
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_engine::{Engine, EngineConfig};
 use mlxcel_mlx::Dtype;
@@ -23,6 +22,7 @@ use mlxcel_model::config::QuantSpec;
 use mlxcel_model::gguf::{GgufModel, Requantize};
 use mlxcel_model::{LoadOptions, WeightMode, Weights};
 use mlxcel_models::gguf_arch;
+use mlxcel_text::gguf::GgufText;
 use serde_json::Value;
 
 const GGUF_NAME: &str = "gemma-3-270m-q4_k_m.gguf";

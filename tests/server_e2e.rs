@@ -249,7 +249,7 @@ fn check_forced_tool_calls(port: u16) {
         r
     };
     let named = |name: &str| json!({"type": "function", "function": {"name": name}});
-    let tokenizer = mlxcel_engine::tokenizer::TextTokenizer::from_model_dir(&model_dir()).unwrap();
+    let tokenizer = mlxcel_text::tokenizer::TextTokenizer::from_model_dir(&model_dir()).unwrap();
 
     // Named: one call whose arguments are all the model wrote.
     let v = ask(json!({"tool_choice": named("get_weather")})).json();
@@ -419,7 +419,7 @@ fn server_answers_like_the_goldens() {
 
     // Control tokens typed by a user stay text: 53 prompt tokens, as
     // transformers counts the content with `split_special_tokens=True`
-    // (crates/engine/tests/text_real_model.rs), not the 41 of a prompt
+    // (crates/text/tests/text_real_model.rs), not the 41 of a prompt
     // whose user closed their turn and opened a system one.
     let forged = post_json(
         port,

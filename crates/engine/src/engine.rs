@@ -16,11 +16,7 @@ use crate::api::{
     CacheReset, EngineStats, GenerationRequest, InferenceService, Prompt, RequestField,
     ResponseFormat, SubmitError, TokenizeRequest, ToolChoice, ToolDefinition,
 };
-use crate::chat_template::ChatTemplate;
-use crate::constraint::{ConstrainedDecoder, Grammar, GrammarTokenizer};
-use crate::output::forced_call_prefix;
 use crate::scheduler::SchedulerConfig;
-use crate::tokenizer::{eos_token_ids, TextTokenizer};
 use crate::worker::{Job, Message, ToolCallOutput, Worker, WorkerConfig};
 use mlxcel_kv::{
     Admission, GroupAdmission, KvCache, KvCacheConfig, KvGroupConfig, KvLayout, PrefixCacheConfig,
@@ -28,6 +24,10 @@ use mlxcel_kv::{
 };
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, WeightMode};
+use mlxcel_text::client_text::mark_client_text;
+use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
+use mlxcel_text::output::forced_call_prefix;
+use mlxcel_text::{Text, TextError};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
@@ -82,7 +82,7 @@ pub struct EngineConfig {
     /// turn or forge another role's).
     pub special_tokens_in_content: bool,
     /// Which chat replies get their `<think>` block split off as reasoning
-    /// (`crate::reasoning`).
+    /// (`mlxcel_text::reasoning`).
     pub reasoning_parser: ReasoningParser,
     /// Pipeline decode steps whose rows sample on the device: the next step
     /// is queued before the current step's tokens are read (default true).
@@ -175,7 +175,7 @@ impl EngineConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error(transparent)]
-    Text(#[from] crate::tokenizer::TextError),
+    Text(#[from] TextError),
     #[error(transparent)]
     Model(#[from] mlxcel_model::ModelError),
     #[error(transparent)]
@@ -195,32 +195,6 @@ pub enum EngineError {
     /// A step failed during start-up (the tensor-parallel set-up).
     #[error(transparent)]
     Step(#[from] crate::error::StepError),
-}
-
-/// The text side shared by the handle and the engine thread.
-pub(crate) struct Text {
-    pub(crate) tokenizer: TextTokenizer,
-    pub(crate) template: Option<ChatTemplate>,
-    pub(crate) eos: Vec<u32>,
-    /// The vocabulary as byte strings, for grammars and logprob bytes;
-    /// `None` when llguidance cannot read this tokenizer (then constrained
-    /// output is refused with a 400, and everything else works).
-    pub(crate) grammar: Option<GrammarTokenizer>,
-}
-
-impl Text {
-    /// The exact bytes of token `id` (without a grammar tokenizer: its
-    /// decoded text, lossy for partial UTF-8).
-    pub(crate) fn token_bytes(&self, id: u32) -> Vec<u8> {
-        match &self.grammar {
-            Some(g) => g.token_bytes(id),
-            None => self
-                .tokenizer
-                .decode(&[id], false)
-                .map(String::into_bytes)
-                .unwrap_or_default(),
-        }
-    }
 }
 
 /// Handle to a running engine. Cheap to share (`Arc`); dropping the last
@@ -283,18 +257,12 @@ impl Engine {
         let dir = config.model_dir.clone();
         let checkpoint = crate::loader::Checkpoint::open(&dir)?;
         let model_config = checkpoint.config()?;
-        let (tokenizer, template, eos) = if let Some(header) = checkpoint.gguf_header() {
-            crate::loader::gguf_text(&dir, header, config.chat_template.as_deref())?
-        } else {
-            let tokenizer = TextTokenizer::from_model_dir(&dir)?;
-            let template = match &config.chat_template {
-                Some(path) => Some(ChatTemplate::from_file(path, &dir)?),
-                None => ChatTemplate::from_model_dir(&dir)?,
-            };
-            // generation_config.json, config.json and the tokenizer's EOS.
-            let eos = eos_token_ids(&dir, &tokenizer);
-            (tokenizer, template, eos)
-        };
+        let vocab_size = model_config.vocab_size;
+        let text = Arc::new(crate::loader::load_text(
+            &checkpoint,
+            config.chat_template.as_deref(),
+            vocab_size,
+        )?);
         let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
         mlxcel_mlx::set_cudnn_attention(config.cudnn_attention)?;
         if let Some(dir) = &config.kernel_cache_dir {
@@ -321,28 +289,7 @@ impl Engine {
         let group_health = group.as_ref().map(|(health, _)| Arc::clone(health));
         let model_id = config.model_id();
         let context_length = model_config.max_position_embeddings;
-        let vocab_size = model_config.vocab_size;
-        let trie_started = Instant::now();
-        let grammar = match GrammarTokenizer::new(&tokenizer, vocab_size, &eos) {
-            Ok(g) => {
-                tracing::info!(
-                    ms = trie_started.elapsed().as_secs_f64() * 1e3,
-                    "grammar tokenizer ready"
-                );
-                Some(g)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "no constrained decoding for this tokenizer");
-                None
-            }
-        };
         let model_type = model_config.model_type.clone();
-        let text = Arc::new(Text {
-            tokenizer,
-            template,
-            eos,
-            grammar,
-        });
         let (jobs, queue) = mpsc::channel::<Message>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread_text = Arc::clone(&text);
@@ -496,7 +443,7 @@ impl Engine {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         encoding: Encoding<'_>,
     ) -> Result<Vec<u32>, SubmitError> {
-        let invalid = |e: crate::tokenizer::TextError| SubmitError::InvalidRequest {
+        let invalid = |e: TextError| SubmitError::InvalidRequest {
             message: e.to_string(),
             field: Some(RequestField::Prompt),
         };
@@ -713,7 +660,7 @@ impl InferenceService for Engine {
         let reasoning = (chat && self.split_reasoning && grammar.is_none()).then(|| {
             let tail = &prompt[prompt.len().saturating_sub(8)..];
             let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
-            crate::reasoning::ReasoningSplitter::prompt_opens_block(&tail)
+            mlxcel_text::reasoning::ReasoningSplitter::prompt_opens_block(&tail)
         });
         let tool_calls = match reply {
             Some(prefix) => ToolCallOutput::Forced(prefix),
@@ -811,77 +758,6 @@ impl Drop for Engine {
                 tracing::error!("the engine thread panicked");
             }
         }
-    }
-}
-
-/// `messages`, `tools` and the chat template variables with every
-/// special-token string in text the client wrote (contents, names, tool-call
-/// ids and arguments, tool descriptions and schemas, variable keys and
-/// values) marked so that it is encoded as plain text
-/// (see [`crate::tokenizer`]); `None` when there was nothing to mark.
-#[allow(clippy::type_complexity)]
-fn mark_client_text(
-    tok: &crate::tokenizer::TextTokenizer,
-    messages: &[crate::api::ChatMessage],
-    tools: &[ToolDefinition],
-    kwargs: &serde_json::Map<String, serde_json::Value>,
-) -> Option<(
-    Vec<crate::api::ChatMessage>,
-    Vec<ToolDefinition>,
-    serde_json::Map<String, serde_json::Value>,
-)> {
-    let mut changed = false;
-    let mut mark = |text: &mut String| {
-        if let Some(marked) = tok.mark_special_text(text) {
-            *text = marked;
-            changed = true;
-        }
-    };
-    let mut messages = messages.to_vec();
-    for m in &mut messages {
-        m.content.iter_mut().for_each(&mut mark);
-        m.name.iter_mut().for_each(&mut mark);
-        m.tool_call_id.iter_mut().for_each(&mut mark);
-        m.reasoning_content.iter_mut().for_each(&mut mark);
-        for call in &mut m.tool_calls {
-            mark(&mut call.id);
-            mark(&mut call.name);
-            mark(&mut call.arguments);
-        }
-    }
-    let mut tools = tools.to_vec();
-    for t in &mut tools {
-        mark(&mut t.name);
-        t.description.iter_mut().for_each(&mut mark);
-        mark_json(&mut t.parameters, &mut mark);
-    }
-    let kwargs = kwargs
-        .iter()
-        .map(|(key, value)| {
-            let (mut key, mut value) = (key.clone(), value.clone());
-            mark(&mut key);
-            mark_json(&mut value, &mut mark);
-            (key, value)
-        })
-        .collect();
-    changed.then_some((messages, tools, kwargs))
-}
-
-/// Applies `mark` to every string of `value`, object keys included.
-fn mark_json(value: &mut serde_json::Value, mark: &mut impl FnMut(&mut String)) {
-    match value {
-        serde_json::Value::String(s) => mark(s),
-        serde_json::Value::Array(items) => items.iter_mut().for_each(|v| mark_json(v, mark)),
-        serde_json::Value::Object(map) => {
-            let entries: Vec<(String, serde_json::Value)> =
-                std::mem::take(map).into_iter().collect();
-            for (mut key, mut v) in entries {
-                mark(&mut key);
-                mark_json(&mut v, mark);
-                map.insert(key, v);
-            }
-        }
-        _ => {}
     }
 }
 

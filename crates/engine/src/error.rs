@@ -34,10 +34,10 @@ pub enum StepError {
     GroupBroken(String),
     /// The output grammar rejected a token or could not mask logits.
     #[error(transparent)]
-    Grammar(#[from] crate::constraint::ConstraintError),
+    Grammar(#[from] mlxcel_text::constraint::ConstraintError),
     /// The tokenizer could not decode a sampled token.
     #[error(transparent)]
-    Text(#[from] crate::tokenizer::TextError),
+    Text(#[from] mlxcel_text::TextError),
     /// The engine's own bookkeeping broke a rule (a bug), reported instead
     /// of panicking.
     #[error("internal error: {0}")]

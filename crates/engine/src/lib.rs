@@ -2,32 +2,24 @@
 //!
 //! One OS thread owns the model and its KV cache; request handlers talk to it
 //! through channels (see `docs/architecture.md`).
-//! Text work (tokenizer, chat template, incremental detokenization) and the
-//! sampler live here too, so the CLI and the HTTP server share one engine.
+//! The text side (tokenizer, chat template, detokenizer, output filter) is
+//! `mlxcel-text`; the sampler lives here, so the CLI and the HTTP server
+//! share one engine.
 
 /// The front-end seam (re-exported from `mlxcel-engine-api`).
 pub use mlxcel_engine_api as api;
-pub mod chat_template;
-pub mod constraint;
-pub mod detokenizer;
 pub mod engine;
 pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
-mod gguf_spm;
-pub mod gguf_text;
 pub mod loader;
 pub mod logits;
-pub mod output;
-pub mod reasoning;
 mod runner;
 pub mod sampler;
 pub mod scheduler;
-pub mod tokenizer;
 pub mod warmup;
 mod worker;
 
-pub(crate) use engine::Text;
 pub use engine::{
     auto_prefill_chunk_size, Engine, EngineConfig, EngineError, EngineInfo, GgufQuantize,
     ReasoningParser, GGUF_QUANTIZE_GROUP,

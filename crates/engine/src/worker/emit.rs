@@ -2,19 +2,20 @@
 //! (or the choice's end) on its stream.
 //!
 //! Per choice and position: logit bias and penalties
-//! ([`crate::logits`]), the grammar mask ([`crate::constraint`]), the
+//! ([`crate::logits`]), the grammar mask ([`mlxcel_text::constraint`]), the
 //! log-probabilities, the sampler; then the token's text goes through the
-//! detokenizer and the output filter ([`crate::output`]: stop strings, tool
-//! calls) before it is sent.
+//! detokenizer and the output filter ([`mlxcel_text::output`]: stop strings,
+//! tool calls) before it is sent.
 
 use std::borrow::Cow;
 use std::time::Instant;
 
+use mlxcel_text::output::OutputPiece;
+
 use super::{Emitted, NextToken, Worker};
-use crate::api::{FinishReason, GenerationEvent, SampledLogprobs, TokenLogprob};
+use crate::api::{FinishReason, GenerationEvent, SampledLogprobs};
 use crate::error::StepError;
 use crate::logits::log_probs;
-use crate::output::OutputPiece;
 use crate::runner::{RowOutput, StepOutput};
 use crate::scheduler::StepPlan;
 
@@ -198,18 +199,5 @@ impl Worker<'_> {
             timings: s.timings,
         });
         Ok(Emitted::Finished)
-    }
-}
-
-impl crate::Text {
-    /// `logprob` of token `id`, with its text and exact bytes.
-    pub(super) fn token_logprob(&self, id: u32, logprob: f32) -> TokenLogprob {
-        let bytes = self.token_bytes(id);
-        TokenLogprob {
-            id,
-            text: String::from_utf8_lossy(&bytes).into_owned(),
-            bytes,
-            logprob,
-        }
     }
 }

@@ -13,15 +13,16 @@ use std::time::Instant;
 
 use mlxcel_kv::{GroupAdmission, KvCache, KvSequence};
 use mlxcel_model::AttentionPath;
+use mlxcel_text::constraint::ConstrainedDecoder;
+use mlxcel_text::detokenizer::IncrementalDetokenizer;
+use mlxcel_text::output::OutputFilter;
+use mlxcel_text::reasoning::ReasoningSplitter;
+use mlxcel_text::Text;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest, Timings, Usage};
-use crate::constraint::ConstrainedDecoder;
-use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::StepError;
 use crate::logits::LogitsProcessor;
-use crate::output::OutputFilter;
-use crate::reasoning::ReasoningSplitter;
 use crate::runner::{InFlight, StepRunner};
 
 mod emit;
@@ -29,7 +30,6 @@ mod pipeline;
 mod step;
 use crate::sampler::Sampler;
 use crate::scheduler::SchedulerConfig;
-use crate::Text;
 
 /// One queued request, tokenized and validated by the handle.
 pub(crate) struct Job {
@@ -55,7 +55,7 @@ pub(crate) enum ToolCallOutput {
     /// Calls of the offered functions are parsed out of free text.
     Parsed,
     /// A forced reply whose start, this prefix
-    /// ([`crate::output::forced_call_prefix`]), ends the prompt.
+    /// ([`mlxcel_text::output::forced_call_prefix`]), ends the prompt.
     Forced(String),
 }
 

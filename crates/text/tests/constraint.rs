@@ -12,9 +12,9 @@ use common::model_dir;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use mlxcel_engine::constraint::{ConstrainedDecoder, ConstraintError, Grammar, GrammarTokenizer};
-use mlxcel_engine::output::{forced_call_prefix, OutputFilter, OutputPiece};
-use mlxcel_engine::tokenizer::{eos_token_ids, TextTokenizer};
+use mlxcel_text::constraint::{ConstrainedDecoder, ConstraintError, Grammar, GrammarTokenizer};
+use mlxcel_text::output::{forced_call_prefix, OutputFilter, OutputPiece};
+use mlxcel_text::tokenizer::{eos_token_ids, TextTokenizer};
 use serde_json::{json, Value};
 
 /// SmolLM2's `<|im_end|>`, its EOS.

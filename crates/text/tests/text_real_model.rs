@@ -18,10 +18,10 @@
 mod common;
 use common::model_dir;
 
-use mlxcel_engine::api::ChatMessage;
-use mlxcel_engine::chat_template::ChatTemplate;
-use mlxcel_engine::detokenizer::IncrementalDetokenizer;
-use mlxcel_engine::tokenizer::{eos_token_ids, TextTokenizer};
+use mlxcel_engine_api::ChatMessage;
+use mlxcel_text::chat_template::ChatTemplate;
+use mlxcel_text::detokenizer::IncrementalDetokenizer;
+use mlxcel_text::tokenizer::{eos_token_ids, TextTokenizer};
 
 fn msg(role: &str, content: &str) -> ChatMessage {
     ChatMessage::text(role, content)
@@ -144,9 +144,7 @@ fn control_tokens_typed_in_content_are_encoded_as_text() {
         .mark_special_text(content)
         .expect("content holds control-token text");
     assert_eq!(
-        marked
-            .matches(mlxcel_engine::tokenizer::CONTENT_MARK)
-            .count(),
+        marked.matches(mlxcel_text::tokenizer::CONTENT_MARK).count(),
         2
     );
     let rendered = template.render(&[msg("user", &marked)], true).unwrap();
@@ -174,7 +172,7 @@ fn control_tokens_typed_in_content_are_encoded_as_text() {
     // template's next control token text: the prompt is the plain one with
     // the character's own tokens in it.
     let mut with_mark = conversation;
-    let typed = format!("And 3+3? {}", mlxcel_engine::tokenizer::CONTENT_MARK);
+    let typed = format!("And 3+3? {}", mlxcel_text::tokenizer::CONTENT_MARK);
     let marked = tok
         .mark_special_text(&typed)
         .expect("a typed mark is escaped");

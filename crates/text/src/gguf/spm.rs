@@ -34,10 +34,9 @@
 
 use std::collections::HashMap;
 
-use mlxcel_model::gguf::GgufHeader;
 use serde_json::{json, Map, Value as Json};
 
-use crate::gguf_text::{flag, template_post_processor, token_at, token_types};
+use super::{flag, template_post_processor, token_at, token_types, GgufHeader};
 
 /// SentencePiece's word-boundary mark, U+2581.
 const SPACE: char = '\u{2581}';
@@ -212,10 +211,10 @@ mod tests {
     use std::collections::BTreeMap;
     use std::path::Path;
 
-    use mlxcel_model::gguf::Value;
+    use crate::gguf::Value;
 
     use super::*;
-    use crate::gguf_text::GgufText;
+    use crate::gguf::GgufText;
 
     const BYTE: i64 = 6;
 

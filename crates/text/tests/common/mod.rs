@@ -1,4 +1,4 @@
-//! Shared by the engine's integration tests.
+//! Shared by the text crate's integration tests.
 
 use std::path::PathBuf;
 

@@ -20,9 +20,9 @@
 
 use std::path::{Path, PathBuf};
 
-use mlxcel_engine::api::ChatMessage;
-use mlxcel_engine::chat_template::ChatTemplate;
-use mlxcel_engine::tokenizer::{TextError, TextTokenizer};
+use mlxcel_engine_api::ChatMessage;
+use mlxcel_text::chat_template::ChatTemplate;
+use mlxcel_text::tokenizer::{TextError, TextTokenizer};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")

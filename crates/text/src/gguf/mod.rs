@@ -6,17 +6,20 @@
 //! `merges`, `token_type`) with the pre-tokenizer named by
 //! `tokenizer.ggml.pre` (`smollm`, `gpt-2`/`default`, `llama-bpe`/`llama3`,
 //! `qwen2`), and `llama` (SentencePiece BPE: `tokens`, `scores`,
-//! `token_type`, see [`crate::gguf_spm`]). Other tokenizer models and
+//! `token_type`, see [`spm`]). Other tokenizer models and
 //! pre-tokenizers are refused by name. Token types (llama.cpp's
 //! `llama_token_type`): control (3), unknown (2) and unused (5) tokens
 //! become special added tokens, user-defined ones (4) plain added tokens.
 
 use std::path::Path;
 
-use mlxcel_model::gguf::{GgufHeader, Value};
+/// The GGUF header and its metadata values (`mlxcel-gguf`, no MLX).
+pub(crate) use mlxcel_gguf::{GgufHeader, Value};
 use serde_json::{json, Value as Json};
 
 use crate::tokenizer::{TextError, TextTokenizer};
+
+mod spm;
 
 /// The split that GPT-2 style byte-level BPEs apply before byte-level
 /// mapping, for `llama-bpe` (numbers in runs of up to 3 digits).
@@ -120,7 +123,7 @@ fn tokenizer_json(header: &GgufHeader, tokens: &[&str]) -> Result<Json, String> 
         .ok_or("GGUF has no tokenizer.ggml.model")?;
     match model {
         "gpt2" => byte_level_json(header, tokens),
-        "llama" => crate::gguf_spm::tokenizer_json(header, tokens),
+        "llama" => spm::tokenizer_json(header, tokens),
         other => Err(format!(
             "tokenizer model {other} (supported: gpt2, byte-level BPE; llama, SentencePiece)"
         )),

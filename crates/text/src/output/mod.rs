@@ -1,0 +1,248 @@
+//! What a choice's text becomes on its stream: reasoning, stop strings and
+//! tool calls.
+//!
+//! The detokenizer turns tokens into text; [`OutputFilter`] decides which of
+//! that text the client sees, as what, and when. It composes, in order:
+//!
+//! - **Reasoning** ([`crate::reasoning`]), split off first when the choice
+//!   has a reasoning splitter: the rest goes on as the answer.
+//! - **Stop strings** (`stop`). Text that might be the start of a stop
+//!   string is held back until the next text decides it; the first complete
+//!   stop string ends the choice, and neither it nor anything after it is
+//!   sent (OpenAI's `stop`). The search runs over everything not yet sent,
+//!   so a stop string split across any number of tokens is found.
+//! - **Tool calls** ([`tool_calls`]: a [`ToolCallParser`], today the
+//!   Hermes / Qwen2.5 format:
+//!   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`).
+//!   Calls of offered functions become [`OutputPiece::CallStart`] and
+//!   [`OutputPiece::CallArguments`] fragments, streamed as generated; a
+//!   call that does not parse, or names a function that was not offered,
+//!   is sent as text, unchanged. Whitespace between calls is dropped.
+//! - **Forced calls.** Under a named or required `tool_choice` the engine
+//!   puts the start of the call in the prompt ([`forced_call_prefix`]) and
+//!   constrains only what follows; the filter is seeded with that same
+//!   prefix ([`OutputFilter::forced`]), so the call is built from the
+//!   generated arguments and no wrapper text is ever sent, even when the
+//!   choice is cut short.
+
+use crate::reasoning::{ReasoningSplitter, ReplyPart};
+
+mod stop;
+pub mod tool_calls;
+
+use stop::StopStrings;
+pub use tool_calls::hermes::{
+    forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
+};
+use tool_calls::{HermesParser, ToolCallParser};
+
+/// One piece of a choice's visible output.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputPiece {
+    /// Text for the message content.
+    Text(String),
+    /// A tool call begins.
+    CallStart {
+        /// `call_` and 24 random hex digits.
+        id: String,
+        /// The function called (one of the offered ones).
+        name: String,
+    },
+    /// More of the latest call's arguments: JSON text as generated. A
+    /// call's arguments are the concatenation of its fragments.
+    CallArguments(String),
+    /// Reasoning (see [`crate::reasoning`]): never content, never parsed
+    /// for stop strings or calls.
+    Reasoning(String),
+}
+
+/// What one push of text produced.
+#[derive(Debug, Default, PartialEq)]
+pub struct Filtered {
+    /// What to send now, in order (adjacent text, and adjacent argument
+    /// fragments, are merged).
+    pub pieces: Vec<OutputPiece>,
+    /// A stop string appeared: the choice ends here.
+    pub stopped: bool,
+}
+
+impl Filtered {
+    /// All the text pieces, concatenated.
+    pub fn text(&self) -> String {
+        self.pieces
+            .iter()
+            .filter_map(|p| match p {
+                OutputPiece::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// All the reasoning pieces, concatenated.
+    pub fn reasoning(&self) -> String {
+        self.pieces
+            .iter()
+            .filter_map(|p| match p {
+                OutputPiece::Reasoning(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Appends `other`'s pieces.
+    pub fn extend(&mut self, other: Filtered) {
+        for piece in other.pieces {
+            self.push(piece);
+        }
+        self.stopped |= other.stopped;
+    }
+
+    fn push(&mut self, piece: OutputPiece) {
+        match (self.pieces.last_mut(), piece) {
+            (
+                _,
+                OutputPiece::Text(t) | OutputPiece::CallArguments(t) | OutputPiece::Reasoning(t),
+            ) if t.is_empty() => {}
+            (Some(OutputPiece::Text(a)), OutputPiece::Text(b)) => a.push_str(&b),
+            (Some(OutputPiece::Reasoning(a)), OutputPiece::Reasoning(b)) => a.push_str(&b),
+            (Some(OutputPiece::CallArguments(a)), OutputPiece::CallArguments(b)) => a.push_str(&b),
+            (_, piece) => self.pieces.push(piece),
+        }
+    }
+
+    fn text_piece(&mut self, text: &str) {
+        self.push(OutputPiece::Text(text.to_owned()));
+    }
+
+    fn arguments(&mut self, text: &str) {
+        self.push(OutputPiece::CallArguments(text.to_owned()));
+    }
+}
+
+/// Per-choice output filter; see the module docs.
+#[derive(Debug)]
+pub struct OutputFilter {
+    /// The stop strings and the text not yet past them.
+    stop: StopStrings,
+    /// Reads calls out of the text past the stop check (`None`: no
+    /// parsing, no functions offered).
+    tool_calls: Option<Box<dyn ToolCallParser>>,
+    /// Splits reasoning off before everything else (reasoning models).
+    reasoning: Option<ReasoningSplitter>,
+}
+
+impl OutputFilter {
+    /// A filter ending at any of `stop` (empty strings are ignored) and
+    /// extracting calls of the functions named in `tool_names` (a call of
+    /// any other name stays text: it is not a call the client can answer).
+    pub fn new(stop: &[String], tool_names: &[String]) -> Self {
+        Self::with_parser(stop, tool_names, HermesParser::new)
+    }
+
+    /// The same filter, after `splitter` has taken the reasoning out: only
+    /// the answer goes through stop strings and tool-call parsing.
+    pub fn with_reasoning(mut self, splitter: ReasoningSplitter) -> Self {
+        self.reasoning = Some(splitter);
+        self
+    }
+
+    /// The filter of a forced reply whose first text, `prefix` (from
+    /// [`forced_call_prefix`]), is in the prompt rather than generated:
+    /// the generated text continues it. Text that never became a call (a
+    /// choice cut before the function name was complete) is dropped.
+    pub fn forced(stop: &[String], tool_names: &[String], prefix: &str) -> Self {
+        Self::with_parser(stop, tool_names, |names| {
+            HermesParser::forced(names, prefix)
+        })
+    }
+
+    /// A filter whose tool-call parser `parser` builds for `tool_names`
+    /// (none when `tool_names` is empty).
+    fn with_parser<P: ToolCallParser + 'static>(
+        stop: &[String],
+        tool_names: &[String],
+        parser: impl FnOnce(&[String]) -> P,
+    ) -> Self {
+        Self {
+            stop: StopStrings::new(stop),
+            tool_calls: (!tool_names.is_empty())
+                .then(|| Box::new(parser(tool_names)) as Box<dyn ToolCallParser>),
+            reasoning: None,
+        }
+    }
+
+    /// Tool calls found so far.
+    pub fn tool_calls(&self) -> usize {
+        self.tool_calls.as_ref().map_or(0, |p| p.calls())
+    }
+
+    /// Feeds newly decoded text. After a stop, further text is ignored.
+    pub fn push(&mut self, text: &str) -> Filtered {
+        if self.stop.stopped() {
+            return Filtered::default();
+        }
+        match self.reasoning.as_mut().map(|r| r.push(text)) {
+            Some(parts) => self.route(parts),
+            None => self.push_content(text),
+        }
+    }
+
+    /// Reasoning parts become pieces; content goes through the filter.
+    fn route(&mut self, parts: Vec<ReplyPart>) -> Filtered {
+        let mut out = Filtered::default();
+        for part in parts {
+            if self.stop.stopped() {
+                break;
+            }
+            match part {
+                ReplyPart::Reasoning(t) => out.push(OutputPiece::Reasoning(t)),
+                ReplyPart::Content(t) => out.extend(self.push_content(&t)),
+            }
+        }
+        out
+    }
+
+    /// [`OutputFilter::push`] of the answer's text.
+    fn push_content(&mut self, text: &str) -> Filtered {
+        let released = self.stop.push(text);
+        let stopped = self.stop.stopped();
+        let mut out = self.parse(&released, stopped);
+        out.stopped = stopped;
+        out
+    }
+
+    /// Ends the choice (EOS, length, grammar complete): everything held is
+    /// decided now.
+    pub fn finish(&mut self) -> Filtered {
+        let mut out = match self.reasoning.as_mut().map(ReasoningSplitter::finish) {
+            Some(parts) if !self.stop.stopped() => self.route(parts),
+            _ => Filtered::default(),
+        };
+        let rest = self.stop.finish();
+        out.extend(self.parse(&rest, true));
+        out
+    }
+
+    /// Runs released text through the tool-call parser; `last` decides
+    /// whatever is still held.
+    fn parse(&mut self, released: &str, last: bool) -> Filtered {
+        let mut out = Filtered::default();
+        match &mut self.tool_calls {
+            None => out.text_piece(released),
+            Some(parser) => {
+                let pieces = if last {
+                    parser.finish(released)
+                } else {
+                    parser.push(released)
+                };
+                for piece in pieces {
+                    out.push(piece);
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,322 @@
+use super::*;
+use crate::reasoning::ReasoningSplitter;
+
+/// A call as the pieces built it.
+#[derive(Debug, Clone, PartialEq)]
+struct Call {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// What a choice sent: its text, its calls, whether a stop string ended
+/// it, and every argument fragment in order.
+#[derive(Debug, Default)]
+struct Sent {
+    text: String,
+    reasoning: String,
+    calls: Vec<Call>,
+    stopped: bool,
+    fragments: Vec<String>,
+}
+
+impl Sent {
+    fn take(&mut self, f: Filtered) {
+        for piece in f.pieces {
+            match piece {
+                OutputPiece::Text(t) => self.text += &t,
+                OutputPiece::Reasoning(t) => self.reasoning += &t,
+                OutputPiece::CallStart { id, name } => self.calls.push(Call {
+                    id,
+                    name,
+                    arguments: String::new(),
+                }),
+                OutputPiece::CallArguments(a) => {
+                    self.calls
+                        .last_mut()
+                        .expect("arguments before a call")
+                        .arguments += &a;
+                    self.fragments.push(a);
+                }
+            }
+        }
+        self.stopped |= f.stopped;
+    }
+}
+
+/// Feeds `pieces` one by one, then finishes.
+fn run(filter: &mut OutputFilter, pieces: &[&str]) -> Sent {
+    let mut sent = Sent::default();
+    for p in pieces {
+        sent.take(filter.push(p));
+        if sent.stopped {
+            return sent;
+        }
+    }
+    sent.take(filter.finish());
+    sent
+}
+
+/// `text` split into pieces of `n` characters (tokens of a sort).
+fn chunks(text: &str, n: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    chars.chunks(n).map(|c| c.iter().collect()).collect()
+}
+
+fn run_chunked(filter: &mut OutputFilter, text: &str, n: usize) -> Sent {
+    let pieces = chunks(text, n);
+    let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    run(filter, &pieces)
+}
+
+fn tools(names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| n.to_string()).collect()
+}
+
+/// Stop strings and calls are looked for in the answer only: inside
+/// the reasoning they are text.
+#[test]
+fn reasoning_is_split_off_before_stops_and_calls() {
+    let text = "<think>\nSTOP is no stop here, nor <tool_call> a call.\n</think>\n\n\
+                Calling. <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>\
+                STOP after";
+    for n in 1..=text.chars().count() {
+        let mut f = OutputFilter::new(&["STOP".into()], &tools(&["f"]))
+            .with_reasoning(ReasoningSplitter::new(false));
+        let sent = run_chunked(&mut f, text, n);
+        assert_eq!(
+            sent.reasoning, "STOP is no stop here, nor <tool_call> a call.",
+            "pieces of {n}"
+        );
+        assert_eq!(sent.text.trim_end(), "Calling.", "pieces of {n}");
+        assert_eq!(sent.calls.len(), 1, "pieces of {n}");
+        assert_eq!(sent.calls[0].arguments, "{\"x\": 1}", "pieces of {n}");
+        assert!(sent.stopped, "pieces of {n}");
+    }
+}
+
+#[test]
+fn a_stop_string_split_across_pieces_ends_the_text_before_it() {
+    let mut f = OutputFilter::new(&["END".into()], &[]);
+    assert_eq!(f.push("Hello E").text(), "Hello ");
+    assert_eq!(f.push("N").text(), "");
+    let last = f.push("D and more");
+    assert_eq!(last.text(), "");
+    assert!(last.stopped);
+    assert_eq!(f.push("ignored"), Filtered::default());
+}
+
+#[test]
+fn held_text_that_turns_out_not_to_stop_is_sent() {
+    let mut f = OutputFilter::new(&["\n\n".into(), "###".into()], &[]);
+    assert_eq!(f.push("a\n").text(), "a");
+    assert_eq!(f.push("b#").text(), "\nb");
+    assert_eq!(f.push("#x").text(), "##x");
+    assert_eq!(f.finish().text(), "");
+    let sent = run(&mut OutputFilter::new(&["##".into()], &[]), &["1#", "2#"]);
+    assert_eq!((sent.text.as_str(), sent.stopped), ("1#2#", false));
+}
+
+#[test]
+fn the_earliest_of_several_stop_strings_wins() {
+    let stops = ["world".to_string(), "lo w".to_string()];
+    let sent = run(&mut OutputFilter::new(&stops, &[]), &["hello world"]);
+    assert_eq!((sent.text.as_str(), sent.stopped), ("hel", true));
+}
+
+#[test]
+fn multibyte_text_is_cut_on_character_boundaries() {
+    let mut f = OutputFilter::new(&["éa".into()], &[]);
+    assert_eq!(f.push("xyé").text(), "xy");
+    assert_eq!(f.push("b").text(), "éb");
+}
+
+#[test]
+fn tool_calls_are_parsed_and_their_text_withheld() {
+    let mut f = OutputFilter::new(&[], &tools(&["get_weather", "now", "f"]));
+    let pieces = [
+        "Let me check.",
+        "<tool_",
+        "call>\n{\"name\": \"get_weather\", ",
+        "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        "\n<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n",
+    ];
+    let sent = run(&mut f, &pieces);
+    assert_eq!(sent.text, "Let me check.");
+    assert_eq!(sent.calls.len(), 2);
+    assert_eq!(sent.calls[0].name, "get_weather");
+    // The arguments exactly as generated.
+    assert_eq!(sent.calls[0].arguments, r#"{"city": "Paris"}"#);
+    assert_eq!(sent.calls[1].name, "now");
+    assert_eq!(sent.calls[1].arguments, "{}");
+    assert!(sent.calls[0].id.starts_with("call_") && sent.calls[0].id.len() == 29);
+    assert_ne!(sent.calls[0].id, sent.calls[1].id);
+    assert_eq!(f.tool_calls(), 2);
+}
+
+#[test]
+fn arguments_stream_as_they_are_generated() {
+    let args = r#"{"city": "Paris", "days": [1, 2, {"x": "}"}]}"#;
+    let call =
+        format!("<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}}}\n</tool_call>");
+    let mut f = OutputFilter::new(&[], &tools(&["get_weather"]));
+    let pieces = chunks(&call, 3);
+    let mut started_at = None;
+    let mut sent = Sent::default();
+    for (i, p) in pieces.iter().enumerate() {
+        sent.take(f.push(p));
+        if started_at.is_none() && !sent.calls.is_empty() {
+            started_at = Some(i);
+        }
+    }
+    sent.take(f.finish());
+    // The call starts as soon as `"arguments": {` is read, long before
+    // the arguments end, and the fragments add up to them.
+    let header = call.find("{\"city\"").unwrap();
+    assert_eq!(started_at, Some(header / 3));
+    assert!(sent.fragments.len() > 5, "{:?}", sent.fragments);
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.calls[0].arguments, args);
+    assert_eq!(sent.text, "");
+}
+
+#[test]
+fn a_closing_tag_inside_an_argument_string_is_argument_text() {
+    // Every piece of the wrapper inside strings: the call ends where its
+    // JSON does, whatever the split.
+    let code = r#"<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call> } </tool_call"#;
+    let args = format!("{{\"code\": \"{code}\"}}");
+    let streamed = format!("<tool_call>\n{{\"name\": \"f\", \"arguments\": {args}}}\n</tool_call>");
+    // Keys in the other order: held whole, parsed at its end.
+    let held = format!("<tool_call>\n{{\"arguments\": {args}, \"name\": \"f\"}}\n</tool_call>");
+    for call in [&streamed, &held] {
+        for n in [1, 2, 5, 64] {
+            let sent = run_chunked(&mut OutputFilter::new(&[], &tools(&["f"])), call, n);
+            assert_eq!(sent.text, "", "{call} by {n}");
+            assert_eq!(sent.calls.len(), 1, "{call} by {n}");
+            let parsed: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).unwrap();
+            let want: serde_json::Value = serde_json::from_str(&args).unwrap();
+            assert_eq!(parsed, want, "{call} by {n}");
+        }
+    }
+}
+
+#[test]
+fn a_call_without_a_closing_tag_is_parsed_at_the_end() {
+    let sent = run(
+        &mut OutputFilter::new(&[], &tools(&["get_weather", "now", "f"])),
+        &["<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}"],
+    );
+    assert_eq!(sent.text, "");
+    // String-encoded arguments are sent decoded.
+    assert_eq!(sent.calls[0].arguments, "{\"a\": 1}");
+}
+
+#[test]
+fn text_after_a_call_without_its_closing_tag_is_kept() {
+    let sent = run(
+        &mut OutputFilter::new(&[], &tools(&["now"])),
+        &[
+            "<tool_call>{\"name\": \"now\", \"arguments\": {}",
+            "} Done.",
+        ],
+    );
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.text, "Done.");
+}
+
+#[test]
+fn malformed_calls_and_lookalike_text_stay_text() {
+    let sent = run(
+        &mut OutputFilter::new(&[], &tools(&["get_weather", "now", "f"])),
+        &["a <tool", "_cal", "l>not json</tool_call> b <to"],
+    );
+    assert!(sent.calls.is_empty());
+    assert_eq!(sent.text, "a <tool_call>not json</tool_call> b <to");
+}
+
+#[test]
+fn calls_of_functions_not_offered_stay_text() {
+    let call = "<tool_call>{\"name\": \"rm_rf\", \"arguments\": {}}</tool_call>";
+    let sent = run(&mut OutputFilter::new(&[], &tools(&["now"])), &[call]);
+    assert!(sent.calls.is_empty());
+    assert_eq!(sent.text, call);
+    let sent = run(
+        &mut OutputFilter::new(&[], &tools(&["now", "rm_rf"])),
+        &[call],
+    );
+    assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 1));
+}
+
+#[test]
+fn without_tool_parsing_tags_are_plain_text() {
+    let sent = run(
+        &mut OutputFilter::new(&[], &[]),
+        &["<tool_call>{\"name\": \"f\"}</tool_call>"],
+    );
+    assert!(sent.calls.is_empty());
+    assert_eq!(sent.text, "<tool_call>{\"name\": \"f\"}</tool_call>");
+}
+
+#[test]
+fn a_named_forced_call_is_its_generated_arguments() {
+    let prefix = forced_call_prefix(Some("get_weather"));
+    assert_eq!(
+        prefix,
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+    );
+    let names = tools(&["get_weather", "now"]);
+    // Complete: the grammar ends the choice after the arguments.
+    let mut f = OutputFilter::forced(&[], &names, &prefix);
+    let sent = run(&mut f, &["{\"city\"", ": \"Pa", "ris\"}"]);
+    assert_eq!(sent.text, "");
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.calls[0].name, "get_weather");
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Paris\"}");
+    assert_eq!(sent.fragments.len(), 3);
+    // Cut by max_tokens: the call stands, with the arguments as
+    // generated; no wrapper text.
+    let mut f = OutputFilter::forced(&[], &names, &prefix);
+    let sent = run(&mut f, &["{\"city\"", ": \"Pa"]);
+    assert_eq!(sent.text, "");
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Pa");
+    assert_eq!(f.tool_calls(), 1);
+}
+
+#[test]
+fn required_calls_continue_the_prefix_and_never_leave_wrapper_text() {
+    let prefix = forced_call_prefix(None);
+    let names = tools(&["get_weather", "now"]);
+    let reply = "now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"</tool_call>\"}}\n</tool_call>\n";
+    for n in [1, 3, 200] {
+        let sent = run_chunked(&mut OutputFilter::forced(&[], &names, &prefix), reply, n);
+        assert_eq!(sent.text, "", "by {n}");
+        let got: Vec<(&str, &str)> = sent
+            .calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("now", "{}"),
+                ("get_weather", "{\"city\": \"</tool_call>\"}")
+            ],
+            "by {n}"
+        );
+    }
+    // Cut inside the closing tag: the calls, and no text.
+    let cut = &reply[..reply.find("</tool_call>\n<tool_call>").unwrap() + 6];
+    let sent = run_chunked(&mut OutputFilter::forced(&[], &names, &prefix), cut, 4);
+    assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 1));
+    let sent = run_chunked(
+        &mut OutputFilter::new(&[], &names),
+        &format!("{prefix}{cut}"),
+        4,
+    );
+    assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 1));
+    // Cut inside the name: no call, and no text either.
+    let mut f = OutputFilter::forced(&[], &names, &prefix);
+    let sent = run(&mut f, &["get_wea"]);
+    assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 0));
+}
