@@ -3,7 +3,9 @@
 //! ([`ServeArgs`]), their value enums and parsers.
 
 use clap::{Args, ValueEnum};
-use mlxcel_engine::{AttentionPath, EngineConfig, GgufQuantize, ReasoningParser, StorageBackend};
+use mlxcel_engine::{
+    defaults, AttentionPath, EngineConfig, GgufQuantize, ReasoningParser, StorageBackend,
+};
 use mlxcel_http::cors::AllowedOrigins;
 use mlxcel_mlx::Dtype;
 use mlxcel_model::WeightMode;
@@ -92,10 +94,10 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
     pub prefill_tile: AutoOr<usize>,
     /// Sequences decoded together (continuous batching).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = defaults::PARALLEL as u32, value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
     /// Tokens per KV cache block.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = defaults::KV_BLOCK_SIZE as u32, value_parser = clap::value_parser!(u32).range(1..))]
     pub kv_block_size: u32,
     /// KV cache size in bytes (suffixes K, M, G, KiB, MiB, GiB), or `auto`:
     /// room for `--parallel` sequences of the model's full context, at most a
@@ -377,7 +379,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub alias: Option<String>,
     /// `max_tokens` of requests that do not set it.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = mlxcel_http::defaults::MAX_TOKENS)]
     pub default_max_tokens: usize,
     /// Require `Authorization: Bearer <KEY>` on every route but `GET /health`.
     #[arg(
@@ -401,7 +403,7 @@ pub struct ServeArgs {
     /// `previous_response_id` and `GET /v1/responses/{id}`; storing one
     /// more evicts the oldest. 0 turns the store off (then `store: true`
     /// and `previous_response_id` are a 400).
-    #[arg(long, default_value_t = 256, value_name = "N")]
+    #[arg(long, default_value_t = mlxcel_http::defaults::RESPONSES_STORE_SIZE, value_name = "N")]
     pub responses_store_size: usize,
     /// Split the model over the processes `mlx.launch` started, one per
     /// rank (tensor parallelism: attention heads and MLP columns): rank 0

@@ -1,9 +1,65 @@
-//! The errors of the step path: everything that can fail a request after
-//! it was admitted, typed by kind all the way to the HTTP edge (which maps
-//! each kind to a status code) and `/metrics` (which counts failures by
-//! kind).
+//! The engine's errors: [`EngineError`] (start-up), [`StepError`] (the
+//! step path: everything that can fail a request after it was admitted,
+//! typed by kind all the way to the HTTP edge, which maps each kind to a
+//! status code, and `/metrics`, which counts failures by kind) and
+//! [`GroupError`] (a tensor-parallel group's collectives).
 
 use crate::api::{FailureKind, GenerationEvent};
+
+/// Errors of [`Engine::start`].
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The tokenizer or the chat template could not be loaded.
+    #[error(transparent)]
+    Text(#[from] mlxcel_text::TextError),
+    /// The checkpoint could not be read or is not supported.
+    #[error(transparent)]
+    Model(#[from] mlxcel_model::ModelError),
+    /// MLX refused a device setting or an allocation.
+    #[error(transparent)]
+    Mlx(#[from] mlxcel_mlx::Error),
+    /// The KV cache could not be built.
+    #[error(transparent)]
+    Kv(#[from] mlxcel_kv::KvError),
+    /// The engine thread could not start, or died while loading.
+    #[error("engine thread: {0}")]
+    Thread(String),
+    /// The options contradict each other or the model.
+    #[error("bad engine option: {0}")]
+    Config(String),
+    /// The tensor-parallel group failed (a collective, a plan).
+    #[error(transparent)]
+    Group(#[from] GroupError),
+    /// A tensor-parallel follower's step failed.
+    #[error("follower step: {0}")]
+    FollowerStep(StepError),
+    /// A step failed during start-up (the tensor-parallel set-up).
+    #[error(transparent)]
+    Step(#[from] StepError),
+}
+
+/// A failure of the tensor-parallel group.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GroupError {
+    /// A collective failed (a peer's connection closed).
+    #[error("tensor parallelism: {0}")]
+    Collective(#[from] mlxcel_mlx::Error),
+    /// A plan that could not be written or read as JSON.
+    #[error("tensor parallelism: a plan that does not (de)serialize: {0}")]
+    Json(String),
+    /// A plan whose length word does not match its words.
+    #[error("tensor parallelism: a plan of {bytes} bytes in {words} words")]
+    Length { bytes: i64, words: usize },
+    /// Rows whose input is embeddings cannot be sent to other ranks.
+    #[error("tensor parallelism runs token rows only, not input embeddings")]
+    EmbeddingRows,
+    /// A plan out of order (a step before the set-up, a second set-up).
+    #[error("tensor parallelism: {0}")]
+    Protocol(&'static str),
+    /// The group was broken earlier, for this reason.
+    #[error("{0}")]
+    Broken(String),
+}
 
 /// Why a step (or the work after it for one row) failed.
 ///

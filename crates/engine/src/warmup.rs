@@ -29,7 +29,8 @@
 use std::time::Instant;
 
 use crate::api::{GenerationEvent, GenerationRequest, InferenceService, Prompt, SamplingParams};
-use crate::engine::{Engine, EngineError};
+use crate::error::EngineError;
+use crate::handle::Engine;
 
 /// Completion tokens of each warm-up request.
 const WARMUP_TOKENS: usize = 4;

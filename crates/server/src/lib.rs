@@ -49,6 +49,15 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
+/// The defaults of [`HttpConfig::default`] that flags restate (clap's
+/// `default_value_t` names these constants, so a default is written once).
+pub mod defaults {
+    /// `max_tokens` of a request that sets none (`--default-max-tokens`).
+    pub const MAX_TOKENS: usize = 512;
+    /// Responses kept for `previous_response_id` (`--responses-store-size`).
+    pub const RESPONSES_STORE_SIZE: usize = 256;
+}
+
 /// Settings of the HTTP layer, built once from the command line. `Debug`
 /// never shows the API key.
 #[derive(Clone, PartialEq, Eq)]
@@ -80,12 +89,12 @@ impl Default for HttpConfig {
     fn default() -> Self {
         Self {
             body_limit_bytes: 4 * 1024 * 1024,
-            default_max_tokens: 512,
+            default_max_tokens: defaults::MAX_TOKENS,
             keep_alive_interval: Duration::from_secs(15),
             shutdown_grace: Duration::from_secs(30),
             api_key: None,
             allowed_origins: cors::AllowedOrigins::Disabled,
-            responses_store_size: 256,
+            responses_store_size: defaults::RESPONSES_STORE_SIZE,
         }
     }
 }

@@ -11,25 +11,23 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use mlxcel_kv::{GroupAdmission, KvCache, KvSequence};
+use mlxcel_kv::{GroupAdmission, KvCache};
 use mlxcel_model::AttentionPath;
 use mlxcel_text::constraint::ConstrainedDecoder;
-use mlxcel_text::detokenizer::IncrementalDetokenizer;
-use mlxcel_text::output::OutputFilter;
-use mlxcel_text::reasoning::ReasoningSplitter;
 use mlxcel_text::Text;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest, Timings, Usage};
-use crate::error::StepError;
-use crate::logits::LogitsProcessor;
+use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest};
 use crate::runner::{InFlight, StepRunner};
 
+mod admit;
 mod emit;
 mod pipeline;
+mod sequence;
 mod step;
-use crate::sampler::Sampler;
+
 use crate::scheduler::SchedulerConfig;
+use sequence::{NextToken, Sequence};
 
 /// One queued request, tokenized and validated by the handle.
 pub(crate) struct Job {
@@ -57,25 +55,6 @@ pub(crate) enum ToolCallOutput {
     /// A forced reply whose start, this prefix
     /// ([`mlxcel_text::output::forced_call_prefix`]), ends the prompt.
     Forced(String),
-}
-
-impl Job {
-    /// A fresh output filter for one of its choices.
-    fn output_filter(&self) -> OutputFilter {
-        let names =
-            || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
-        let filter = match &self.tool_calls {
-            ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
-            ToolCallOutput::Parsed => OutputFilter::new(&self.request.stop, &names()),
-            ToolCallOutput::Forced(prefix) => {
-                OutputFilter::forced(&self.request.stop, &names(), prefix)
-            }
-        };
-        match self.reasoning {
-            Some(open) => filter.with_reasoning(ReasoningSplitter::new(open)),
-            None => filter,
-        }
-    }
 }
 
 /// What the handle sends the engine thread.
@@ -107,80 +86,6 @@ pub(crate) struct WorkerConfig {
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub(crate) fault: crate::fault::FaultInjection,
-}
-
-/// One running choice of a request.
-struct Sequence {
-    id: u64,
-    /// Shared by the request's choices.
-    job: Arc<Job>,
-    /// The choice (0..n).
-    index: usize,
-    /// Choice 0 before its first token: the other choices, forked from it
-    /// once the prompt is computed (they share its blocks).
-    forks: Vec<Fork>,
-    kv: KvSequence,
-    /// Prompt then sampled tokens.
-    tokens: Vec<u32>,
-    /// Tokens whose K/V is cached.
-    computed: usize,
-    /// Blocks it may need by its last token, per KV group.
-    worst_blocks: Vec<usize>,
-    sampler: Sampler,
-    processor: LogitsProcessor,
-    constraint: Option<ConstrainedDecoder>,
-    detok: IncrementalDetokenizer,
-    filter: OutputFilter,
-    usage: Usage,
-    timings: Timings,
-    first_token_at: Option<Instant>,
-    /// Prompt logprobs found so far (requests with `prompt_logprobs`),
-    /// sent once the prompt is computed.
-    prompt_logprobs: Vec<crate::api::SampledLogprobs>,
-    span: tracing::Span,
-}
-
-impl Sequence {
-    /// How many of the `real` tokens a row runs from `computed` on are
-    /// scored (their next token is a prompt token): none unless the
-    /// request wants prompt logprobs.
-    fn scored_in_row(&self, real: usize) -> usize {
-        if self.job.request.prompt_logprobs.is_none() {
-            return 0;
-        }
-        let last_scored = self.job.prompt.len().saturating_sub(1);
-        (self.computed + real)
-            .min(last_scored)
-            .saturating_sub(self.computed)
-    }
-}
-
-impl Sequence {
-    /// Whether its next token can be sampled on the device: a greedy
-    /// choice with no logit processors, grammar, logprobs or choices still
-    /// to fork (each of those needs the logits row on the host).
-    fn samples_on_device(&self) -> bool {
-        self.forks.is_empty()
-            && self.sampler.is_greedy()
-            && self.processor.is_noop()
-            && self.constraint.is_none()
-            && self.job.request.logprobs.is_none()
-    }
-}
-
-/// How a sampling row's next token reaches [`Worker::emit`].
-#[derive(Debug, Clone, Copy)]
-enum NextToken<'a> {
-    /// Sampled on the device.
-    Sampled(u32),
-    /// Float32 logits `[vocab]` to process and sample on the host.
-    Logits(&'a [f32]),
-}
-
-/// A choice still to fork from choice 0.
-struct Fork {
-    index: usize,
-    constraint: Option<ConstrainedDecoder>,
 }
 
 impl WorkerConfig {
@@ -357,165 +262,6 @@ impl<'m> Worker<'m> {
         if let Err(e) = self.kv.reclaim() {
             tracing::error!(error = %e, "KV reclaim failed");
         }
-    }
-
-    /// Admits waiting requests, in order, while a slot is free and the pool
-    /// can hold each to its last token on top of what running ones may
-    /// still take. A request that doesn't fit waits (and so do later ones).
-    fn admit(&mut self) {
-        let rule = self.config.admission(&self.kv);
-        while let Some(job) = self.waiting.front() {
-            // Choices still to fork hold their slots already.
-            let slots: usize = self.running.iter().map(|s| 1 + s.forks.len()).sum();
-            if slots + job.request.n.max(1) > self.config.parallel {
-                break;
-            }
-            let need: Vec<usize> = rule
-                .request(job.prompt.len(), job.request.max_tokens, job.request.n)
-                .iter()
-                .map(|r| r.total)
-                .collect();
-            let running = self
-                .running
-                .iter()
-                .map(|s| (&s.kv, s.worst_blocks.as_slice()));
-            if !self.kv.fits(&need, running) {
-                break;
-            }
-            let Some(job) = self.waiting.pop_front() else {
-                break;
-            };
-            match self.new_sequence(job, need) {
-                Ok(seq) => self.running.push(seq),
-                Err((job, e)) => {
-                    tracing::error!(error = %e, "prefix lookup failed");
-                    let _ = job.events.send(StepError::from(e).event());
-                }
-            }
-        }
-    }
-
-    /// Choice 0 of `job`, its prompt prefix taken from the prefix cache
-    /// unless the request opted out; the other choices wait in its `forks`.
-    /// `worst_blocks` covers every choice.
-    #[allow(clippy::result_large_err)]
-    fn new_sequence(
-        &mut self,
-        mut job: Job,
-        worst_blocks: Vec<usize>,
-    ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
-        // A scored prompt is computed whole: cached tokens have no logits.
-        let (kv, cached) = if job.request.cache_prompt && job.request.prompt_logprobs.is_none() {
-            // Each KV group starts where a cold run is at the last chunk
-            // boundary (`KvCache::new_sequence_for_prompt_chunked`).
-            let chunk = self.config.scheduler.prefill_chunk_size;
-            match self.kv.new_sequence_for_prompt_chunked(&job.prompt, chunk) {
-                Ok(found) => found,
-                Err(e) => return Err((job, e)),
-            }
-        } else {
-            (self.kv.new_sequence(), 0)
-        };
-        let mut constraints = std::mem::take(&mut job.constraints).into_iter();
-        let first = constraints.next();
-        let forks = (1..job.request.n.max(1))
-            .map(|index| Fork {
-                index,
-                constraint: constraints.next(),
-            })
-            .collect();
-        let id = self.next_id;
-        self.next_id += 1;
-        let span = tracing::info_span!(
-            "request",
-            id,
-            prompt_tokens = job.prompt.len(),
-            cached_tokens = cached
-        );
-        Ok(Sequence {
-            id,
-            kv,
-            tokens: job.prompt.clone(),
-            computed: cached,
-            worst_blocks,
-            sampler: Sampler::new(&job.request.sampling),
-            processor: LogitsProcessor::new(
-                &job.request.sampling,
-                &job.request.logit_bias,
-                &job.prompt,
-            )
-            .with_min_tokens(job.request.min_tokens, &self.text.eos),
-            constraint: first,
-            detok: IncrementalDetokenizer::new(),
-            filter: job.output_filter(),
-            usage: Usage {
-                prompt_tokens: job.prompt.len(),
-                completion_tokens: 0,
-                cached_tokens: cached,
-            },
-            timings: Timings::default(),
-            first_token_at: None,
-            prompt_logprobs: Vec::new(),
-            span,
-            index: 0,
-            forks,
-            job: Arc::new(job),
-        })
-    }
-
-    /// Forks choice 0 (at `seq`, its prompt just computed) into the
-    /// request's other choices; returns their indices in `running`. Each
-    /// shares its blocks and samples from the same logits with its own
-    /// generator (the seed on ChaCha stream `index`).
-    fn fork_choices(&mut self, seq: usize) -> Result<Vec<usize>, StepError> {
-        let forks = std::mem::take(&mut self.running[seq].forks);
-        let mut children = Vec::with_capacity(forks.len());
-        let (prompt, max_tokens) = {
-            let job = &self.running[seq].job;
-            (job.prompt.len(), job.request.max_tokens)
-        };
-        // Each child may hold `own` blocks beyond the prompt's; choice 0
-        // now promises only its own tokens.
-        let rule = self
-            .config
-            .admission(&self.kv)
-            .request(prompt, max_tokens, 1);
-        let parent_worst: Vec<usize> = rule.iter().map(|r| r.total).collect();
-        let own: Vec<usize> = rule.iter().map(|r| r.per_extra_choice).collect();
-        for fork in forks {
-            let parent = &self.running[seq];
-            let kv = self.kv.fork(&parent.kv)?;
-            let held = self.kv.group_blocks_held(&kv)?;
-            let id = self.next_id;
-            self.next_id += 1;
-            let span = tracing::info_span!(parent: &parent.span, "choice", index = fork.index);
-            let child = Sequence {
-                id,
-                job: Arc::clone(&parent.job),
-                index: fork.index,
-                forks: Vec::new(),
-                kv,
-                tokens: parent.tokens.clone(),
-                computed: parent.computed,
-                worst_blocks: held.iter().zip(&own).map(|(h, o)| h + o).collect(),
-                sampler: Sampler::new(&parent.job.request.sampling).with_stream(fork.index as u64),
-                processor: parent.processor.clone(),
-                constraint: fork.constraint,
-                detok: IncrementalDetokenizer::new(),
-                filter: parent.job.output_filter(),
-                usage: parent.usage,
-                timings: parent.timings,
-                first_token_at: None,
-                prompt_logprobs: Vec::new(),
-                span,
-            };
-            children.push(child);
-        }
-        // All or none: a failed fork drops the children made so far.
-        let first = self.running.len();
-        self.running.extend(children);
-        self.running[seq].worst_blocks = parent_worst;
-        Ok((first..self.running.len()).collect())
     }
 
     fn publish(&mut self) {

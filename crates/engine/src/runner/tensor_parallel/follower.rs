@@ -5,8 +5,9 @@
 use mlxcel_kv::KvReplica;
 
 use super::wire::{broadcast, Plan};
-use crate::error::StepError;
-use crate::{EngineConfig, EngineError};
+use crate::config::EngineConfig;
+use crate::error::{EngineError, GroupError, StepError};
+use crate::loader::Opened;
 
 /// Runs a follower rank (rank > 0) of `config.tensor_parallel`: loads its
 /// shard of the model, allocates the K/V pool rank 0 announces, then runs
@@ -21,36 +22,19 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
     let tp = config
         .tensor_parallel
         .ok_or_else(|| EngineError::Config("a follower needs --tensor-parallel".into()))?;
-    let dir = &config.model_dir;
-    let checkpoint = crate::loader::Checkpoint::open(dir)?;
-    let mut model_config = checkpoint.config()?;
-    model_config.tensor_parallel = Some(tp.shard);
-    let gpu = config.use_gpu && mlxcel_mlx::gpu_available();
-    mlxcel_mlx::set_cudnn_attention(config.cudnn_attention)?;
-    if let Some(dir) = &config.kernel_cache_dir {
-        mlxcel_mlx::set_kernel_cache_dir(&dir.join(format!("mlx-{}", mlxcel_mlx::version())))?;
-    }
-    mlxcel_mlx::use_device(gpu)?;
-    let (dtype, weight_mode, quantize) = crate::engine::compute_types(config, &model_config, gpu);
+    let opened = Opened::open(config, Some(tp.shard))?;
     tracing::info!(
         rank = tp.shard.rank,
         ranks = tp.shard.size,
-        dir = %dir.display(),
-        ?dtype,
+        dir = %config.model_dir.display(),
+        dtype = ?opened.options.dtype,
         "tensor-parallel follower: loading its shard"
     );
-    let model = checkpoint.load_model(
-        model_config,
-        mlxcel_model::LoadOptions {
-            dtype,
-            weight_mode,
-            quantize,
-        },
-    )?;
+    let model = opened.load()?;
     let setup = match broadcast(None)? {
         Plan::Setup(setup) => setup,
         Plan::Stop => return Ok(()),
-        Plan::Step(_) => return Err(EngineError::Config("a step before the setup".into())),
+        Plan::Step(_) => return Err(GroupError::Protocol("a step before the set-up").into()),
     };
     let c = model.config();
     if setup.model_type != c.model_type
@@ -94,7 +78,7 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
                 return Ok(());
             }
             Plan::Setup(_) => {
-                return Err(EngineError::Config("a second setup".into()));
+                return Err(GroupError::Protocol("a second set-up").into());
             }
         }
     }

@@ -21,24 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mlxcel_kv::{KvCache, KvSequence, StepLayout};
-use mlxcel_model::{AttentionPath, Model, StepRow, TensorParallel};
+use mlxcel_model::{AttentionPath, Model, StepRow};
 
 use super::local::{LocalRunner, StepHook};
 use super::{DecodeInput, InFlight, Pending, StepBatch, StepOutput, StepRunner};
-use crate::error::StepError;
+use crate::error::{GroupError, StepError};
 use watchdog::{GroupHealth, Watchdog};
-use wire::{broadcast, Plan, Setup, TpError, WireStep};
-
-/// `--tensor-parallel` as the engine takes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TensorParallelConfig {
-    /// This process's rank and the world size.
-    pub shard: TensorParallel,
-    /// Longest a step of the group may take before rank 0 gives up on it
-    /// (a peer that stopped answering blocks a collective for as long as
-    /// the backend waits).
-    pub timeout: Duration,
-}
+use wire::{broadcast, Plan, Setup, WireStep};
 
 /// Rank 0's runner: the local runner, with every step sent to the other
 /// ranks between building and evaluating it.
@@ -90,7 +79,7 @@ impl<'m> LeaderRunner<'m> {
     }
 
     /// Marks the group broken by `e` and returns it as a step error.
-    fn broken(&self, e: &TpError) -> StepError {
+    fn broken(&self, e: &GroupError) -> StepError {
         let reason = e.to_string();
         self.health.mark_broken(&reason);
         StepError::GroupBroken(reason)
@@ -102,7 +91,7 @@ impl<'m> LeaderRunner<'m> {
 ///
 /// # Errors
 /// The collective failed.
-pub(crate) fn abort_setup() -> Result<(), TpError> {
+pub(crate) fn abort_setup() -> Result<(), GroupError> {
     broadcast(Some(&Plan::Stop)).map(drop)
 }
 
@@ -199,7 +188,7 @@ impl StepHook for LeaderHook<'_> {
             .ok_or(StepError::Internal("a step built before its layout"))?;
         // Built without error: now the other ranks run it with this rank.
         let step = WireStep::new(rows, layout, self.path).map_err(|e| match e {
-            TpError::EmbeddingRows => {
+            GroupError::EmbeddingRows => {
                 StepError::Internal("input embeddings under tensor parallelism")
             }
             e => StepError::GroupBroken(e.to_string()),

@@ -15,6 +15,8 @@ use mlxcel_mlx::{distributed, Array, Dtype};
 use mlxcel_model::{AttentionPath, RowInput, StepRow};
 use serde::{Deserialize, Serialize};
 
+use crate::error::GroupError;
+
 /// Words of a plan's first collective (the length, then the first bytes).
 pub const HEAD_WORDS: usize = 1024;
 
@@ -64,12 +66,12 @@ impl WireStep {
     /// The plan of a step over `rows` whose KV view is `layout`.
     ///
     /// # Errors
-    /// [`TpError::EmbeddingRows`]: only token rows cross ranks.
+    /// [`GroupError::EmbeddingRows`]: only token rows cross ranks.
     pub(crate) fn new(
         rows: &[StepRow<'_>],
         layout: StepLayout,
         path: AttentionPath,
-    ) -> Result<Self, TpError> {
+    ) -> Result<Self, GroupError> {
         let rows = rows
             .iter()
             .map(|r| match r.input {
@@ -77,7 +79,7 @@ impl WireStep {
                     tokens: t.to_vec(),
                     logits: r.logits.clone(),
                 }),
-                RowInput::Embeddings(_) => Err(TpError::EmbeddingRows),
+                RowInput::Embeddings(_) => Err(GroupError::EmbeddingRows),
             })
             .collect::<Result<_, _>>()?;
         Ok(WireStep { path, rows, layout })
@@ -95,26 +97,6 @@ impl WireStep {
     }
 }
 
-/// A failure of the tensor-parallel group.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TpError {
-    /// A collective failed (a peer's connection closed).
-    #[error("tensor parallelism: {0}")]
-    Collective(#[from] mlxcel_mlx::Error),
-    /// A plan that could not be written or read as JSON.
-    #[error("tensor parallelism: a plan that does not (de)serialize: {0}")]
-    Json(String),
-    /// A plan whose length word does not match its words.
-    #[error("tensor parallelism: a plan of {bytes} bytes in {words} words")]
-    Length { bytes: i64, words: usize },
-    /// Rows whose input is embeddings cannot be sent to other ranks.
-    #[error("tensor parallelism runs token rows only, not input embeddings")]
-    EmbeddingRows,
-    /// The group was broken earlier, for this reason.
-    #[error("{0}")]
-    Broken(String),
-}
-
 /// Packs `bytes` as little-endian int32 words after a length word.
 fn to_words(bytes: &[u8]) -> Vec<i32> {
     let mut words = Vec::with_capacity(1 + bytes.len().div_ceil(4));
@@ -128,9 +110,9 @@ fn to_words(bytes: &[u8]) -> Vec<i32> {
 }
 
 /// The bytes of [`to_words`]'s words (the length word first).
-fn from_words(words: &[i32]) -> Result<Vec<u8>, TpError> {
+fn from_words(words: &[i32]) -> Result<Vec<u8>, GroupError> {
     let len = words.first().copied().unwrap_or(0);
-    let bad = || TpError::Length {
+    let bad = || GroupError::Length {
         bytes: i64::from(len),
         words: words.len(),
     };
@@ -144,7 +126,7 @@ fn from_words(words: &[i32]) -> Result<Vec<u8>, TpError> {
 }
 
 /// Sums `words` (padded with zeros to `n`) over the group and reads the sum.
-fn sum_words(words: &[i32], n: usize) -> Result<Vec<i32>, TpError> {
+fn sum_words(words: &[i32], n: usize) -> Result<Vec<i32>, GroupError> {
     let mut padded = vec![0i32; n];
     let k = words.len().min(n);
     padded[..k].copy_from_slice(&words[..k]);
@@ -158,9 +140,9 @@ fn sum_words(words: &[i32], n: usize) -> Result<Vec<i32>, TpError> {
 ///
 /// # Errors
 /// A failed collective, or a plan that does not serialize or parse.
-pub(crate) fn broadcast(plan: Option<&Plan>) -> Result<Plan, TpError> {
+pub(crate) fn broadcast(plan: Option<&Plan>) -> Result<Plan, GroupError> {
     let words = match plan {
-        Some(p) => to_words(&serde_json::to_vec(p).map_err(|e| TpError::Json(e.to_string()))?),
+        Some(p) => to_words(&serde_json::to_vec(p).map_err(|e| GroupError::Json(e.to_string()))?),
         None => Vec::new(),
     };
     let mut all = sum_words(&words, HEAD_WORDS)?;
@@ -171,7 +153,7 @@ pub(crate) fn broadcast(plan: Option<&Plan>) -> Result<Plan, TpError> {
         all.extend(sum_words(rest, total - HEAD_WORDS)?);
     }
     let bytes = from_words(&all)?;
-    serde_json::from_slice(&bytes).map_err(|e| TpError::Json(e.to_string()))
+    serde_json::from_slice(&bytes).map_err(|e| GroupError::Json(e.to_string()))
 }
 
 #[cfg(test)]

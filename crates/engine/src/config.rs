@@ -1,0 +1,210 @@
+//! The engine's options: one typed struct ([`EngineConfig`]) built once by
+//! the binaries from their flags, and the defaults both sides read
+//! ([`defaults`]: clap's `default_value_t` names these constants, so a
+//! default is written once).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use mlxcel_kv::StorageBackend;
+use mlxcel_mlx::Dtype;
+use mlxcel_model::{AttentionPath, TensorParallel, WeightMode};
+
+/// The defaults of [`EngineConfig::new`] that flags restate.
+pub mod defaults {
+    /// Sequences running at once (`--parallel`).
+    pub const PARALLEL: usize = 4;
+    /// Tokens per KV block (`--kv-block-size`).
+    pub const KV_BLOCK_SIZE: usize = 32;
+    /// Prefill tokens one step runs when nothing decides otherwise
+    /// (`--prefill-chunk-size auto` picks by device:
+    /// [`super::auto_prefill_chunk_size`]).
+    pub const PREFILL_CHUNK_SIZE: usize = 512;
+    /// Prefill chunk of `--prefill-chunk-size auto` on a GPU: one step for
+    /// most prompts (measured on an H200, docs/performance.md).
+    pub const GPU_PREFILL_CHUNK_SIZE: usize = 2048;
+}
+
+/// Typed engine options, built once by the binaries from their flags.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// An MLX checkpoint directory.
+    pub model_dir: PathBuf,
+    /// The name the model is served under (default: the directory name).
+    pub alias: Option<String>,
+    /// Compute dtype; `None` = auto (float32 on CPU, checkpoint dtype on GPU).
+    pub dtype: Option<Dtype>,
+    /// Quantized weights: `None` = auto (dequantize on CPU, keep on GPU).
+    pub weight_mode: Option<WeightMode>,
+    /// A GGUF file's floating-point matrices at load (`--quantize`).
+    pub quantize: GgufQuantize,
+    /// Run on the GPU when MLX has one (default true).
+    pub use_gpu: bool,
+    /// Prefill tokens one step runs (and the chunk grid), in tokens.
+    pub prefill_chunk_size: usize,
+    /// Pad prefill chunks to a multiple of this many tokens; `None` = auto
+    /// (32 on Apple GPUs with Neural Accelerators, M5 and newer; 0 elsewhere).
+    pub prefill_tile: Option<usize>,
+    /// Sequences running at once.
+    pub parallel: usize,
+    /// Tokens per KV block.
+    pub kv_block_size: usize,
+    /// KV cache budget in bytes; `None` = auto (room for `parallel`
+    /// sequences of the model's full context, at most a quarter of RAM).
+    pub kv_cache_budget: Option<usize>,
+    /// KV storage; `None` = auto (paged when `parallel > 1`).
+    pub storage_backend: Option<StorageBackend>,
+    /// How decode rows read a paged cache.
+    pub attention_path: AttentionPath,
+    /// Check KV invariants after every step (on in debug builds).
+    pub check_invariants: bool,
+    /// Reuse cached prompt prefixes across requests (paged storage only).
+    pub prefix_cache: bool,
+    /// Most unreferenced cached blocks kept; `None` = the whole pool.
+    pub prefix_cache_capacity: Option<usize>,
+    /// Most K/V tokens each sequence keeps in every layer (older ones are
+    /// dropped from the front; positions keep counting). `None`: all (up
+    /// to the context). A sliding-window layer keeps at most its window
+    /// anyway (its KV group's keep, `mlxcel_kv::KvGroupConfig::keep_for`).
+    pub max_kv_size: Option<usize>,
+    /// A Jinja chat template file used instead of the model's own.
+    pub chat_template: Option<PathBuf>,
+    /// Let special-token strings typed in message content (`<|im_end|>`...)
+    /// become control tokens, as the template's own markup does (default
+    /// false: content is encoded as plain text, so a user cannot end their
+    /// turn or forge another role's).
+    pub special_tokens_in_content: bool,
+    /// Which chat replies get their `<think>` block split off as reasoning
+    /// (`mlxcel_text::reasoning`).
+    pub reasoning_parser: ReasoningParser,
+    /// Pipeline decode steps whose rows sample on the device: the next step
+    /// is queued before the current step's tokens are read (default true).
+    pub pipeline: bool,
+    /// Run every kind of step once at start, so the GPU kernels the engine
+    /// needs are compiled before the first request (`crate::warmup`);
+    /// `None` = auto (on when running on a GPU).
+    pub warmup: Option<bool>,
+    /// Let MLX's CUDA backend use cuDNN's fused attention for prefill (it
+    /// builds a graph per query/key shape, 50-800 ms each; default off: see
+    /// docs/performance.md).
+    pub cudnn_attention: bool,
+    /// Where MLX's CUDA backend keeps compiled kernels across restarts (a
+    /// subdirectory per MLX version is used); `None`: MLX's default.
+    pub kernel_cache_dir: Option<PathBuf>,
+    /// Tensor parallelism (`--tensor-parallel`): this process's rank of
+    /// the group. Rank 0 runs this engine; other ranks run
+    /// [`crate::run_follower`]. Forces the paged KV
+    /// backend and turns the decode pipeline off (each step's inputs must
+    /// be known on the host to be broadcast).
+    pub tensor_parallel: Option<TensorParallelConfig>,
+    /// Test-only: make chosen forwards fail.
+    #[cfg(feature = "fault-injection")]
+    pub fault: crate::fault::FaultInjection,
+}
+
+/// When chat replies are split into reasoning (`reasoning_content`) and
+/// content (`--reasoning-parser`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReasoningParser {
+    /// When the chat template writes `<think>` (a reasoning model).
+    #[default]
+    Auto,
+    /// Always: a `<think>` block opening the reply (or opened by the
+    /// prompt) is reasoning.
+    Think,
+    /// Never: the reply is content as generated.
+    None,
+}
+
+impl EngineConfig {
+    /// Defaults for `model_dir`.
+    pub fn new(model_dir: PathBuf) -> Self {
+        EngineConfig {
+            model_dir,
+            alias: None,
+            dtype: None,
+            weight_mode: None,
+            quantize: GgufQuantize::Auto,
+            use_gpu: true,
+            prefill_chunk_size: defaults::PREFILL_CHUNK_SIZE,
+            prefill_tile: None,
+            parallel: defaults::PARALLEL,
+            kv_block_size: defaults::KV_BLOCK_SIZE,
+            kv_cache_budget: None,
+            storage_backend: None,
+            attention_path: AttentionPath::BatchedDecode,
+            check_invariants: cfg!(debug_assertions),
+            prefix_cache: true,
+            prefix_cache_capacity: None,
+            max_kv_size: None,
+            special_tokens_in_content: false,
+            reasoning_parser: ReasoningParser::Auto,
+            pipeline: true,
+            warmup: None,
+            cudnn_attention: false,
+            kernel_cache_dir: None,
+            chat_template: None,
+            tensor_parallel: None,
+            #[cfg(feature = "fault-injection")]
+            fault: crate::fault::FaultInjection::default(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The name the model is served under: the alias, else the model
+    /// directory's name.
+    pub fn model_id(&self) -> String {
+        self.alias.clone().unwrap_or_else(|| {
+            self.model_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        })
+    }
+}
+
+/// `--quantize`: what becomes of a GGUF file's floating-point matrices
+/// (tensor types MLX's loader dequantizes, such as Q6_K, or that mlxcel
+/// decodes to float32, such as Q5_0) at load. Nothing is quantized when
+/// weights run dequantized (`--weights dequantized`, the CPU default):
+/// it would only round them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufQuantize {
+    /// On a GPU (where a dense matrix costs 2 to 8 times the memory
+    /// traffic of a quantized one), each quantized to about the precision
+    /// the file stored it at (`Requantize::MatchSource`: 4 bits for 4-bit
+    /// types, 8 for 5- to 8-bit ones; F32/F16/BF16 tensors kept); on a
+    /// CPU, kept.
+    Auto,
+    /// Kept as the file has them.
+    Off,
+    /// Every one to this many bits (4 or 8), MLX affine with group size
+    /// [`GGUF_QUANTIZE_GROUP`].
+    Bits(i32),
+}
+
+/// Group size of `--quantize` (`mlxcel_model::gguf::REQUANTIZE_GROUP`).
+pub const GGUF_QUANTIZE_GROUP: i32 = mlxcel_model::gguf::REQUANTIZE_GROUP;
+
+/// `--prefill-chunk-size auto`, in tokens: 2048 on a GPU (one step for
+/// most prompts; measured on an H200, docs/performance.md), 512 on a CPU
+/// (long steps there delay every decode row sharing them).
+pub fn auto_prefill_chunk_size(gpu: bool) -> usize {
+    if gpu {
+        defaults::GPU_PREFILL_CHUNK_SIZE
+    } else {
+        defaults::PREFILL_CHUNK_SIZE
+    }
+}
+
+/// `--tensor-parallel` as the engine takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorParallelConfig {
+    /// This process's rank and the world size.
+    pub shard: TensorParallel,
+    /// Longest a step of the group may take before rank 0 gives up on it
+    /// (a peer that stopped answering blocks a collective for as long as
+    /// the backend waits).
+    pub timeout: Duration,
+}

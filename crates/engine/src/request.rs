@@ -1,0 +1,369 @@
+//! From a front end's [`GenerationRequest`] to a [`Job`] the engine
+//! thread runs: the prompt rendered and tokenized exactly as it will run,
+//! the output grammar compiled, `max_tokens` clamped to the context and
+//! the pool, the output filter's modes decided.
+//!
+//! The front end owns the request's rules (ranges, relations between
+//! fields, names): the HTTP layer refuses a bad request with the field in
+//! its own API's terms (crates/server/src/validate). What only the engine
+//! can know is checked here: the vocabulary (token ids, `logit_bias`),
+//! `n` against `--parallel`, the context and the KV pool, whether the
+//! chat template accepts the messages, and the output's one grammar (it
+//! compiles; a forced tool call and a `response_format` are not both
+//! asked). A request
+//! outside its documented contract (tools with a text prompt, a
+//! `min_tokens` above `max_tokens`) runs with a defined meaning rather
+//! than being checked twice.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use mlxcel_kv::GroupAdmission;
+use mlxcel_text::client_text::mark_client_text;
+use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
+use mlxcel_text::output::forced_call_prefix;
+use mlxcel_text::reasoning::ReasoningSplitter;
+use mlxcel_text::{Text, TextError};
+
+use crate::api::{
+    EventStream, GenerationRequest, Prompt, RequestField, ResponseFormat, SubmitError,
+    TokenizeRequest, ToolChoice, ToolDefinition,
+};
+use crate::worker::{Job, ToolCallOutput};
+
+/// How a prompt is turned into tokens.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Encoding<'a> {
+    /// Chat: end with the assistant turn's header.
+    pub(crate) generation_prompt: bool,
+    /// Text: add the tokenizer's special tokens (a BOS).
+    pub(crate) special_tokens: bool,
+    /// Chat: markup of the engine's own after the generation prompt (a
+    /// forced call's start).
+    pub(crate) reply: &'a str,
+}
+
+impl Encoding<'_> {
+    /// As a request runs: the generation prompt, special tokens, no reply.
+    pub(crate) const RUN: Encoding<'static> = Encoding {
+        generation_prompt: true,
+        special_tokens: true,
+        reply: "",
+    };
+}
+
+/// What bounds a request in this engine.
+#[derive(Debug, Clone)]
+pub(crate) struct Limits {
+    /// The model's context, in tokens.
+    pub(crate) context_length: usize,
+    /// Token ids accepted in `logit_bias`: the tokenizer's vocabulary
+    /// (padding rows of the model's output have no text).
+    pub(crate) vocab_size: usize,
+    /// Sequences running at once (`--parallel`): the most choices.
+    pub(crate) parallel: usize,
+    /// Prompt plus completion tokens one request may hold in the pool.
+    pub(crate) max_request_tokens: usize,
+    /// The KV cache's admission rule, per KV group (for `max_tokens`).
+    pub(crate) admission: GroupAdmission,
+    /// Special-token strings in message content become control tokens
+    /// (`--special-tokens-in-content`).
+    pub(crate) special_tokens_in_content: bool,
+    /// Chat replies are split into reasoning and content.
+    pub(crate) split_reasoning: bool,
+}
+
+/// Builds the engine's jobs from requests (see the module docs).
+pub(crate) struct RequestBuilder {
+    pub(crate) text: Arc<Text>,
+    pub(crate) limits: Limits,
+}
+
+/// The grammar of a request with the field that asked for it, and for a
+/// forced tool call the reply's start that goes in the prompt.
+struct Constrained {
+    grammar: Grammar,
+    field: RequestField,
+    reply: Option<String>,
+}
+
+fn invalid(field: RequestField, message: String) -> SubmitError {
+    SubmitError::InvalidRequest {
+        message,
+        field: Some(field),
+    }
+}
+
+impl RequestBuilder {
+    /// The job of `request` and the stream its events arrive on.
+    ///
+    /// # Errors
+    /// [`SubmitError::InvalidRequest`] for what only the engine can check
+    /// (see the module docs), [`SubmitError::ContextLengthExceeded`] for a
+    /// prompt that cannot fit.
+    pub(crate) fn job(
+        &self,
+        mut request: GenerationRequest,
+    ) -> Result<(Job, EventStream), SubmitError> {
+        let limits = &self.limits;
+        let n = request.n.max(1);
+        if n > limits.parallel {
+            return Err(invalid(
+                RequestField::N,
+                format!(
+                    "n = {n} is more than the {} sequences this server runs at once (--parallel)",
+                    limits.parallel
+                ),
+            ));
+        }
+        if let Some(&(bad, _)) = request
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= limits.vocab_size)
+        {
+            return Err(invalid(
+                RequestField::LogitBias,
+                format!(
+                    "token id {bad} is outside the vocabulary ({})",
+                    limits.vocab_size
+                ),
+            ));
+        }
+        let chat = matches!(request.prompt, Prompt::Chat(_));
+        // Tools belong to chat prompts; `tool_choice: none` hides them.
+        let tools: &[ToolDefinition] = if chat && request.tool_choice != ToolChoice::None {
+            &request.tools
+        } else {
+            &[]
+        };
+        let constrained = constraint_of(&request, tools)?;
+        let constraints = match (&constrained, &self.text.grammar) {
+            (Some(c), Some(tokens)) => (0..n)
+                .map(|_| ConstrainedDecoder::new(tokens, &c.grammar))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| invalid(c.field, e.to_string()))?,
+            (Some(c), None) => {
+                return Err(invalid(
+                    c.field,
+                    "constrained output is not available for this model's tokenizer".into(),
+                ))
+            }
+            (None, _) => Vec::new(),
+        };
+        let reply = constrained.as_ref().and_then(|c| c.reply.clone());
+        let prompt = self.encode(
+            &request.prompt,
+            tools,
+            &request.chat_template_kwargs,
+            Encoding {
+                reply: reply.as_deref().unwrap_or(""),
+                ..Encoding::RUN
+            },
+        )?;
+        if prompt.is_empty() {
+            return Err(invalid(RequestField::Prompt, "the prompt is empty".into()));
+        }
+        self.check_token_ids(&prompt)?;
+        request.max_tokens = self.max_tokens(prompt.len(), n, request.max_tokens)?;
+        // Constrained output (a schema, a forced call) is all content.
+        let reasoning = (chat && limits.split_reasoning && constrained.is_none()).then(|| {
+            let tail = &prompt[prompt.len().saturating_sub(8)..];
+            let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
+            ReasoningSplitter::prompt_opens_block(&tail)
+        });
+        let tool_calls = match reply {
+            Some(prefix) => ToolCallOutput::Forced(prefix),
+            None if !tools.is_empty() => ToolCallOutput::Parsed,
+            None => ToolCallOutput::Off,
+        };
+        let (events, stream) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            request,
+            submitted: Instant::now(),
+            events,
+            constraints,
+            tool_calls,
+            reasoning,
+        };
+        Ok((job, stream))
+    }
+
+    /// `max_tokens` clamped so that the request fits the model's context
+    /// and, to its last token, the KV pool with all its `n` choices (else
+    /// it could never be admitted).
+    ///
+    /// # Errors
+    /// [`SubmitError::ContextLengthExceeded`] when not even one token fits.
+    fn max_tokens(&self, prompt: usize, n: usize, asked: usize) -> Result<usize, SubmitError> {
+        let limits = &self.limits;
+        let too_long = || SubmitError::ContextLengthExceeded {
+            prompt_tokens: prompt,
+            context_length: limits.context_length.min(limits.max_request_tokens),
+        };
+        if prompt >= limits.context_length {
+            return Err(too_long());
+        }
+        let want = asked.min(limits.context_length - prompt).max(1);
+        limits
+            .admission
+            .max_new_tokens(prompt, n, want)
+            .ok_or_else(too_long)
+    }
+
+    /// The token ids of a `/tokenize` request: rendered and encoded as a
+    /// generation would be, checked against the vocabulary.
+    ///
+    /// # Errors
+    /// Template and tokenizer failures, ids outside the vocabulary.
+    pub(crate) fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError> {
+        let tokens = self.encode(
+            &request.prompt,
+            &request.tools,
+            &request.chat_template_kwargs,
+            Encoding {
+                generation_prompt: request.add_generation_prompt,
+                special_tokens: request.add_special_tokens,
+                reply: "",
+            },
+        )?;
+        self.check_token_ids(&tokens)?;
+        Ok(tokens)
+    }
+
+    /// Renders (chat) and tokenizes `prompt` with `tools` and extra chat
+    /// template variables `kwargs` (client text marked like the messages,
+    /// so special-token strings stay text) as `encoding` says.
+    ///
+    /// # Errors
+    /// Template errors (`raise_exception`, bad messages), a model without
+    /// a chat template, tokenizer errors, as
+    /// [`SubmitError::InvalidRequest`] on the prompt.
+    pub(crate) fn encode(
+        &self,
+        prompt: &Prompt,
+        tools: &[ToolDefinition],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        encoding: Encoding<'_>,
+    ) -> Result<Vec<u32>, SubmitError> {
+        let bad = |e: TextError| invalid(RequestField::Prompt, e.to_string());
+        let tokenizer = &self.text.tokenizer;
+        match prompt {
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+            Prompt::Text(t) if encoding.special_tokens => {
+                tokenizer.encode_text_prompt(t).map_err(bad)
+            }
+            Prompt::Text(t) => tokenizer.encode(t, false).map_err(bad),
+            Prompt::Chat(messages) => {
+                let template = self.text.template.as_ref().ok_or_else(|| {
+                    invalid(
+                        RequestField::Prompt,
+                        "this model has no chat template".into(),
+                    )
+                })?;
+                let marked = if self.limits.special_tokens_in_content {
+                    None
+                } else {
+                    mark_client_text(tokenizer, messages, tools, kwargs)
+                };
+                let gp = encoding.generation_prompt;
+                match marked {
+                    // Nothing typed looks like a control token: the plain path.
+                    None => {
+                        let rendered = template
+                            .render_with_kwargs(messages, tools, gp, kwargs)
+                            .map_err(bad)?
+                            + encoding.reply;
+                        tokenizer.encode_chat_prompt(&rendered).map_err(bad)
+                    }
+                    Some((messages, tools, kwargs)) => {
+                        let rendered = template
+                            .render_with_kwargs(&messages, &tools, gp, &kwargs)
+                            .map_err(bad)?
+                            + encoding.reply;
+                        tokenizer.encode_marked_chat_prompt(&rendered).map_err(bad)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Refuses token ids outside the tokenizer's vocabulary (a 400 on
+    /// `prompt`).
+    ///
+    /// # Errors
+    /// [`SubmitError::InvalidRequest`] naming the first such id.
+    pub(crate) fn check_token_ids(&self, tokens: &[u32]) -> Result<(), SubmitError> {
+        let vocab = self.text.tokenizer.vocab_size();
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(invalid(
+                RequestField::Prompt,
+                format!("token id {bad} is outside the vocabulary ({vocab})"),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The grammar a request's output must follow: a required or named tool
+/// call over `tools` (then the reply's start goes in the prompt,
+/// [`forced_call_prefix`]: the model generates only the rest of the call,
+/// for a named function only its arguments, and the output filter builds
+/// the call from it), or its `response_format`.
+///
+/// # Errors
+/// A forced call together with a `response_format` (one output, one
+/// grammar: an engine rule, the front ends don't check it); a named
+/// function that is not among `tools` (no schema to constrain its
+/// arguments with).
+fn constraint_of(
+    request: &GenerationRequest,
+    tools: &[ToolDefinition],
+) -> Result<Option<Constrained>, SubmitError> {
+    let field = RequestField::ToolChoice;
+    let forced = !tools.is_empty()
+        && matches!(
+            request.tool_choice,
+            ToolChoice::Required | ToolChoice::Function(_)
+        );
+    if forced && request.response_format.is_some() {
+        return Err(invalid(
+            field,
+            "a required tool call cannot be combined with response_format".into(),
+        ));
+    }
+    let (grammar, only) = match &request.tool_choice {
+        ToolChoice::Required if !tools.is_empty() => (
+            Grammar::ToolCalls {
+                tools: tools
+                    .iter()
+                    .map(|t| (t.name.clone(), t.parameters.clone()))
+                    .collect(),
+                single: !request.parallel_tool_calls,
+            },
+            None,
+        ),
+        ToolChoice::Function(name) if !tools.is_empty() => {
+            let tool = tools
+                .iter()
+                .find(|t| &t.name == name)
+                .ok_or_else(|| invalid(field, format!("no tool named `{name}` to call")))?;
+            (Grammar::JsonSchema(tool.parameters.clone()), Some(name))
+        }
+        _ => {
+            return Ok(request.response_format.as_ref().map(|f| Constrained {
+                grammar: match f {
+                    ResponseFormat::JsonObject => Grammar::JsonObject,
+                    ResponseFormat::JsonSchema(schema) => Grammar::JsonSchema(schema.clone()),
+                },
+                field: RequestField::ResponseFormat,
+                reply: None,
+            }));
+        }
+    };
+    Ok(Some(Constrained {
+        grammar,
+        field,
+        reply: Some(forced_call_prefix(only.map(String::as_str))),
+    }))
+}

@@ -1,0 +1,221 @@
+//! Starting an engine: open the checkpoint once, load the text side on the
+//! caller's thread and the model on a dedicated OS thread (the engine
+//! thread, which then builds the KV cache and the step runner and serves
+//! requests), then warm up through the finished handle.
+
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mlxcel_kv::{KvCache, StorageBackend};
+use mlxcel_model::Model;
+use mlxcel_text::Text;
+
+use crate::api::EngineStats;
+use crate::config::{EngineConfig, ReasoningParser};
+use crate::error::EngineError;
+use crate::handle::{Engine, EngineInfo};
+use crate::loader::{load_text, Opened};
+use crate::plan::{EnginePlan, Loaded};
+use crate::request::{Limits, RequestBuilder};
+use crate::runner::local::LocalRunner;
+use crate::runner::tensor_parallel::watchdog::GroupHealth;
+use crate::runner::tensor_parallel::{abort_setup, LeaderRunner};
+use crate::runner::StepRunner;
+use crate::worker::{Message, Worker};
+
+/// Rank 0 of a tensor-parallel group: the group's health (shared with the
+/// handle) and the longest a step of the group may take.
+type Group = Option<(Arc<GroupHealth>, Duration)>;
+
+impl Engine {
+    /// Loads the model in `config.model_dir` and starts the engine thread;
+    /// with a warm-up (`config.warmup`, on by default on a GPU) every kind
+    /// of step runs once before this returns.
+    ///
+    /// # Errors
+    /// Unreadable tokenizer/template/config, unsupported model, weight
+    /// errors, a KV budget too small for one request, a failed warm-up.
+    pub fn start(mut config: EngineConfig) -> Result<Engine, EngineError> {
+        let started = Instant::now();
+        if config.tensor_parallel.is_some() {
+            // Followers address the pool by block id; the next step's
+            // inputs must be on the host to be broadcast.
+            config.storage_backend = Some(StorageBackend::Paged);
+            config.pipeline = false;
+        }
+        let opened = Opened::open(&config, config.tensor_parallel.map(|tp| tp.shard))?;
+        let model_config = opened.model_config.clone();
+        let text = Arc::new(load_text(
+            &opened.checkpoint,
+            config.chat_template.as_deref(),
+            model_config.vocab_size,
+        )?);
+        let (gpu, options) = (opened.gpu, opened.options);
+        let identity = format!(
+            "{}|{:?}|{}",
+            config.model_dir.display(),
+            options.dtype,
+            model_config.model_type
+        );
+        let plan = EnginePlan::new(&config, gpu, crate::platform::stable_hash(&identity))?;
+        let group: Group = config
+            .tensor_parallel
+            .map(|tp| (Arc::new(GroupHealth::default()), tp.timeout));
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let (jobs, thread, loaded) = spawn_engine_thread(
+            opened,
+            plan,
+            Arc::clone(&text),
+            Arc::clone(&stats),
+            group.clone(),
+        )?;
+        let info = EngineInfo {
+            model_type: model_config.model_type.clone(),
+            dtype: options.dtype,
+            weight_mode: options.weight_mode,
+            gpu,
+            load_seconds: started.elapsed().as_secs_f64(),
+            storage_backend: loaded.backend,
+            kv_blocks: loaded.blocks,
+            kv_block_size: loaded.block_size,
+            kv_admission: loaded.admission.clone(),
+            prefill_tile: plan.worker.scheduler.prefill_tile,
+            max_request_tokens: loaded.max_request_tokens,
+        };
+        let model_id = config.model_id();
+        tracing::info!(
+            model = %model_id,
+            load_s = info.load_seconds,
+            gemv_forwarding = mlxcel_mlx::gemv_forwarding_active(),
+            kv_backend = %info.storage_backend,
+            kv_blocks = info.kv_blocks,
+            kv_block_size = info.kv_block_size,
+            parallel = plan.worker.parallel,
+            prefill_tile = info.prefill_tile,
+            "model ready"
+        );
+        let split_reasoning = match config.reasoning_parser {
+            ReasoningParser::Think => true,
+            ReasoningParser::None => false,
+            ReasoningParser::Auto => text.template.as_ref().is_some_and(|t| t.knows_reasoning()),
+        };
+        let limits = Limits {
+            context_length: model_config.max_position_embeddings,
+            vocab_size: model_config.vocab_size.min(text.tokenizer.vocab_size()),
+            parallel: plan.worker.parallel,
+            max_request_tokens: loaded.max_request_tokens,
+            admission: loaded.admission,
+            special_tokens_in_content: config.special_tokens_in_content,
+            split_reasoning,
+        };
+        let engine = Engine {
+            model_id,
+            requests: RequestBuilder { text, limits },
+            jobs: Some(jobs),
+            thread: Some(thread),
+            stats,
+            group: group.map(|(health, _)| health),
+            info,
+        };
+        if config.warmup.unwrap_or(gpu) {
+            let report = crate::warmup::warm_up(
+                &engine,
+                plan.worker.scheduler.prefill_chunk_size,
+                plan.worker.parallel,
+            )?;
+            tracing::info!(
+                requests = report.requests,
+                seconds = report.seconds,
+                "warm-up done: every kind of step has run once"
+            );
+        }
+        Ok(engine)
+    }
+}
+
+/// Starts the engine thread and waits until it has loaded the model and
+/// built the KV cache and the runner.
+///
+/// # Errors
+/// The thread could not start, or what it reported while loading.
+fn spawn_engine_thread(
+    opened: Opened,
+    plan: EnginePlan,
+    text: Arc<Text>,
+    stats: Arc<Mutex<EngineStats>>,
+    group: Group,
+) -> Result<(mpsc::Sender<Message>, std::thread::JoinHandle<()>, Loaded), EngineError> {
+    let (jobs, queue) = mpsc::channel::<Message>();
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("mlxcel-engine".into())
+        .spawn(move || engine_thread(opened, plan, &text, stats, group, &queue, &ready_tx))
+        .map_err(|e| EngineError::Thread(e.to_string()))?;
+    let loaded = ready_rx
+        .recv()
+        .map_err(|_| EngineError::Thread("engine thread died while loading".into()))??;
+    Ok((jobs, thread, loaded))
+}
+
+/// The engine thread: loads the model, builds the KV cache and the runner,
+/// reports ready (or what failed) on `ready`, then serves `queue` until
+/// every handle is gone.
+fn engine_thread(
+    opened: Opened,
+    plan: EnginePlan,
+    text: &Text,
+    stats: Arc<Mutex<EngineStats>>,
+    group: Group,
+    queue: &mpsc::Receiver<Message>,
+    ready: &mpsc::Sender<Result<Loaded, EngineError>>,
+) {
+    let tensor_parallel = group.is_some();
+    let setup = opened.load().and_then(|model| {
+        let kv = plan.kv_cache(model.as_ref())?;
+        Ok((model, kv))
+    });
+    let (model, mut kv) = match setup {
+        Ok(built) => built,
+        Err(e) => {
+            if tensor_parallel {
+                // Followers wait for the set-up: let them exit.
+                if let Err(stop) = abort_setup() {
+                    tracing::warn!(error = %stop, "telling the other ranks to stop");
+                }
+            }
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let runner = match runner(model.as_ref(), &mut kv, &plan, group) {
+        Ok(runner) => runner,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(plan.loaded(&kv)));
+    Worker::new(runner, text, kv, plan.worker, stats).run(queue);
+}
+
+/// The step runner of this engine: the local runner, wrapped by rank 0's
+/// runner under tensor parallelism (which sends the group its set-up).
+///
+/// # Errors
+/// The tensor-parallel set-up could not be sent.
+fn runner<'m>(
+    model: &'m dyn Model,
+    kv: &mut KvCache,
+    plan: &EnginePlan,
+    group: Group,
+) -> Result<Box<dyn StepRunner + 'm>, EngineError> {
+    let local = LocalRunner::new(model, kv.config().backend, plan.worker.attention_path);
+    #[cfg(feature = "fault-injection")]
+    let local = local.with_fault(plan.worker.fault);
+    Ok(match group {
+        None => Box::new(local),
+        Some((health, timeout)) => {
+            Box::new(LeaderRunner::connect(local, model, kv, health, timeout)?)
+        }
+    })
+}
