@@ -14,7 +14,7 @@ use crate::api::{
     RequestField, SubmitError, TokenizeRequest, ToolDefinition,
 };
 use crate::request::{Encoding, RequestBuilder};
-use crate::runner::tensor_parallel::watchdog::GroupHealth;
+use crate::runner::RunnerHealth;
 use crate::worker::Message;
 
 /// Handle to a running engine. Cheap to share (`Arc`); dropping the last
@@ -28,9 +28,9 @@ pub struct Engine {
     /// Joined on drop, so no MLX work outlives the handle.
     pub(crate) thread: Option<std::thread::JoinHandle<()>>,
     pub(crate) stats: Arc<Mutex<EngineStats>>,
-    /// Tensor parallelism: the group's health (requests are refused once
-    /// it is broken).
-    pub(crate) group: Option<Arc<GroupHealth>>,
+    /// The runner's health, when it can break (tensor parallelism):
+    /// requests are refused once it is broken.
+    pub(crate) health: Option<Arc<RunnerHealth>>,
     /// What was loaded, for logs and `/v1/models`.
     pub info: EngineInfo,
 }
@@ -129,7 +129,7 @@ impl InferenceService for Engine {
     }
 
     fn unhealthy(&self) -> Option<String> {
-        self.group.as_ref().and_then(|g| g.broken())
+        self.health.as_ref().and_then(|h| h.broken())
     }
 
     fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {

@@ -18,14 +18,14 @@ use crate::loader::{load_text, Opened};
 use crate::plan::{EnginePlan, Loaded};
 use crate::request::{Limits, RequestBuilder};
 use crate::runner::local::LocalRunner;
-use crate::runner::tensor_parallel::watchdog::GroupHealth;
 use crate::runner::tensor_parallel::{abort_setup, LeaderRunner};
+use crate::runner::RunnerHealth;
 use crate::runner::StepRunner;
 use crate::worker::{Message, Worker};
 
 /// Rank 0 of a tensor-parallel group: the group's health (shared with the
 /// handle) and the longest a step of the group may take.
-type Group = Option<(Arc<GroupHealth>, Duration)>;
+type Group = Option<(Arc<RunnerHealth>, Duration)>;
 
 impl Engine {
     /// Loads the model in `config.model_dir` and starts the engine thread;
@@ -60,7 +60,7 @@ impl Engine {
         let plan = EnginePlan::new(&config, gpu, crate::platform::stable_hash(&identity))?;
         let group: Group = config
             .tensor_parallel
-            .map(|tp| (Arc::new(GroupHealth::default()), tp.timeout));
+            .map(|tp| (Arc::new(RunnerHealth::default()), tp.timeout));
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let (jobs, thread, loaded) = spawn_engine_thread(
             opened,
@@ -114,7 +114,7 @@ impl Engine {
             jobs: Some(jobs),
             thread: Some(thread),
             stats,
-            group: group.map(|(health, _)| health),
+            health: group.map(|(health, _)| health),
             info,
         };
         if config.warmup.unwrap_or(gpu) {

@@ -28,6 +28,7 @@ pub(crate) mod local;
 pub(crate) mod tensor_parallel;
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 use mlxcel_kv::{KvCache, KvSequence, StepReservation};
 use mlxcel_mlx::Array;
@@ -236,5 +237,33 @@ pub(crate) trait StepRunner {
     /// tensor-parallel group).
     fn health(&self) -> Result<(), StepError> {
         Ok(())
+    }
+}
+
+/// Whether a runner can still run steps, shared with the engine handle
+/// (new requests are refused once it cannot) and `/health`: a
+/// tensor-parallel group whose rank failed or stopped answering breaks it
+/// for good.
+#[derive(Debug, Default)]
+pub(crate) struct RunnerHealth {
+    broken: Mutex<Option<String>>,
+}
+
+impl RunnerHealth {
+    /// Marks the runner broken (the first reason stays).
+    pub(crate) fn mark_broken(&self, reason: &str) {
+        let mut b = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        if b.is_none() {
+            tracing::error!(reason, "the step runner is broken: serving stops");
+            *b = Some(reason.to_owned());
+        }
+    }
+
+    /// Why the runner is broken, if it is.
+    pub(crate) fn broken(&self) -> Option<String> {
+        self.broken
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }

@@ -24,16 +24,17 @@ use mlxcel_kv::{KvCache, KvSequence, StepLayout};
 use mlxcel_model::{AttentionPath, Model, StepRow};
 
 use super::local::{LocalRunner, StepHook};
+use super::RunnerHealth;
 use super::{DecodeInput, InFlight, Pending, StepBatch, StepOutput, StepRunner};
 use crate::error::{GroupError, StepError};
-use watchdog::{GroupHealth, Watchdog};
+use watchdog::Watchdog;
 use wire::{broadcast, Plan, Setup, WireStep};
 
 /// Rank 0's runner: the local runner, with every step sent to the other
 /// ranks between building and evaluating it.
 pub(crate) struct LeaderRunner<'m> {
     local: LocalRunner<'m>,
-    health: Arc<GroupHealth>,
+    health: Arc<RunnerHealth>,
     watchdog: Watchdog,
 }
 
@@ -50,7 +51,7 @@ impl<'m> LeaderRunner<'m> {
         local: LocalRunner<'m>,
         model: &dyn Model,
         kv: &mut KvCache,
-        health: Arc<GroupHealth>,
+        health: Arc<RunnerHealth>,
         timeout: Duration,
     ) -> Result<Self, StepError> {
         let watchdog = Watchdog::start(timeout, Arc::clone(&health))
@@ -162,7 +163,7 @@ impl Drop for LeaderRunner<'_> {
 /// What the leader does around one local step.
 struct LeaderHook<'a> {
     path: AttentionPath,
-    health: &'a GroupHealth,
+    health: &'a RunnerHealth,
     watchdog: &'a Watchdog,
     in_flight: &'a dyn InFlight,
     /// The step's KV layout, taken once its positions are reserved.

@@ -1,5 +1,5 @@
-//! The group's health as rank 0 sees it, and the watchdog that fails a
-//! step of the group that never returns.
+//! The watchdog that fails a step of the group that never returns, and
+//! marks the runner's health broken.
 //!
 //! A collective that fails (a peer's connection closed) comes back as an
 //! error; one that never returns (a peer that stopped answering) blocks
@@ -15,32 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::GenerationEvent;
 use crate::error::StepError;
-
-/// The group's health as rank 0 sees it, shared with the engine handle
-/// (new requests are refused once it is broken) and `/health`.
-#[derive(Debug, Default)]
-pub(crate) struct GroupHealth {
-    broken: Mutex<Option<String>>,
-}
-
-impl GroupHealth {
-    /// Marks the group broken (the first reason stays).
-    pub(crate) fn mark_broken(&self, reason: &str) {
-        let mut b = self.broken.lock().unwrap_or_else(|p| p.into_inner());
-        if b.is_none() {
-            tracing::error!(reason, "tensor-parallel group broken: serving stops");
-            *b = Some(reason.to_owned());
-        }
-    }
-
-    /// Why the group is broken, if it is.
-    pub(crate) fn broken(&self) -> Option<String> {
-        self.broken
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-}
+use crate::runner::RunnerHealth;
 
 #[derive(Default)]
 struct WatchState {
@@ -59,7 +34,7 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     /// Starts the watchdog thread.
-    pub(crate) fn start(timeout: Duration, health: Arc<GroupHealth>) -> std::io::Result<Self> {
+    pub(crate) fn start(timeout: Duration, health: Arc<RunnerHealth>) -> std::io::Result<Self> {
         let state: Arc<(Mutex<WatchState>, Condvar)> = Arc::default();
         let watched = Arc::clone(&state);
         let thread = std::thread::Builder::new()
