@@ -347,3 +347,89 @@ fn read_back(
         .collect();
     Ok(StepOutput { rows })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlxcel_kv::{KvCacheConfig, KvLayout};
+    use mlxcel_mlx::Dtype;
+    use mlxcel_model::RowInput;
+
+    fn cache() -> KvCache {
+        KvCache::new(KvCacheConfig {
+            layout: KvLayout {
+                layers: 1,
+                kv_heads: 1,
+                head_dim: 2,
+                dtype: Dtype::Float32,
+            },
+            block_size: 4,
+            num_blocks: 4,
+            backend: StorageBackend::Paged,
+            prefix: None,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn each_rows_positions_land_in_the_right_logits_rows() {
+        let mut kv = cache();
+        let (a, b, c) = (kv.new_sequence(), kv.new_sequence(), kv.new_sequence());
+        let tokens = [1u32, 2, 3, 4, 5];
+        let row = |kv, host: Range<usize>, device: Range<usize>| BatchRow {
+            kv,
+            input: RowInput::Tokens(&tokens),
+            real: 5,
+            host_logits: host,
+            device_argmax: device,
+        };
+        // A scored prompt sampled on the device, a prefill chunk wanting
+        // nothing, a verification row sampled on the host.
+        let rows = [
+            row(&a, 0..4, 4..5),
+            row(&b, 0..0, 0..0),
+            row(&c, 1..5, 5..5),
+        ];
+        let place = Placement::of(&rows);
+        assert_eq!(place.host, vec![0, 1, 2, 3, 5, 6, 7, 8]);
+        assert_eq!(place.device, vec![4]);
+        assert_eq!(place.total, 9);
+        let batch = StepBatch {
+            rows: rows.to_vec(),
+        };
+        assert!(batch.check().is_ok());
+        let rows: Vec<_> = batch
+            .model_rows()
+            .iter()
+            .map(|r| r.logits.clone())
+            .collect();
+        assert_eq!(rows, vec![0..5, 0..0, 1..5]);
+    }
+
+    #[test]
+    fn rows_whose_ranges_do_not_fit_are_refused() {
+        let mut kv = cache();
+        let seq = kv.new_sequence();
+        let tokens = [1u32, 2, 3];
+        let bad = |host: Range<usize>, device: Range<usize>, real| StepBatch {
+            rows: vec![BatchRow {
+                kv: &seq,
+                input: RowInput::Tokens(&tokens),
+                real,
+                host_logits: host,
+                device_argmax: device,
+            }],
+        };
+        // A gap between host and device positions, a range past the real
+        // tokens, no real token, more real tokens than the row holds.
+        for batch in [
+            bad(0..1, 2..3, 3),
+            bad(0..3, 0..0, 2),
+            bad(0..0, 0..0, 0),
+            bad(0..0, 0..0, 4),
+        ] {
+            assert!(matches!(batch.check(), Err(StepError::Internal(_))));
+        }
+        assert!(bad(0..2, 2..3, 3).check().is_ok());
+    }
+}

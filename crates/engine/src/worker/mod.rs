@@ -81,7 +81,7 @@ pub(crate) struct WorkerConfig {
     /// cache trims: `KvCache::trim`).
     pub(crate) max_kv_size: Option<usize>,
     /// Queue decode steps of device-sampled rows before reading the
-    /// previous step's tokens (see `worker/step.rs`).
+    /// previous step's tokens (see `worker/pipeline.rs`).
     pub(crate) pipeline: bool,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
