@@ -216,9 +216,10 @@ fn the_engine_serves_a_gguf_file_with_its_own_tokenizer_and_template() {
     assert_eq!(text.bos_token.as_deref(), Some("<|im_start|>"));
 
     // End to end: the engine reads the file, renders the template, and
-    // stops at the metadata's EOS.
+    // stops at the metadata's EOS (`<|im_end|>`), and at the vocabulary's
+    // other end of generation (`<|endoftext|>`, 0).
     let engine = Engine::start(EngineConfig::new(path.clone())).expect("engine on a GGUF file");
-    assert_eq!(engine.eos_token_ids(), &[2]);
+    assert_eq!(engine.eos_token_ids(), &[2, 0]);
     let g = &goldens()[0];
     let prompt = engine
         .tokenize_prompt(&Prompt::Chat(g.messages.clone()), &[])
@@ -250,7 +251,7 @@ fn the_engine_reads_the_gguf_header_once() {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(gguf_path(), &link).unwrap();
     let engine = Engine::start(EngineConfig::new(link.clone())).expect("engine on a GGUF file");
-    assert_eq!(engine.eos_token_ids(), &[2]);
+    assert_eq!(engine.eos_token_ids(), &[2, 0]);
     assert_eq!(header_reads(&link), 1, "one header read per start");
     drop(engine);
     std::fs::remove_dir_all(dir).unwrap();

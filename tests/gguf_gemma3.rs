@@ -303,7 +303,9 @@ fn the_engine_serves_the_gguf_file_with_its_own_tokenizer() {
     let golden = read_golden(&dir(), "prepare_real_models.py");
     let case = &golden["prompts"][0];
     let engine = Engine::start(EngineConfig::new(path)).expect("engine on the GGUF file");
-    assert_eq!(engine.eos_token_ids(), &[1]);
+    // `<eos>` from the metadata, and `<end_of_turn>` (106), which ends a
+    // chat turn (Gemma's own generation config names both).
+    assert_eq!(engine.eos_token_ids(), &[1, 106]);
     let prompt = Prompt::Text("One, two, three, four,".into());
     assert_eq!(
         engine.tokenize_prompt(&prompt, &[]).unwrap(),

@@ -6,20 +6,9 @@ mod common;
 use common::http::{get, post_json, request};
 use common::{goldens, model_dir, Golden, GOLDEN_MAX_TOKENS};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::server::Server;
 
 fn start_server() -> Server {
     start_server_with(&[])
@@ -29,43 +18,10 @@ fn start_server_with(extra: &[&str]) -> Server {
     start_server_watching(extra, |_| {})
 }
 
-/// Starts the server and returns once it logged "ready"; `on_listening`
-/// runs with the port as soon as the server listens (the model may still
-/// be loading then).
+/// Starts the server on the test model, served as `smollm2`
+/// ([`common::server::start`]).
 fn start_server_watching(extra: &[&str], on_listening: impl FnOnce(u16)) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
-        .args(["-m", model_dir().to_str().expect("utf-8 path")])
-        .args(["--port", "0", "--alias", "smollm2"])
-        .args(extra)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn mlxcel-server");
-    let stderr = child.stderr.take().expect("stderr");
-    let mut lines = BufReader::new(stderr).lines();
-    let mut next_line = || {
-        lines
-            .next()
-            .expect("server exited before it was ready")
-            .expect("read stderr")
-    };
-    let port = loop {
-        let line = next_line();
-        if let Some(addr) = line.split("listening on http://").nth(1) {
-            break addr
-                .trim()
-                .rsplit(':')
-                .next()
-                .and_then(|p| p.parse::<u16>().ok())
-                .expect("port");
-        }
-    };
-    on_listening(port);
-    while !next_line().contains("ready: serving requests") {}
-    // Keep draining the log so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, port }
+    common::server::start(&model_dir(), "smollm2", extra, on_listening)
 }
 
 fn messages(g: &Golden) -> Value {
@@ -844,6 +800,41 @@ fn hostile_requests_get_4xx_and_the_server_stays_healthy() {
             let v = r.json();
             assert!(v["error"]["message"].is_string(), "body {i}: {v}");
         }
+    }
+    // Special-token strings anywhere a client writes text (content, stop
+    // strings, a forced string, a tool's schema) are text: never a 5xx.
+    for (i, special) in ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
+        .into_iter()
+        .enumerate()
+    {
+        let text = format!("say {special} now");
+        let body = json!({
+            "messages": [{"role": "system", "content": text}, {"role": "user", "content": text}],
+            "max_tokens": 6, "temperature": 0, "stop": [special],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+                "schema": {"type": "object", "properties": {"t": {"enum": [text]}}}}},
+        });
+        let r = post_json(port, "/v1/chat/completions", &body);
+        assert!(
+            r.status < 500,
+            "{special}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let tools = json!([{"type": "function", "function": {"name": "f", "description": text,
+            "parameters": {"type": "object", "properties": {"t": {"const": text}}}}}]);
+        let choice = [
+            json!("required"),
+            json!("auto"),
+            json!({"type": "function", "function": {"name": "f"}}),
+        ];
+        let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 6,
+                          "temperature": 0, "tools": tools, "tool_choice": choice[i]});
+        let r = post_json(port, "/v1/chat/completions", &body);
+        assert!(
+            r.status < 500,
+            "{special}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
     }
     assert_eq!(get(port, "/health").status, 200);
     check_non_streaming(port, &golden("capital_france"));

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod parity;
+pub mod server;
 
 use serde_json::Value;
 use std::path::PathBuf;

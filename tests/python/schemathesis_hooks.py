@@ -85,3 +85,59 @@ def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwar
             isinstance(t, int) for t in prompt
         ):
             body["prompt"] = prompt[:MAX_PROMPTS]
+
+#: Special-token strings of the chat formats the served models use: text a
+#: client may legitimately write (a JSON value, a message, a stop string)
+#: that must stay text, never end a reply or fail a request.
+SPECIAL_TOKEN_TEXTS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>", "<tool_call>", "</tool_call>")
+
+
+def _with_special_tokens(value: Any, salt: list[int]) -> Any:
+    """``value`` with a special-token string inserted into some of its
+    strings (every third one met, deterministically), recursively."""
+    if isinstance(value, str):
+        salt[0] += 1
+        if salt[0] % 3 == 0:
+            token = SPECIAL_TOKEN_TEXTS[salt[0] % len(SPECIAL_TOKEN_TEXTS)]
+            middle = len(value) // 2
+            return value[:middle] + token + value[middle:]
+        return value
+    if isinstance(value, list):
+        return [_with_special_tokens(v, salt) for v in value]
+    if isinstance(value, dict):
+        return {k: _with_special_tokens(v, salt) for k, v in value.items()}
+    return value
+
+
+@schemathesis.hook
+def map_body(context: schemathesis.HookContext, body: Any) -> Any:
+    """Puts special-token strings into generated request text (message
+    contents, stop strings, text prompts, Responses input and
+    instructions): no request may end in a 5xx because of them (issue 28).
+    Roles, types, names and other fields the document restricts stay as
+    generated."""
+    if not isinstance(body, dict):
+        return body
+    salt = [0]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        body["messages"] = [_message_with_special_tokens(m, salt) for m in messages]
+    for key in ("stop", "instructions"):
+        if key in body:
+            body[key] = _with_special_tokens(body[key], salt)
+    for key in ("prompt", "input"):
+        value = body.get(key)
+        if isinstance(value, str):
+            body[key] = _with_special_tokens(value, salt)
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            body[key] = _with_special_tokens(value, salt)
+    return body
+
+
+def _message_with_special_tokens(message: Any, salt: list[int]) -> Any:
+    """A chat message with special-token strings in its content only (its
+    role stays one the document allows)."""
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        message = dict(message)
+        message["content"] = _with_special_tokens(message["content"], salt)
+    return message

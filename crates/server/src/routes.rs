@@ -121,11 +121,16 @@ pub async fn not_found(method: Method, uri: Uri) -> ApiError {
     }
 }
 
-/// A known path with the wrong method.
+/// A known path with the wrong method. `/v1/responses/{id}` only names a
+/// response when `{id}` is one (`resp_...`): other paths there
+/// (`/v1/responses/input_tokens`, `/v1/responses/compact`: OpenAI routes
+/// this server does not serve) are unknown routes, a 404.
 pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
-    ApiError::MethodNotAllowed {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
+    let path = uri.path().to_owned();
+    let method = method.to_string();
+    match path.strip_prefix("/v1/responses/") {
+        Some(id) if !id.starts_with("resp_") => ApiError::RouteNotFound { method, path },
+        _ => ApiError::MethodNotAllowed { method, path },
     }
 }
 

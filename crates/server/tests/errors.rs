@@ -352,3 +352,29 @@ async fn gzip_bodies_are_decoded_and_other_encodings_are_a_415() {
     .await;
     reply.error(StatusCode::PAYLOAD_TOO_LARGE);
 }
+
+/// OpenAI routes under `/v1/responses/` that this server does not serve
+/// are unknown routes (404), not a wrong method on `/v1/responses/{id}`;
+/// a response's own path with a wrong method stays a 405.
+#[tokio::test]
+async fn unserved_responses_routes_are_404_not_405() {
+    for path in ["/v1/responses/input_tokens", "/v1/responses/compact"] {
+        let reply = post_raw_to(
+            app(FakeService::hello()),
+            path,
+            Some("application/json"),
+            "{}",
+        )
+        .await;
+        let error = reply.error(StatusCode::NOT_FOUND);
+        assert_eq!(error["message"], format!("Invalid URL (POST {path})"));
+    }
+    let reply = post_raw_to(
+        app(FakeService::hello()),
+        "/v1/responses/resp_0123",
+        Some("application/json"),
+        "{}",
+    )
+    .await;
+    reply.error(StatusCode::METHOD_NOT_ALLOWED);
+}

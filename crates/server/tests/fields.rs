@@ -615,3 +615,42 @@ async fn ecosystem_fields_work_or_name_themselves() {
     )
     .await;
 }
+
+/// `tool_choice` objects of other types than `function` (OpenAI's
+/// `allowed_tools` and `custom`) are refused for their type, naming it, as
+/// the Responses API does; not for a missing `function`.
+#[tokio::test]
+async fn other_tool_choice_types_are_refused_by_name() {
+    let choices = [
+        json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto",
+               "tools": [{"type": "function", "function": {"name": "f"}}]}}),
+        json!({"type": "custom", "custom": {"name": "f"}}),
+    ];
+    for choice in choices {
+        let kind = choice["type"].as_str().unwrap().to_owned();
+        let body = chat(json!({"tools": [tool("f")], "tool_choice": choice}));
+        let fake = FakeService::hello();
+        let reply = post_raw_to(
+            app(fake.clone()),
+            "/v1/chat/completions",
+            Some("application/json"),
+            body.to_string(),
+        )
+        .await;
+        let error = reply.error(StatusCode::BAD_REQUEST);
+        assert_eq!(error["param"], "tool_choice.type", "{error}");
+        let message = error["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("'{kind}'")) && message.contains("only 'function'"),
+            "{message}"
+        );
+        assert_eq!(fake.request_count(), 0);
+    }
+    // A function choice still needs its function.
+    assert_refused(
+        "/v1/chat/completions",
+        chat(json!({"tools": [tool("f")], "tool_choice": {"type": "function"}})),
+        "tool_choice.function",
+    )
+    .await;
+}

@@ -24,6 +24,7 @@
 use std::sync::Arc;
 
 use llguidance::api::{GrammarInit, ParserLimits, StopReason, TopLevelGrammar};
+use llguidance::toktrie::{TokEnv, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
 use toktrie_hf_tokenizers::ByteTokenizer;
@@ -118,7 +119,12 @@ impl GrammarTokenizer {
                 *bytes = added.content.into_bytes();
             }
         }
-        let env = byte_tok.into_tok_env(Some(vocab_size)).map_err(tok_err)?;
+        let mut encoder = byte_tok.hf_tokenizer.clone();
+        encoder.set_encode_special_tokens(true);
+        let env: TokEnv = Arc::new(TextOnlyEnv {
+            inner: byte_tok.into_tok_env(Some(vocab_size)).map_err(tok_err)?,
+            encoder,
+        });
         let trie = env.tok_trie();
         let tool_tags_special = trie.get_special_token("<tool_call>").is_some()
             && trie.get_special_token("</tool_call>").is_some();
@@ -149,6 +155,50 @@ impl GrammarTokenizer {
     /// [`ConstrainedDecoder::mask_logits`] expects).
     pub fn vocab_size(&self) -> usize {
         self.inner.vocab_size
+    }
+}
+
+/// The tokenizer environment grammars run against: the model's trie, and
+/// for text a grammar forces (a schema's `const` or `enum` string, the
+/// tool-call wrapper) the model's own encoding of that text as text. The
+/// Hugging Face encoder llguidance would use matches added tokens by their
+/// text (`"x <|im_end|> y"` gives the EOS id, Qwen's `<tool_call>` its tag),
+/// which ends a reply or breaks the grammar; here special-token strings are
+/// encoded as plain text (`encode_special_tokens`), and an added token the
+/// trie still marks special (a non-special added token such as Qwen's
+/// `<tool_call>`) is spelled with ordinary tokens. Special tokens a grammar
+/// names on purpose (Qwen's `<tool_call>` around a call) still match
+/// through the trie, which never matches them to text.
+struct TextOnlyEnv {
+    inner: TokEnv,
+    /// The model's tokenizer with special-token strings encoded as text.
+    encoder: tokenizers::Tokenizer,
+}
+
+impl TokenizerEnv for TextOnlyEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        self.inner.tok_trie()
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let trie = self.inner.tok_trie();
+        let ids = trie.tokenize_with_greedy_fallback(s, |text| {
+            self.encoder
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_else(|_| trie.greedy_tokenize(text.as_bytes()))
+        });
+        ids.into_iter()
+            .flat_map(|id| match trie.is_special_token(id) {
+                // The special token's text, after its marker byte.
+                true => trie.greedy_tokenize(&trie.token(id)[1..]),
+                false => vec![id],
+            })
+            .collect()
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        self.inner.tokenize_is_canonical()
     }
 }
 

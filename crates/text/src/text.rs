@@ -9,7 +9,7 @@ use mlxcel_engine_api::TokenLogprob;
 use crate::chat_template::ChatTemplate;
 use crate::constraint::GrammarTokenizer;
 use crate::gguf::{GgufHeader, GgufText};
-use crate::tokenizer::{eos_token_ids, TextError, TextTokenizer};
+use crate::tokenizer::{eos_token_ids, with_end_of_generation, TextError, TextTokenizer};
 
 /// The text side of a served model, shared by the request handlers
 /// (prompts) and the engine thread (decoding, grammars, logprobs).
@@ -31,7 +31,8 @@ impl Text {
     /// The text side of the checkpoint directory `dir`: `tokenizer.json`,
     /// the chat template (`template_file` if given, else the model's own),
     /// the EOS ids (`generation_config.json`, `config.json` and the
-    /// tokenizer's EOS), and the grammar vocabulary for `vocab_size` logit
+    /// tokenizer's EOS, then the vocabulary's end-of-generation tokens:
+    /// [`crate::tokenizer::END_OF_GENERATION_TOKENS`]), and the grammar vocabulary for `vocab_size` logit
     /// rows (the model's output size; see [`Text::new`]).
     ///
     /// # Errors
@@ -46,15 +47,17 @@ impl Text {
             Some(path) => Some(ChatTemplate::from_file(path, dir)?),
             None => ChatTemplate::from_model_dir(dir)?,
         };
-        // generation_config.json, config.json and the tokenizer's EOS.
-        let eos = eos_token_ids(dir, &tokenizer);
+        // generation_config.json, config.json and the tokenizer's EOS, then
+        // every end-of-generation token of the vocabulary.
+        let eos = with_end_of_generation(eos_token_ids(dir, &tokenizer), &tokenizer);
         Ok(Text::new(tokenizer, template, eos, vocab_size))
     }
 
     /// The text side of the GGUF file at `path`, whose header is `header`:
     /// the tokenizer built from `tokenizer.ggml.*`, the chat template
     /// (`template_file` if given, else `tokenizer.chat_template`), the EOS
-    /// ids (`eos`, `eot` and `eom` ids, and the EOS token's), and the
+    /// ids (`eos`, `eot` and `eom` ids, the EOS token's, then the
+    /// vocabulary's end-of-generation tokens), and the
     /// grammar vocabulary for `vocab_size` logit rows.
     ///
     /// # Errors
@@ -89,6 +92,7 @@ impl Text {
                 eos.push(id);
             }
         }
+        let eos = with_end_of_generation(eos, &text.tokenizer);
         Ok(Text::new(text.tokenizer, template, eos, vocab_size))
     }
 

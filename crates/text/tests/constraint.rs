@@ -575,3 +575,60 @@ fn listed_properties_close_an_object_unless_the_schema_opens_it() {
         [false, true]
     );
 }
+
+/// A string a grammar forces that holds a special token's text (a schema's
+/// `enum` or `const`, a named call's argument) is spelled with ordinary
+/// tokens: no special id is ever allowed inside it (the tokenizer's own
+/// encoder would turn `<|im_end|>` into the EOS id and end the reply), and
+/// the text comes out whole.
+#[test]
+fn special_token_text_in_forced_strings_is_spelled_as_text() {
+    let (text_tok, gt) = load(&model_dir(), 0);
+    let specials: Vec<u32> = (0..gt.vocab_size() as u32)
+        .filter(|&id| text_tok.is_special_token(id))
+        .collect();
+    assert!(specials.contains(&EOS), "{specials:?}");
+    for special in ["<|im_end|>", "<|im_start|>", "<|endoftext|>"] {
+        let value = format!("x {special} y");
+        let grammars = [
+            json!({"type": "object", "properties": {"text": {"type": "string", "enum": [value]}},
+                   "required": ["text"]}),
+            json!({"type": "object", "properties": {"text": {"const": value}},
+                   "required": ["text"], "additionalProperties": false}),
+            json!({"type": "object", "properties": {"text": {"type": "string", "enum": [value, "other"]}},
+                   "required": ["text"], "additionalProperties": false}),
+        ];
+        for schema in grammars {
+            for seed in 0..3 {
+                let w = walk(&gt, &Grammar::JsonSchema(schema.clone()), seed, 50.0);
+                assert!(
+                    !w.ids.iter().any(|id| specials.contains(id)),
+                    "{special}: special ids in {:?}",
+                    w.ids
+                );
+                let v: Value =
+                    serde_json::from_str(&w.text).unwrap_or_else(|e| panic!("{:?}: {e}", w.text));
+                assert!(
+                    v["text"] == value.as_str() || v["text"] == "other",
+                    "{special}: {}",
+                    w.text
+                );
+            }
+        }
+        // A required call whose one tool takes only that string.
+        let tools = vec![(
+            "echo".to_string(),
+            json!({"type": "object", "properties": {"text": {"const": value}},
+                   "required": ["text"], "additionalProperties": false}),
+        )];
+        let grammar = Grammar::ToolCalls {
+            tools,
+            single: true,
+        };
+        let w = walk(&gt, &grammar, 7, 50.0);
+        assert!(!w.ids.iter().any(|id| specials.contains(id)), "{:?}", w.ids);
+        let (calls, other) = tool_calls(&w.text, &["echo"]);
+        assert_eq!(other, "");
+        assert_eq!(calls, vec![("echo".to_string(), json!({"text": value}))]);
+    }
+}

@@ -252,8 +252,11 @@ pub struct NamedToolChoice {
     #[serde(rename = "type")]
     #[schema(schema_with = function_type)]
     pub kind: Tag<FunctionType>,
-    /// The function.
-    pub function: FunctionName,
+    /// The function (required with `type: "function"`; read as optional
+    /// so that another `type`, such as `allowed_tools` or `custom`, is
+    /// refused for its type rather than for a missing `function`).
+    #[schema(required = true)]
+    pub function: Option<FunctionName>,
     /// Keys that are not fields.
     #[serde(flatten)]
     #[schema(ignore)]

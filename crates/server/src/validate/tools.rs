@@ -85,9 +85,12 @@ pub(super) fn parse_tool_choice(
         }
         message::ToolChoice::Function(named) => {
             check_function_type(&named.kind, "tool_choice")?;
+            let function = named
+                .function
+                .ok_or_else(|| ValidationError::Missing("tool_choice.function".into()))?;
             reject_unknown(named.unknown, &[], "tool_choice.")?;
-            reject_unknown(named.function.unknown, &[], "tool_choice.function.")?;
-            ToolChoice::Function(named.function.name)
+            reject_unknown(function.unknown, &[], "tool_choice.function.")?;
+            ToolChoice::Function(function.name)
         }
     };
     match &choice {

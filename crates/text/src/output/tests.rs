@@ -320,3 +320,30 @@ fn required_calls_continue_the_prefix_and_never_leave_wrapper_text() {
     let sent = run(&mut f, &["get_wea"]);
     assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 0));
 }
+
+/// A required choice cut by `max_tokens` anywhere between two calls (the
+/// next call's wrapper half written: `\n<`, `\n<tool`, `\n<tool_call`,
+/// ...) sends the first call and no text at all.
+#[test]
+fn a_required_reply_cut_between_calls_sends_no_wrapper_text() {
+    let prefix = forced_call_prefix(None);
+    let names = tools(&["get_weather", "now"]);
+    let reply = "now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}";
+    let first_end = reply.find("}}").unwrap() + 2;
+    let second_name = reply.find("get_weather").unwrap();
+    for cut in first_end..second_name {
+        for n in [1, 2, 5, 200] {
+            let sent = run_chunked(
+                &mut OutputFilter::forced(&[], &names, &prefix),
+                &reply[..cut],
+                n,
+            );
+            assert_eq!(
+                (sent.text.as_str(), sent.calls.len()),
+                ("", 1),
+                "cut after {:?}, chunks of {n}",
+                &reply[first_end..cut]
+            );
+        }
+    }
+}

@@ -410,6 +410,57 @@ pub fn eos_token_ids(dir: &Path, tok: &TextTokenizer) -> Vec<u32> {
     ids
 }
 
+/// Special-token strings that end a turn or a document in the chat
+/// formats and vocabularies mlxcel serves (llama.cpp's end-of-generation
+/// tokens by text: ChatML's `<|im_end|>`, GPT-2's and Qwen's
+/// `<|endoftext|>`, Llama 3's `<|eot_id|>`, `<|eom_id|>` and
+/// `<|end_of_text|>`, Phi-3's `<|end|>`, Gemma's `<end_of_turn>`, gpt-oss's
+/// `<|return|>` and `<|call|>`, CodeLlama's `<EOT>`, DeepSeek's
+/// end of sentence).
+pub const END_OF_GENERATION_TOKENS: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|return|>",
+    "<|call|>",
+    "<EOT>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+];
+
+impl TextTokenizer {
+    /// Ids of this vocabulary's special tokens whose text is one of
+    /// [`END_OF_GENERATION_TOKENS`], ascending: sampling one ends the
+    /// reply whatever the checkpoint's configs name as EOS (a Qwen model
+    /// emitting `<|endoftext|>` where its config names only `<|im_end|>`),
+    /// as llama.cpp and the generation configs of these families do.
+    pub fn end_of_generation_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .specials
+            .iter()
+            .filter(|t| END_OF_GENERATION_TOKENS.contains(&t.content.as_str()))
+            .map(|t| t.id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+}
+
+/// `ids` followed by every end-of-generation id of `tok` not in it
+/// ([`TextTokenizer::end_of_generation_ids`]): the EOS ids generation
+/// stops at, the configured ones first.
+pub fn with_end_of_generation(mut ids: Vec<u32>, tok: &TextTokenizer) -> Vec<u32> {
+    for id in tok.end_of_generation_ids() {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
 /// Whether the tokenizer's decoder (or one in its `Sequence`) is
 /// `ByteFallback`, read from the decoder's serialized form.
 fn decoder_has_byte_fallback(inner: &tokenizers::Tokenizer) -> bool {

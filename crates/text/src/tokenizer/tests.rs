@@ -120,3 +120,16 @@ fn missing_tokenizer_is_a_load_error() {
     let err = TextTokenizer::from_model_dir(Path::new("/nonexistent/model")).unwrap_err();
     assert!(matches!(err, TextError::TokenizerLoad { .. }), "{err}");
 }
+
+#[test]
+fn end_of_generation_tokens_join_the_configured_eos() {
+    // ChatML: `<|endoftext|>` (0) and `<|im_end|>` (2) end a reply.
+    let tok = load("bytelevel");
+    assert_eq!(tok.end_of_generation_ids(), [0, 2]);
+    assert_eq!(with_end_of_generation(vec![2], &tok), [2, 0]);
+    assert_eq!(with_end_of_generation(vec![2, 0], &tok), [2, 0]);
+    // `</s>` is the SentencePiece EOS by its id, not by its text.
+    let spm = load("spm");
+    assert!(spm.end_of_generation_ids().is_empty());
+    assert_eq!(with_end_of_generation(vec![2], &spm), [2]);
+}

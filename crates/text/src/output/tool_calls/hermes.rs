@@ -291,11 +291,12 @@ impl HermesParser {
         }
     }
 
+    /// Sends text outside any call: never under a forced choice (the
+    /// grammar allows only calls there, so whatever is outside one is
+    /// wrapper text, such as the start of a next call cut by `max_tokens`),
+    /// and not whitespace after a call.
     fn emit_text(&self, out: &mut Filtered, text: &str) {
-        if self.calls > 0 && text.trim().is_empty() {
-            return;
-        }
-        if self.forced && text.trim().is_empty() {
+        if self.forced || (self.calls > 0 && text.trim().is_empty()) {
             return;
         }
         out.text_piece(text);
