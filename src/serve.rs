@@ -57,13 +57,15 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("follower stopped");
         return Ok(());
     }
-    let context_length =
-        mlxcel_engine::loader::read_config(&engine_config.model_dir)?.max_position_embeddings;
+    // Opened once: a GGUF file's header is read here and serves the
+    // engine too.
+    let checkpoint = mlxcel_engine::loader::Checkpoint::open(&engine_config.model_dir)?;
+    let context_length = checkpoint.config()?.max_position_embeddings;
     let slot = Arc::new(ServiceSlot::new(engine_config.model_id(), context_length));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let served = runtime.block_on(serve_on(args, engine_config, Arc::clone(&slot)));
+    let served = runtime.block_on(serve_on(args, engine_config, checkpoint, Arc::clone(&slot)));
     // Every task (connections, streams) ends with the runtime, so the slot
     // is left holding the only handle to the engine.
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
@@ -79,6 +81,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
 async fn serve_on(
     args: ServeArgs,
     engine_config: EngineConfig,
+    checkpoint: mlxcel_engine::loader::Checkpoint,
     slot: Arc<ServiceSlot>,
 ) -> anyhow::Result<()> {
     let signals = Signals::install().context("installing the SIGTERM and SIGINT handlers")?;
@@ -106,7 +109,7 @@ async fn serve_on(
     let loading = {
         let slot = Arc::clone(&slot);
         tokio::task::spawn_blocking(move || {
-            let engine = Engine::start(engine_config)?;
+            let engine = Engine::start_from(engine_config, checkpoint)?;
             slot.fill(Arc::new(engine));
             anyhow::Ok(())
         })

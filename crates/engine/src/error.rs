@@ -50,15 +50,9 @@ pub enum GroupError {
     /// A plan whose length word does not match its words.
     #[error("tensor parallelism: a plan of {bytes} bytes in {words} words")]
     Length { bytes: i64, words: usize },
-    /// Rows whose input is embeddings cannot be sent to other ranks.
-    #[error("tensor parallelism runs token rows only, not input embeddings")]
-    EmbeddingRows,
     /// A plan out of order (a step before the set-up, a second set-up).
     #[error("tensor parallelism: {0}")]
     Protocol(&'static str),
-    /// The group was broken earlier, for this reason.
-    #[error("{0}")]
-    Broken(String),
 }
 
 /// Why a step (or the work after it for one row) failed.
@@ -85,8 +79,8 @@ pub enum StepError {
     #[error("internal error: {0}")]
     Panic(String),
     /// The tensor-parallel group stopped working (a rank failed or stopped
-    /// answering): no step can run any more.
-    #[error("tensor parallelism: {0}")]
+    /// answering): no step can run any more. The reason says so.
+    #[error("{0}")]
     GroupBroken(String),
     /// The output grammar rejected a token or could not mask logits.
     #[error(transparent)]

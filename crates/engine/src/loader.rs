@@ -106,9 +106,8 @@ pub(crate) struct Opened {
 }
 
 impl Opened {
-    /// Opens `config.model_dir` (its header read once), applies the device
-    /// settings and decides the compute types; under tensor parallelism
-    /// the config carries this rank's `shard`.
+    /// Opens `config.model_dir` (its header read once): see
+    /// [`Opened::new`].
     ///
     /// # Errors
     /// An unreadable or unsupported checkpoint, a refused device setting.
@@ -116,7 +115,20 @@ impl Opened {
         config: &EngineConfig,
         shard: Option<TensorParallel>,
     ) -> Result<Self, EngineError> {
-        let checkpoint = Checkpoint::open(&config.model_dir)?;
+        Self::new(config, Checkpoint::open(&config.model_dir)?, shard)
+    }
+
+    /// `checkpoint` (of `config.model_dir`, already open) with the device
+    /// settings applied and the compute types decided; under tensor
+    /// parallelism the config carries this rank's `shard`.
+    ///
+    /// # Errors
+    /// An unsupported config, a refused device setting.
+    pub(crate) fn new(
+        config: &EngineConfig,
+        checkpoint: Checkpoint,
+        shard: Option<TensorParallel>,
+    ) -> Result<Self, EngineError> {
         let mut model_config = checkpoint.config()?;
         model_config.tensor_parallel = shard;
         let gpu = prepare_device(config)?;

@@ -14,7 +14,7 @@ use crate::api::EngineStats;
 use crate::config::{EngineConfig, ReasoningParser};
 use crate::error::EngineError;
 use crate::handle::{Engine, EngineInfo};
-use crate::loader::{load_text, Opened};
+use crate::loader::{load_text, Checkpoint, Opened};
 use crate::plan::{EnginePlan, Loaded};
 use crate::request::{Limits, RequestBuilder};
 use crate::runner::local::LocalRunner;
@@ -35,7 +35,22 @@ impl Engine {
     /// # Errors
     /// Unreadable tokenizer/template/config, unsupported model, weight
     /// errors, a KV budget too small for one request, a failed warm-up.
-    pub fn start(mut config: EngineConfig) -> Result<Engine, EngineError> {
+    pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
+        let checkpoint = Checkpoint::open(&config.model_dir)?;
+        Self::start_from(config, checkpoint)
+    }
+
+    /// [`Engine::start`] on a checkpoint the caller already opened (of
+    /// `config.model_dir`), so that a front end which needed its config
+    /// first (the context length, before the engine exists) does not read
+    /// a GGUF header twice.
+    ///
+    /// # Errors
+    /// As [`Engine::start`].
+    pub fn start_from(
+        mut config: EngineConfig,
+        checkpoint: Checkpoint,
+    ) -> Result<Engine, EngineError> {
         let started = Instant::now();
         if config.tensor_parallel.is_some() {
             // Followers address the pool by block id; the next step's
@@ -43,7 +58,8 @@ impl Engine {
             config.storage_backend = Some(StorageBackend::Paged);
             config.pipeline = false;
         }
-        let opened = Opened::open(&config, config.tensor_parallel.map(|tp| tp.shard))?;
+        let shard = config.tensor_parallel.map(|tp| tp.shard);
+        let opened = Opened::new(&config, checkpoint, shard)?;
         let model_config = opened.model_config.clone();
         let text = Arc::new(load_text(
             &opened.checkpoint,

@@ -207,6 +207,9 @@ pub enum StepMismatch {
     /// batch was padded to.
     #[error("row of {live} live keys in a batch padded to {padded}")]
     PaddedRow { live: usize, padded: usize },
+    /// A token id past the embedding table.
+    #[error("token id {id} is outside the embedding table ({vocab} rows)")]
+    TokenOutOfRange { id: u32, vocab: usize },
     /// Input embeddings whose shape is not `[tokens, hidden]`.
     #[error("row {row}: input embeddings of shape {shape:?}, want [tokens, {hidden}]")]
     Embeddings {

@@ -379,6 +379,10 @@ impl Model for Decoder {
     }
 
     fn embed_tokens(&self, ids: &[u32]) -> Result<Array, ModelError> {
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(StepMismatch::TokenOutOfRange { id, vocab }.into());
+        }
         let ids = Array::from_u32(ids, &[ids.len() as i32])?;
         scaled(self.embed_tokens.forward(&ids)?, &self.embedding_scale)
     }

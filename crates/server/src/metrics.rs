@@ -375,7 +375,12 @@ impl Metrics {
                 Some("finished")
             }
             GenerationEvent::Failed { kind, .. } => {
-                self.failures.with_label_values(&[kind.as_str()]).inc();
+                // A failed request may fail each of its choices: count it
+                // once.
+                if !seen.failed {
+                    seen.failed = true;
+                    self.failures.with_label_values(&[kind.as_str()]).inc();
+                }
                 Some("failed")
             }
         }
@@ -392,6 +397,8 @@ struct Seen {
     last_token: std::collections::HashMap<usize, Instant>,
     /// The prompt's tokens were counted.
     prompt_counted: bool,
+    /// A failure was counted.
+    failed: bool,
 }
 
 impl Default for Metrics {

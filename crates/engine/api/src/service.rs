@@ -6,10 +6,12 @@ use crate::event::EventStream;
 use crate::request::{GenerationRequest, TokenizeRequest};
 use crate::stats::{CacheReset, EngineStats};
 
-/// The part of a [`GenerationRequest`] a refusal is about. The engine
-/// does not know which API a request came through; each front end names
-/// the field in its own terms (the prompt is `messages` in chat, `prompt`
-/// in completions, `input` in the Responses API).
+/// The part of a [`GenerationRequest`] an engine refusal is about: the
+/// fields whose rules only the engine can check (the front end owns the
+/// others). The engine does not know which API a request came through;
+/// each front end names the field in its own terms (the prompt is
+/// `messages` in chat, `prompt` in completions, `input` in the Responses
+/// API).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestField {
     /// The prompt: its messages, text or token ids (an empty prompt, a token
@@ -19,16 +21,10 @@ pub enum RequestField {
     N,
     /// The logit bias.
     LogitBias,
-    /// The tools offered.
-    Tools,
     /// The tool choice.
     ToolChoice,
     /// The output format (`response_format`).
     ResponseFormat,
-    /// The floor on completion tokens.
-    MinTokens,
-    /// The extra chat template variables.
-    ChatTemplateKwargs,
 }
 
 impl RequestField {
@@ -38,11 +34,8 @@ impl RequestField {
             Self::Prompt => "messages",
             Self::N => "n",
             Self::LogitBias => "logit_bias",
-            Self::Tools => "tools",
             Self::ToolChoice => "tool_choice",
             Self::ResponseFormat => "response_format",
-            Self::MinTokens => "min_tokens",
-            Self::ChatTemplateKwargs => "chat_template_kwargs",
         }
     }
 }

@@ -124,6 +124,9 @@ impl<'m> LocalRunner<'m> {
         let completing = Instant::now();
         let completed = kv.complete_step(reservation, outcome.is_ok());
         profile::record("engine.complete_step", completing);
+        if let (Err(step), Err(undo)) = (&outcome, &completed) {
+            tracing::error!(error = %undo, step = %step, "rolling back a failed step");
+        }
         let output = outcome?;
         completed?;
         Ok(output)
@@ -147,7 +150,12 @@ impl<'m> LocalRunner<'m> {
         profile::record("engine.prepare", started);
         let logits = self.model.build_step(&rows, None, &mut view, self.path)?;
         hook.built(&rows)?;
-        let outcome = read_back(&logits, &batch.rows, mlxcel_kv::AttentionKv::storage(&view));
+        // Once built (and, under tensor parallelism, sent), the hook sees
+        // how the evaluation ended, a panic included.
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            read_back(&logits, &batch.rows, mlxcel_kv::AttentionKv::storage(&view))
+        }))
+        .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)));
         hook.evaluated(outcome)
     }
 

@@ -19,10 +19,14 @@
 //!
 //! What changes the step itself goes here, as a new runner or a strategy a
 //! runner calls: several tokens per row with logits at each (verification
-//! of draft tokens: a row's `logits` range covers them), rows whose input
-//! is embeddings ([`RowInput::Embeddings`]), per-layer state that is not
-//! K/V (the KV view the runner builds carries it,
-//! `mlxcel_kv::LayerState`).
+//! of draft tokens: a row's `host_logits` / `device_argmax` ranges cover
+//! them, and [`RowOutput`] carries a token or a logits row per position),
+//! rows whose input is embeddings ([`RowInput::Embeddings`]). Per-layer
+//! state that is not K/V is declared by the model
+//! (`Model::layer_states`, `mlxcel_kv::LayerState::Recurrent`) and
+//! refused at start-up for now: its storage, its reads through the KV
+//! view and its rollback (a snapshot, not a truncation) come with the
+//! first family that needs it.
 
 pub(crate) mod local;
 pub(crate) mod tensor_parallel;

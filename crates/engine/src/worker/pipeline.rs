@@ -109,6 +109,18 @@ impl Worker<'_> {
         ids: &[u64],
         after: Option<&Queued>,
     ) -> Result<Queued, StepError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.queue_decode_unguarded(ids, after)
+        }))
+        .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)))
+    }
+
+    /// [`Worker::queue_decode`] without its panic guard.
+    fn queue_decode_unguarded(
+        &mut self,
+        ids: &[u64],
+        after: Option<&Queued>,
+    ) -> Result<Queued, StepError> {
         let seqs: Vec<usize> = ids
             .iter()
             .map(|id| self.running.iter().position(|s| s.id == *id))

@@ -139,10 +139,23 @@ impl Worker<'_> {
         plan_step(&progress, self.config.scheduler)
     }
 
+    /// Runs `plan` through the runner (see [`Worker::run_plan_unguarded`]);
+    /// a panic anywhere on the way (building the rows, the runner's
+    /// reservation or completion) is this step's error, not the engine
+    /// thread's end. The runner rolls back what it reserved; a row the
+    /// panic left mid-step fails in [`Worker::isolate`] ("not rolled
+    /// back").
+    fn run_plan(&mut self, plan: &StepPlan) -> Result<StepOutput, StepError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.run_plan_unguarded(plan)
+        }))
+        .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)))
+    }
+
     /// Runs `plan` through the runner: each row's next tokens (real, then
     /// pads repeating the last real token: any id works, pads are masked
     /// from real queries and rewound) and the logits it wants.
-    fn run_plan(&mut self, plan: &StepPlan) -> Result<StepOutput, StepError> {
+    fn run_plan_unguarded(&mut self, plan: &StepPlan) -> Result<StepOutput, StepError> {
         let started = Instant::now();
         let inputs: Vec<Vec<u32>> = plan
             .rows

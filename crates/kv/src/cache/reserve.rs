@@ -66,20 +66,26 @@ impl KvCache {
         self.rewind_ids(targets.collect::<Vec<_>>())
     }
 
+    /// Truncates each sequence of `targets` to its end; every sequence is
+    /// tried (one that fails does not keep the others from rewinding) and
+    /// the first error is returned.
     fn rewind_ids(
         &mut self,
         targets: impl IntoIterator<Item = (u64, usize)>,
     ) -> Result<(), KvError> {
+        let mut first_error = None;
         for (id, end) in targets {
             if let Some(state) = self.seqs.get_mut(&id) {
                 for (g, blocks) in state.blocks.iter_mut().enumerate() {
                     if blocks.end() != end {
-                        blocks.truncate_tail(&mut self.groups[g].pool, end)?;
+                        if let Err(e) = blocks.truncate_tail(&mut self.groups[g].pool, end) {
+                            first_error.get_or_insert(e);
+                        }
                     }
                 }
             }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// The view of one forward over `rows` (each sequence with its last

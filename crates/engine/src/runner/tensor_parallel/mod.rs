@@ -54,8 +54,9 @@ impl<'m> LeaderRunner<'m> {
         health: Arc<RunnerHealth>,
         timeout: Duration,
     ) -> Result<Self, StepError> {
-        let watchdog = Watchdog::start(timeout, Arc::clone(&health))
-            .map_err(|e| StepError::GroupBroken(format!("starting the watchdog: {e}")))?;
+        let watchdog = Watchdog::start(timeout, Arc::clone(&health)).map_err(|e| {
+            StepError::GroupBroken(format!("tensor parallelism: starting the watchdog: {e}"))
+        })?;
         let runner = LeaderRunner {
             local,
             health,
@@ -188,12 +189,9 @@ impl StepHook for LeaderHook<'_> {
             .take()
             .ok_or(StepError::Internal("a step built before its layout"))?;
         // Built without error: now the other ranks run it with this rank.
-        let step = WireStep::new(rows, layout, self.path).map_err(|e| match e {
-            GroupError::EmbeddingRows => {
-                StepError::Internal("input embeddings under tensor parallelism")
-            }
-            e => StepError::GroupBroken(e.to_string()),
-        })?;
+        let step = WireStep::new(rows, layout, self.path).ok_or(StepError::Internal(
+            "input embeddings under tensor parallelism",
+        ))?;
         if let Some(reason) = self.health.broken() {
             return Err(StepError::GroupBroken(reason));
         }

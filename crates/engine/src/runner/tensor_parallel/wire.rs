@@ -63,26 +63,24 @@ pub(crate) struct WireStep {
 }
 
 impl WireStep {
-    /// The plan of a step over `rows` whose KV view is `layout`.
-    ///
-    /// # Errors
-    /// [`GroupError::EmbeddingRows`]: only token rows cross ranks.
+    /// The plan of a step over `rows` whose KV view is `layout`; `None`
+    /// when a row's input is embeddings (only token rows cross ranks).
     pub(crate) fn new(
         rows: &[StepRow<'_>],
         layout: StepLayout,
         path: AttentionPath,
-    ) -> Result<Self, GroupError> {
+    ) -> Option<Self> {
         let rows = rows
             .iter()
             .map(|r| match r.input {
-                RowInput::Tokens(t) => Ok(WireRow {
+                RowInput::Tokens(t) => Some(WireRow {
                     tokens: t.to_vec(),
                     logits: r.logits.clone(),
                 }),
-                RowInput::Embeddings(_) => Err(GroupError::EmbeddingRows),
+                RowInput::Embeddings(_) => None,
             })
-            .collect::<Result<_, _>>()?;
-        Ok(WireStep { path, rows, layout })
+            .collect::<Option<_>>()?;
+        Some(WireStep { path, rows, layout })
     }
 
     /// The rows as the model takes them.
