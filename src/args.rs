@@ -133,6 +133,16 @@ pub struct ModelArgs {
     /// default queues the next step first, overlapping host and device).
     #[arg(long)]
     pub no_decode_pipeline: bool,
+    /// Speculative decoding: `ngram` lets greedy requests propose the
+    /// tokens that followed the last few tokens earlier in the prompt or
+    /// reply (prompt lookup) and verifies them all in one forward; the
+    /// output is the same as without. `off`: one token per step.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    pub speculative: SpeculativeArg,
+    /// Most draft tokens a row verifies per step with `--speculative`
+    /// (each row adapts below it to what it gets accepted).
+    #[arg(long, default_value_t = mlxcel_engine::speculative::DEFAULT_NUM_TOKENS, value_name = "N")]
+    pub num_speculative_tokens: usize,
     /// Keep at most N tokens of K/V per sequence: older ones are dropped
     /// from the front (positions keep counting), so long prompts and
     /// generations run in bounded memory. Models with a sliding window use
@@ -237,6 +247,13 @@ pub enum ReasoningParserArg {
     None,
 }
 
+/// `--speculative`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeArg {
+    Off,
+    Ngram,
+}
+
 /// An on/off flag whose default depends on the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SwitchArg {
@@ -312,6 +329,13 @@ impl ModelArgs {
             dir => Some(PathBuf::from(dir)),
         };
         c.pipeline = !self.no_decode_pipeline;
+        c.speculative = mlxcel_engine::SpeculativeConfig {
+            method: match self.speculative {
+                SpeculativeArg::Off => mlxcel_engine::SpeculativeMethod::Off,
+                SpeculativeArg::Ngram => mlxcel_engine::SpeculativeMethod::Ngram,
+            },
+            num_tokens: self.num_speculative_tokens,
+        };
         c.prefill_tile = self.prefill_tile.value();
         c.parallel = self.parallel as usize;
         c.kv_block_size = self.kv_block_size as usize;

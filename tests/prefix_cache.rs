@@ -295,40 +295,13 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
     panic!("stream ended without Finished")
 }
 
-/// Tiny Gemma 3 (`target/tiny-models/gemma3`, `scripts/setup.sh`: a local
-/// layer of a 16-key window and a global layer, so two KV groups) with the
-/// tiny `llama_chat` tokenizer, in a temporary directory.
-fn tiny_gemma3_dir() -> std::path::PathBuf {
-    let tiny = std::env::var_os("MLXCEL_TINY_MODELS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models")
-        });
-    let dir = std::env::temp_dir().join(format!("mlxcel-gemma3-groups-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let files = [
-        ("gemma3", "config.json"),
-        ("gemma3", "model.safetensors"),
-        ("gemma3", "golden.json"),
-        ("llama_chat", "tokenizer.json"),
-        ("llama_chat", "tokenizer_config.json"),
-        ("llama_chat", "special_tokens_map.json"),
-    ];
-    for (model, name) in files {
-        let link = dir.join(name);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(tiny.join(model).join(name), &link).expect("symlink");
-    }
-    dir
-}
-
 /// Invariant 5 with KV groups: a prompt longer than the local layers'
 /// window answers the same from the prefix cache as cold (and as mlx_lm),
 /// and so does a longer conversation that reuses it; the window group
 /// serves its part of the hit from the blocks a cold run would hold.
 #[test]
 fn a_prefix_hit_on_kv_groups_answers_like_a_cold_run_and_like_mlx_lm() {
-    let dir = tiny_gemma3_dir();
+    let dir = common::tiny_gemma3_dir("groups");
     let golden: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("golden.json")).expect("golden (scripts/setup.sh)"),
     )

@@ -139,3 +139,30 @@ pub fn readme_tokens(engine: &mlxcel_engine::Engine) -> Vec<u32> {
         .tokenize_prompt(&mlxcel_engine::api::Prompt::Text(text.into()), &[])
         .expect("tokenize README")
 }
+
+/// Tiny Gemma 3 (`target/tiny-models/gemma3`, `scripts/setup.sh`: a local
+/// layer of a 16-key window and a global layer, so two KV groups) with the
+/// tiny `llama_chat` tokenizer, in a temporary directory named after `tag`.
+pub fn tiny_gemma3_dir(tag: &str) -> std::path::PathBuf {
+    let tiny = std::env::var_os("MLXCEL_TINY_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models")
+        });
+    let dir = std::env::temp_dir().join(format!("mlxcel-gemma3-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let files = [
+        ("gemma3", "config.json"),
+        ("gemma3", "model.safetensors"),
+        ("gemma3", "golden.json"),
+        ("llama_chat", "tokenizer.json"),
+        ("llama_chat", "tokenizer_config.json"),
+        ("llama_chat", "special_tokens_map.json"),
+    ];
+    for (model, name) in files {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(tiny.join(model).join(name), &link).expect("symlink");
+    }
+    dir
+}

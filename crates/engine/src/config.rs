@@ -80,6 +80,10 @@ pub struct EngineConfig {
     /// Pipeline decode steps whose rows sample on the device: the next step
     /// is queued before the current step's tokens are read (default true).
     pub pipeline: bool,
+    /// Speculative decoding (`--speculative`, `--num-speculative-tokens`):
+    /// greedy rows verify draft tokens several at a time
+    /// ([`crate::speculative`]). Not with tensor parallelism.
+    pub speculative: crate::speculative::SpeculativeConfig,
     /// Run every kind of step once at start, so the GPU kernels the engine
     /// needs are compiled before the first request (`crate::warmup`);
     /// `None` = auto (on when running on a GPU).
@@ -140,6 +144,7 @@ impl EngineConfig {
             special_tokens_in_content: false,
             reasoning_parser: ReasoningParser::Auto,
             pipeline: true,
+            speculative: crate::speculative::SpeculativeConfig::default(),
             warmup: None,
             cudnn_attention: false,
             kernel_cache_dir: None,

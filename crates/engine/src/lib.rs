@@ -13,6 +13,7 @@
 //! - `worker`: the engine thread's loop (admit, plan, step, sample, stream).
 //! - `runner`: what runs a step (local, tensor-parallel leader, follower).
 //! - [`scheduler`], [`sampler`], [`logits`]: step planning and sampling.
+//! - [`speculative`]: draft tokens (prompt lookup) and their verification.
 //! - [`error`]: start-up errors and the typed errors of the step path.
 //! - `platform`: what the engine asks of the machine.
 //!
@@ -34,6 +35,7 @@ mod request;
 mod runner;
 pub mod sampler;
 pub mod scheduler;
+pub mod speculative;
 mod start;
 pub mod warmup;
 mod worker;
@@ -47,3 +49,4 @@ pub use handle::{Engine, EngineInfo};
 pub use mlxcel_kv::StorageBackend;
 pub use mlxcel_model::AttentionPath;
 pub use runner::tensor_parallel::follower::run_follower;
+pub use speculative::{SpeculativeConfig, SpeculativeMethod};

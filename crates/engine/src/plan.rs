@@ -79,6 +79,7 @@ impl EnginePlan {
                 check_invariants: config.check_invariants,
                 max_kv_size: config.max_kv_size,
                 pipeline: config.pipeline,
+                speculative: config.speculative,
                 #[cfg(feature = "fault-injection")]
                 fault: config.fault,
             },

@@ -44,16 +44,23 @@ pub const SCORED_CHUNK: usize = 128;
 pub struct PlannedRow {
     /// Index of the sequence in the slice given to [`plan_step`].
     pub seq: usize,
-    /// Real tokens: known tokens `[computed, computed + real)`.
+    /// Real tokens: known tokens `[computed, computed + real - draft)`,
+    /// then the row's draft tokens.
     pub real: usize,
     /// Tokens the forward runs: `real` then `padded - real` pad tokens.
     pub padded: usize,
     /// Whether the row's last real token is the last known one (its logits
     /// give the next token).
     pub sample: bool,
+    /// Draft tokens after the row's last known token: a decode row that
+    /// verifies a speculation (`crate::speculative`; the greedy token at
+    /// each of its positions comes back). 0 for every row the scheduler
+    /// plans.
+    pub draft: usize,
 }
 
-/// A step: decode rows first (one token each), then prefill rows.
+/// A step: decode rows first (one token each), then verification rows
+/// (a decode row with drafts), then prefill rows.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StepPlan {
     pub rows: Vec<PlannedRow>,
@@ -67,7 +74,16 @@ impl StepPlan {
 
     /// Real prefill tokens in the step.
     pub fn prefill_tokens(&self) -> usize {
-        self.rows[self.decode_rows()..].iter().map(|r| r.real).sum()
+        self.rows[self.decode_rows()..]
+            .iter()
+            .filter(|r| r.draft == 0)
+            .map(|r| r.real)
+            .sum()
+    }
+
+    /// Rows that verify draft tokens.
+    pub fn verify_rows(&self) -> usize {
+        self.rows.iter().filter(|r| r.draft > 0).count()
     }
 }
 
@@ -86,6 +102,7 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
             real: 1,
             padded: 1,
             sample: true,
+            draft: 0,
         })
         .collect();
     let mut budget = chunk;
@@ -116,6 +133,7 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
             real,
             padded,
             sample: end == s.known,
+            draft: 0,
         });
         budget = budget.saturating_sub(real);
         any_prefill = true;
@@ -172,6 +190,7 @@ mod tests {
             real,
             padded,
             sample,
+            draft: 0,
         }
     }
 

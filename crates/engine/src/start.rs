@@ -52,6 +52,20 @@ impl Engine {
         checkpoint: Checkpoint,
     ) -> Result<Engine, EngineError> {
         let started = Instant::now();
+        if config.tensor_parallel.is_some()
+            && config.speculative.method != crate::speculative::SpeculativeMethod::Off
+        {
+            // Rejected drafts are truncated on rank 0 only; the followers'
+            // replicas would keep them.
+            return Err(EngineError::Config(
+                "--speculative does not run with --tensor-parallel yet".into(),
+            ));
+        }
+        if config.speculative.num_tokens == 0 {
+            return Err(EngineError::Config(
+                "--num-speculative-tokens must be at least 1".into(),
+            ));
+        }
         if config.tensor_parallel.is_some() {
             // Followers address the pool by block id; the next step's
             // inputs must be on the host to be broadcast.

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use mlxcel_engine_api::{EngineStats, EventStream, FailureKind, GenerationEvent};
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -51,6 +51,18 @@ struct EngineMetrics {
     step_tokens: IntCounterVec,
     failed_steps: IntCounter,
     attention_rows: IntCounterVec,
+    /// Draft tokens proposed and accepted, per method.
+    speculative_tokens: IntCounterVec,
+    /// Rows that verified drafts, per method.
+    speculative_verifications: IntCounterVec,
+    /// Accepted / proposed since start, per method.
+    speculative_acceptance: GaugeVec,
+    /// Tokens a verification emits on average (accepted drafts + 1).
+    speculative_tokens_per_verification: GaugeVec,
+}
+
+fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    GaugeVec::new(Opts::new(name, help), labels).expect("valid metric definition")
 }
 
 fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -121,6 +133,26 @@ impl EngineMetrics {
                 "Decode rows by attention path",
                 &["path"],
             ),
+            speculative_tokens: counter_vec(
+                "mlxcel_speculative_tokens_total",
+                "Draft tokens of speculative decoding, proposed and accepted, by method",
+                &["method", "kind"],
+            ),
+            speculative_verifications: counter_vec(
+                "mlxcel_speculative_verifications_total",
+                "Decode rows that verified draft tokens (one per row and step), by method",
+                &["method"],
+            ),
+            speculative_acceptance: gauge_vec(
+                "mlxcel_speculative_acceptance_rate",
+                "Accepted over proposed draft tokens since start, by method",
+                &["method"],
+            ),
+            speculative_tokens_per_verification: gauge_vec(
+                "mlxcel_speculative_tokens_per_verification",
+                "Tokens one verification emits on average (accepted drafts plus the model's own), by method",
+                &["method"],
+            ),
         }
     }
 
@@ -134,7 +166,11 @@ impl EngineMetrics {
         r.register(Box::new(self.steps.clone()))?;
         r.register(Box::new(self.step_tokens.clone()))?;
         r.register(Box::new(self.failed_steps.clone()))?;
-        r.register(Box::new(self.attention_rows.clone()))
+        r.register(Box::new(self.attention_rows.clone()))?;
+        r.register(Box::new(self.speculative_tokens.clone()))?;
+        r.register(Box::new(self.speculative_verifications.clone()))?;
+        r.register(Box::new(self.speculative_acceptance.clone()))?;
+        r.register(Box::new(self.speculative_tokens_per_verification.clone()))
     }
 
     /// Copies `s` into the series (counters move by the difference).
@@ -209,6 +245,37 @@ impl EngineMetrics {
             &self.attention_rows.with_label_values(&["per_row"]),
             s.attention_per_row_rows,
         );
+        let method = s.speculative_method.as_str();
+        if !method.is_empty() && method != "off" {
+            let (proposed, accepted, verified) = (
+                s.speculative_proposed_tokens,
+                s.speculative_accepted_tokens,
+                s.speculative_verifications,
+            );
+            catch_up(
+                &self
+                    .speculative_tokens
+                    .with_label_values(&[method, "proposed"]),
+                proposed,
+            );
+            catch_up(
+                &self
+                    .speculative_tokens
+                    .with_label_values(&[method, "accepted"]),
+                accepted,
+            );
+            catch_up(
+                &self.speculative_verifications.with_label_values(&[method]),
+                verified,
+            );
+            let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+            self.speculative_acceptance
+                .with_label_values(&[method])
+                .set(ratio(accepted, proposed));
+            self.speculative_tokens_per_verification
+                .with_label_values(&[method])
+                .set(ratio(accepted + verified, verified));
+        }
     }
 }
 

@@ -86,6 +86,7 @@ async fn defaults_reach_the_engine_when_fields_are_absent() {
             min_tokens: 0,
             chat_template_kwargs: serde_json::Map::new(),
             cache_prompt: true,
+            speculative: true,
             stop: vec![],
             logit_bias: vec![],
             logprobs: None,

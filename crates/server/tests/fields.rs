@@ -98,6 +98,7 @@ async fn a_full_chat_request_reaches_the_engine() {
         min_tokens: 0,
         chat_template_kwargs: serde_json::Map::new(),
         cache_prompt: false,
+        speculative: true,
         stop: vec!["\n\n".into(), "END".into()],
         logit_bias: vec![(7, 2.5), (50256, -100.0)],
         logprobs: Some(3),

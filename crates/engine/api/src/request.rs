@@ -210,6 +210,10 @@ pub struct GenerationRequest {
     /// Read the prompt's prefix from the prefix cache and donate the
     /// request's blocks to it (llama.cpp's `cache_prompt`; default true).
     pub cache_prompt: bool,
+    /// Let the engine verify draft tokens for this request when it
+    /// speculates (`--speculative`; default true). Greedy output is the
+    /// same either way; `false` opts a request out.
+    pub speculative: bool,
     /// Stop strings (at most 4, non-empty): generation ends before the
     /// first one to appear in the text, which is not returned.
     pub stop: Vec<String>,
@@ -254,6 +258,7 @@ impl GenerationRequest {
             min_tokens: 0,
             chat_template_kwargs: serde_json::Map::new(),
             cache_prompt: true,
+            speculative: true,
             stop: Vec::new(),
             logit_bias: Vec::new(),
             logprobs: None,

@@ -66,6 +66,15 @@ pub struct EngineStats {
     /// Decode steps queued before the previous step's tokens were read
     /// (pipelined decode).
     pub pipelined_steps: u64,
+    /// How decode rows propose draft tokens (`--speculative`: "off",
+    /// "ngram").
+    pub speculative_method: String,
+    /// Rows that verified draft tokens (one per row and step).
+    pub speculative_verifications: u64,
+    /// Draft tokens proposed, and those the model agreed with (each
+    /// accepted draft is one decode token more from the same forward).
+    pub speculative_proposed_tokens: u64,
+    pub speculative_accepted_tokens: u64,
     /// The KV cache per KV group (the layers sharing one attention
     /// window, each with its own pool), in group order; the `kv_blocks_*`
     /// fields above are their sums.

@@ -99,6 +99,7 @@ impl Worker<'_> {
             )
             .with_min_tokens(job.request.min_tokens, &self.text.eos),
             constraint: first,
+            speculation: self.row_speculation(&job),
             forks,
             usage: Usage {
                 prompt_tokens: job.prompt.len(),
@@ -146,6 +147,7 @@ impl Worker<'_> {
                 worst_blocks: held.iter().zip(&own).map(|(h, o)| h + o).collect(),
                 processor: parent.processor.clone(),
                 constraint: fork.constraint,
+                speculation: self.row_speculation(&parent.job),
                 forks: Vec::new(),
                 usage: parent.usage,
                 timings: parent.timings,

@@ -46,6 +46,10 @@ impl Worker<'_> {
             if self.done.contains(&self.running[seq].id) {
                 continue;
             }
+            if r.draft > 0 {
+                self.emit_verified(seq, out);
+                continue;
+            }
             let Some(next) = out.next_token() else {
                 self.fail(seq, &StepError::Internal("no sample for a sampling row"));
                 continue;
@@ -75,7 +79,7 @@ impl Worker<'_> {
         }
     }
 
-    fn emit(&mut self, seq: usize, next: NextToken<'_>) -> Result<Emitted, StepError> {
+    pub(super) fn emit(&mut self, seq: usize, next: NextToken<'_>) -> Result<Emitted, StepError> {
         let text = self.text;
         let s = &mut self.running[seq];
         let _enter = s.span.enter();

@@ -24,6 +24,7 @@ mod admit;
 mod emit;
 mod pipeline;
 mod sequence;
+mod speculate;
 mod step;
 
 use crate::scheduler::SchedulerConfig;
@@ -83,6 +84,8 @@ pub(crate) struct WorkerConfig {
     /// Queue decode steps of device-sampled rows before reading the
     /// previous step's tokens (see `worker/pipeline.rs`).
     pub(crate) pipeline: bool,
+    /// Speculative decoding ([`crate::speculative`]).
+    pub(crate) speculative: crate::speculative::SpeculativeConfig,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub(crate) fault: crate::fault::FaultInjection,
@@ -156,6 +159,7 @@ impl<'m> Worker<'m> {
         let counters = EngineStats {
             kv_storage_backend: kv.config().backend.to_string(),
             kv_block_size: kv.config().block_size,
+            speculative_method: config.speculative.method.to_string(),
             ..EngineStats::default()
         };
         let mut w = Worker {

@@ -94,6 +94,10 @@ impl Worker<'_> {
             if !s.samples_on_device() {
                 return None;
             }
+            if self.wants_to_speculate(self.running.iter().position(|x| x.id == id)?) {
+                // The next step verifies a draft (synchronously).
+                return None;
+            }
             if s.usage.completion_tokens + 1 < s.job.request.max_tokens {
                 ids.push(id);
             }
@@ -186,6 +190,7 @@ impl Worker<'_> {
                     real: 1,
                     padded: 1,
                     sample: true,
+                    draft: 0,
                 })
                 .collect(),
         });
@@ -198,6 +203,7 @@ impl Worker<'_> {
             if self.done.contains(&id) {
                 continue;
             }
+            self.pass_speculation(seq);
             let reserved_ahead = usize::from(ahead.contains(&id));
             if let Err(e) = self.advance(seq, 1, reserved_ahead) {
                 tracing::error!(error = %e, "row failed after its forward");

@@ -14,6 +14,7 @@ use super::{Job, ToolCallOutput};
 use crate::api::{Timings, Usage};
 use crate::logits::LogitsProcessor;
 use crate::sampler::Sampler;
+use crate::speculative::RowSpeculation;
 
 /// One running choice of a request.
 pub(super) struct Sequence {
@@ -35,6 +36,10 @@ pub(super) struct Sequence {
     pub(super) sampler: Sampler,
     pub(super) processor: LogitsProcessor,
     pub(super) constraint: Option<ConstrainedDecoder>,
+    /// Its draft length and acceptance (`crate::speculative`).
+    pub(super) speculation: RowSpeculation,
+    /// The draft tokens the step being run verifies (empty otherwise).
+    pub(super) draft: Vec<u32>,
     pub(super) detok: IncrementalDetokenizer,
     pub(super) filter: OutputFilter,
     pub(super) usage: Usage,
@@ -107,6 +112,9 @@ pub(super) struct Start {
     /// Its logit processors (a fork continues its parent's).
     pub(super) processor: LogitsProcessor,
     pub(super) constraint: Option<ConstrainedDecoder>,
+    /// Its speculation state (drafts of at most 0 tokens when it does not
+    /// speculate).
+    pub(super) speculation: RowSpeculation,
     /// Choice 0 before its prompt is computed: the other choices.
     pub(super) forks: Vec<Fork>,
     pub(super) usage: Usage,
@@ -134,6 +142,8 @@ impl Sequence {
             },
             processor: start.processor,
             constraint: start.constraint,
+            speculation: start.speculation,
+            draft: Vec::new(),
             detok: IncrementalDetokenizer::new(),
             filter: job.output_filter(),
             usage: start.usage,

@@ -30,6 +30,10 @@ impl Sequence {
     /// [`StepError::Internal`] when a sampling row's scored tokens do not
     /// end right before its sampling position.
     fn logits_wanted(&self, row: &PlannedRow) -> Result<(Range<usize>, Range<usize>), StepError> {
+        if row.draft > 0 {
+            // A verification row: the greedy token after every position.
+            return Ok((0..0, 0..row.real));
+        }
         let scored = self.scored_in_row(row.real);
         if !row.sample {
             return Ok((0..scored, 0..0));
@@ -57,10 +61,11 @@ impl Worker<'_> {
             profile::end_step();
             return;
         }
-        let plan = self.plan();
+        let mut plan = self.plan();
         if plan.rows.is_empty() {
             return;
         }
+        self.speculate(&mut plan);
         if profile::mode() != ProfileMode::Off {
             profile::begin_step(match plan.prefill_tokens() {
                 0 => format!("decode x{}", plan.rows.len()),
@@ -162,7 +167,9 @@ impl Worker<'_> {
             .iter()
             .map(|r| {
                 let s = &self.running[r.seq];
-                let mut t = s.tokens[s.computed..s.computed + r.real].to_vec();
+                let known = s.computed..s.computed + (r.real - r.draft);
+                let mut t = s.tokens.get(known).unwrap_or_default().to_vec();
+                t.extend_from_slice(&s.draft[..r.draft.min(s.draft.len())]);
                 let last = *t.last().unwrap_or(&0);
                 t.resize(r.padded, last);
                 t
@@ -200,7 +207,7 @@ impl Worker<'_> {
             "step"
         );
         if result.is_ok() {
-            for r in plan.rows.iter().filter(|r| r.padded > 1) {
+            for r in plan.rows.iter().filter(|r| r.padded > 1 && r.draft == 0) {
                 self.running[r.seq].timings.prefill_s += elapsed;
             }
             let path = self.runner.attention_path();
@@ -228,8 +235,12 @@ impl Worker<'_> {
     fn after_forward(&mut self, plan: &StepPlan, output: &StepOutput) {
         self.count(plan);
         self.score_prompts(plan, output);
-        for r in &plan.rows {
-            if let Err(e) = self.advance(r.seq, r.real, 0) {
+        for (r, out) in plan.rows.iter().zip(&output.rows) {
+            let kept = match r.draft {
+                0 => Ok(r.real),
+                _ => self.verify(r, out).map(|accepted| 1 + accepted),
+            };
+            if let Err(e) = kept.and_then(|kept| self.advance(r.seq, kept, 0)) {
                 tracing::error!(error = %e, "row failed after its forward");
                 self.fail(r.seq, &e);
             }
@@ -331,7 +342,7 @@ impl Worker<'_> {
     pub(super) fn count(&mut self, plan: &StepPlan) {
         let c = &mut self.counters;
         c.steps += 1;
-        let decode = plan.decode_rows();
+        let decode = plan.decode_rows() + plan.verify_rows();
         let prefill = plan.prefill_tokens();
         c.decode_steps += u64::from(decode > 0);
         c.prefill_steps += u64::from(prefill > 0);

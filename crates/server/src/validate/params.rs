@@ -1,6 +1,6 @@
 //! The fields `/v1/chat/completions` and `/v1/completions` share: sampling,
 //! penalties, stop strings, logit bias, `n`, streaming, `user`,
-//! `cache_prompt`.
+//! `cache_prompt`, `speculative`.
 
 use std::collections::BTreeMap;
 
@@ -24,6 +24,7 @@ pub(super) struct SharedParams {
     pub stream: Option<StreamOptions>,
     pub user: Option<String>,
     pub cache_prompt: bool,
+    pub speculative: bool,
     pub ignore_eos: bool,
     pub min_tokens: usize,
 }
@@ -61,6 +62,7 @@ impl SharedParams {
             stream,
             user: fields.user,
             cache_prompt: fields.cache_prompt.unwrap_or(true),
+            speculative: fields.speculative.unwrap_or(true),
             ignore_eos: fields.ignore_eos.unwrap_or(false),
             min_tokens,
         })
@@ -85,6 +87,7 @@ impl SharedParams {
             logit_bias: self.logit_bias.clone(),
             n: self.n,
             cache_prompt: self.cache_prompt,
+            speculative: self.speculative,
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
             ..GenerationRequest::new(prompt, self.sampling, max_tokens)

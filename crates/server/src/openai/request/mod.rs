@@ -136,6 +136,11 @@ macro_rules! generation_request {
             /// extension).
             #[schema(default = true)]
             pub cache_prompt: Option<bool>,
+            /// Let the server verify draft tokens for this request when it
+            /// runs with --speculative (mlxcel extension; greedy output is
+            /// the same either way; false opts out).
+            #[schema(default = true)]
+            pub speculative: Option<bool>,
             /// Keep generating past end-of-sequence tokens (vLLM extension).
             #[schema(default = false)]
             pub ignore_eos: Option<bool>,
@@ -169,6 +174,7 @@ macro_rules! generation_request {
                     stream_options: self.stream_options.take(),
                     user: self.user.take(),
                     cache_prompt: self.cache_prompt.take(),
+                    speculative: self.speculative.take(),
                     ignore_eos: self.ignore_eos.take(),
                     min_tokens: self.min_tokens.take(),
                 }
@@ -211,6 +217,8 @@ pub struct SharedFields {
     pub user: Option<String>,
     /// Use the prefix cache.
     pub cache_prompt: Option<bool>,
+    /// Verify draft tokens for this request.
+    pub speculative: Option<bool>,
     /// Generate past end-of-sequence.
     pub ignore_eos: Option<bool>,
     /// Tokens before end-of-sequence may be sampled.

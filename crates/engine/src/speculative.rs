@@ -1,0 +1,278 @@
+//! Speculative decoding: a row proposes draft tokens, one forward verifies
+//! them all, and the row keeps the longest prefix the model agrees with
+//! plus the model's own next token (Leviathan et al. 2023, "Fast Inference
+//! from Transformers via Speculative Decoding"; with greedy sampling the
+//! output is the one plain decoding gives, token for token).
+//!
+//! The proposer here is *prompt lookup* (Saxena 2023, "Prompt Lookup
+//! Decoding"; vLLM's n-gram proposer and llama.cpp's lookup decoding work
+//! the same way): no second model; the last `n` tokens of the sequence
+//! (prompt and output so far) are looked up earlier in the sequence, the
+//! longest `n` first, its most recent occurrence winning, and the tokens
+//! that followed it there are the draft. Replies that copy from the prompt
+//! (code edits, quotes, summaries, JSON echoes) accept most drafts.
+//!
+//! How a verification runs (`crate::worker`): a decode row becomes a row
+//! of `1 + draft` tokens (its last token, then the draft) with the greedy
+//! token taken on the device at every position
+//! (`crate::runner::BatchRow::device_argmax`); the runner keeps every
+//! position, and the worker truncates the rejected ones through the KV
+//! crate (`KvCache::truncate_tail`, every KV group) before the row
+//! advances, so nothing unverified is ever donated to the prefix cache.
+//!
+//! What verifies today: greedy rows sampled on the device (no logprobs,
+//! penalties, logit bias or grammar); other rows decode one token a step.
+
+/// Shortest suffix that must recur for a draft (tokens).
+pub const NGRAM_MIN: usize = 2;
+/// Longest match length compared when choosing among occurrences
+/// (tokens); longer matches count as this long.
+pub const NGRAM_MAX: usize = 16;
+
+/// How many draft tokens a row may propose per verification when nothing
+/// else says (`--num-speculative-tokens`).
+pub const DEFAULT_NUM_TOKENS: usize = 10;
+
+/// Decode rows in one step above which no row speculates: the step is
+/// large enough that the extra positions cost compute instead of riding on
+/// the weight reads a single row pays anyway.
+pub const MAX_SPECULATIVE_ROWS: usize = 8;
+
+/// A row's acceptance rate (an exponential average of accepted / proposed
+/// per verification) below which it stops proposing for
+/// [`PAUSE_STEPS`] decode steps.
+pub const PAUSE_BELOW: f32 = 0.2;
+/// Decode steps a row with too low an acceptance rate does not propose.
+pub const PAUSE_STEPS: u32 = 16;
+/// Weight of the newest verification in the acceptance average.
+const RATE_WEIGHT: f32 = 0.3;
+
+/// `--speculative`: how decode rows propose draft tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpeculativeMethod {
+    /// No speculation: one token per row per step.
+    #[default]
+    Off,
+    /// Prompt lookup (see the module docs).
+    Ngram,
+}
+
+impl SpeculativeMethod {
+    /// The method's name in flags and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpeculativeMethod::Off => "off",
+            SpeculativeMethod::Ngram => "ngram",
+        }
+    }
+}
+
+impl std::fmt::Display for SpeculativeMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Speculative decoding options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    pub method: SpeculativeMethod,
+    /// Most draft tokens a row proposes per verification (at least 1).
+    pub num_tokens: usize,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            method: SpeculativeMethod::Off,
+            num_tokens: DEFAULT_NUM_TOKENS,
+        }
+    }
+}
+
+/// Prompt lookup: the draft that follows the earlier occurrence of the
+/// end of `tokens` that matches it longest (at least [`NGRAM_MIN`]
+/// tokens, compared up to [`NGRAM_MAX`]), the most recent one among equals:
+/// at most `k` tokens, and empty when no suffix recurs or `k` is 0. An
+/// occurrence may overlap the suffix itself (a repeating run proposes its
+/// continuation).
+pub fn ngram_draft(tokens: &[u32], k: usize) -> &[u32] {
+    let len = tokens.len();
+    if k == 0 || len <= NGRAM_MIN {
+        return &[];
+    }
+    let tail = &tokens[len - NGRAM_MIN..];
+    let mut best: Option<(usize, usize)> = None; // (match length, end of occurrence)
+                                                 // Occurrences end at `end < len` (strictly before the suffix's end),
+                                                 // newest first, so a longer match must be strictly longer to win.
+    for end in (NGRAM_MIN..len).rev() {
+        if &tokens[end - NGRAM_MIN..end] != tail {
+            continue;
+        }
+        let matched = NGRAM_MIN
+            + (NGRAM_MIN..NGRAM_MAX.min(end))
+                .take_while(|&j| tokens[end - 1 - j] == tokens[len - 1 - j])
+                .count();
+        if best.is_none_or(|(m, _)| matched > m) {
+            best = Some((matched, end));
+            if matched == NGRAM_MAX {
+                break;
+            }
+        }
+    }
+    best.map_or(&[], |(_, end)| &tokens[end..(end + k).min(len)])
+}
+
+/// How many draft tokens the model agrees with: the length of the longest
+/// prefix of `draft` equal to `verified` (the greedy token after the row's
+/// last token and after each draft token, `draft.len() + 1` of them). The
+/// row then keeps that many drafts and emits `verified[..=accepted]`.
+pub fn accepted_prefix(draft: &[u32], verified: &[u32]) -> usize {
+    draft
+        .iter()
+        .zip(verified)
+        .take_while(|(d, v)| d == v)
+        .count()
+}
+
+/// A row's speculation state: its draft length (adaptive) and acceptance.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RowSpeculation {
+    /// Draft tokens the next verification may propose (1..=max).
+    k: usize,
+    max: usize,
+    /// Exponential average of accepted / proposed.
+    rate: f32,
+    /// Decode steps left without proposals.
+    paused: u32,
+}
+
+impl RowSpeculation {
+    /// A row that may propose up to `max` tokens (0: never).
+    pub(crate) fn new(max: usize) -> Self {
+        RowSpeculation {
+            k: max,
+            max,
+            rate: 1.0,
+            paused: 0,
+        }
+    }
+
+    /// A decode step of the row begins: the draft tokens it may propose
+    /// (0 while paused; a paused step counts down).
+    pub(crate) fn next_step(&mut self) -> usize {
+        if self.paused > 0 {
+            self.paused -= 1;
+            if self.paused == 0 {
+                // Try again, half trusted.
+                self.rate = 0.5;
+                self.k = self.max.min(2);
+            }
+            return 0;
+        }
+        self.k
+    }
+
+    /// Whether the row would propose this step (without counting down).
+    pub(crate) fn active(&self) -> bool {
+        self.max > 0 && self.paused == 0
+    }
+
+    /// Records a verification of `proposed` drafts of which `accepted`
+    /// held: the next draft grows by one after a full acceptance and
+    /// shrinks to one past what held otherwise; a row whose average drops
+    /// below [`PAUSE_BELOW`] pauses for [`PAUSE_STEPS`].
+    pub(crate) fn record(&mut self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        let ratio = accepted as f32 / proposed as f32;
+        self.rate = (1.0 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * ratio;
+        self.k = if accepted == proposed {
+            (self.k + 1).min(self.max)
+        } else {
+            (accepted + 1).min(self.max)
+        };
+        if self.rate < PAUSE_BELOW {
+            self.paused = PAUSE_STEPS;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_match_wins_then_the_most_recent_occurrence() {
+        // The end [.., 7, 8, 9] matches 3 tokens at 1..4 (followed by 4,
+        // 5) and only [8, 9] more recently at 6..8 (followed by 1): the
+        // longer match wins.
+        let t = [0, 7, 8, 9, 4, 5, 8, 9, 1, 7, 8, 9];
+        assert_eq!(ngram_draft(&t, 3), &[4, 5, 8]);
+        // Two occurrences of [3, 4], both preceded by something else: the
+        // most recent one.
+        let t = [3, 4, 10, 11, 3, 4, 20, 21, 5, 3, 4];
+        assert_eq!(ngram_draft(&t, 2), &[20, 21]);
+        // Matches longer than NGRAM_MAX count as NGRAM_MAX: the most
+        // recent of two long ones.
+        let run: Vec<u32> = (100..100 + NGRAM_MAX as u32 + 4).collect();
+        let mut t = run.clone();
+        t.push(1);
+        t.extend(&run);
+        t.push(2);
+        t.extend(&run);
+        assert_eq!(ngram_draft(&t, 1), &[2]);
+    }
+
+    #[test]
+    fn drafts_stop_at_k_and_at_the_end() {
+        let t = [1, 2, 3, 4, 1, 2];
+        assert_eq!(ngram_draft(&t, 10), &[3, 4, 1, 2]);
+        assert_eq!(ngram_draft(&t, 1), &[3]);
+        assert_eq!(ngram_draft(&t, 0), &[] as &[u32]);
+        // A repeating run proposes its continuation (the overlapping
+        // match ending one token back is the longest and newest).
+        let t = [5, 5, 5, 5];
+        assert_eq!(ngram_draft(&t, 3), &[5]);
+    }
+
+    #[test]
+    fn no_recurring_suffix_no_draft() {
+        assert!(ngram_draft(&[1, 2, 3, 4, 5], 4).is_empty());
+        assert!(ngram_draft(&[1], 4).is_empty());
+        assert!(ngram_draft(&[], 4).is_empty());
+        // A single recurring token is below the shortest n-gram.
+        assert!(ngram_draft(&[9, 1, 2, 9], 4).is_empty());
+    }
+
+    #[test]
+    fn acceptance_is_the_agreeing_prefix() {
+        assert_eq!(accepted_prefix(&[1, 2, 3], &[1, 2, 3, 4]), 3);
+        assert_eq!(accepted_prefix(&[1, 2, 3], &[1, 5, 3, 4]), 1);
+        assert_eq!(accepted_prefix(&[1, 2, 3], &[0, 2, 3, 4]), 0);
+        assert_eq!(accepted_prefix(&[], &[7]), 0);
+    }
+
+    #[test]
+    fn the_draft_length_adapts_and_pauses() {
+        let mut r = RowSpeculation::new(4);
+        assert_eq!(r.next_step(), 4);
+        r.record(4, 1);
+        assert_eq!(r.next_step(), 2, "one past what held");
+        r.record(2, 2);
+        assert_eq!(r.next_step(), 3, "grows after a full acceptance");
+        // Rejections drive the average under the threshold: a pause.
+        for _ in 0..6 {
+            r.record(3, 0);
+        }
+        assert!(!r.active());
+        for _ in 0..PAUSE_STEPS {
+            assert_eq!(r.next_step(), 0);
+        }
+        assert!(r.active());
+        assert_eq!(r.next_step(), 2, "resumes with a short draft");
+        assert_eq!(RowSpeculation::new(0).next_step(), 0);
+        assert!(!RowSpeculation::new(0).active());
+    }
+}

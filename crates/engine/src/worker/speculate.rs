@@ -1,0 +1,166 @@
+//! Speculative decoding in the worker (`crate::speculative`): which decode
+//! rows verify drafts this step, what a verification keeps, and how its
+//! tokens are streamed.
+//!
+//! A verification row runs the row's last token and its draft (`1 + d`
+//! tokens) with the greedy token taken on the device at every position.
+//! The runner keeps all `1 + d` positions; [`Worker::verify`] truncates
+//! the rejected drafts (every KV group, through `KvCache::truncate_tail`)
+//! before the row advances, so the cache holds exactly the tokens a plain
+//! decode would have computed, and only those are ever donated to the
+//! prefix cache. The tokens emitted are the agreeing drafts and the
+//! model's own token after them, one by one through the normal emit path
+//! (stop strings, `max_tokens` and EOS end the choice at the same token
+//! as without speculation).
+
+use super::{Emitted, Job, NextToken, Worker};
+use crate::error::StepError;
+use crate::runner::RowOutput;
+use crate::scheduler::{PlannedRow, StepPlan};
+use crate::speculative::{
+    accepted_prefix, ngram_draft, RowSpeculation, SpeculativeMethod, MAX_SPECULATIVE_ROWS,
+};
+
+impl Worker<'_> {
+    /// The speculation state of a new choice of `job`: drafts of up to
+    /// `--num-speculative-tokens` when the engine speculates and the
+    /// request did not opt out, none otherwise.
+    pub(super) fn row_speculation(&self, job: &Job) -> RowSpeculation {
+        let on =
+            self.config.speculative.method != SpeculativeMethod::Off && job.request.speculative;
+        RowSpeculation::new(if on {
+            self.config.speculative.num_tokens
+        } else {
+            0
+        })
+    }
+
+    /// Whether sequence `seq` may verify drafts at all: greedy and sampled
+    /// on the device (no logprobs, penalties, bias or grammar), and
+    /// speculating.
+    fn speculates(&self, seq: usize) -> bool {
+        let s = &self.running[seq];
+        s.speculation.active() && s.samples_on_device()
+    }
+
+    /// Whether a pipelined chain should stop so that sequence `seq` can
+    /// verify a draft: it speculates and its tokens so far already end in
+    /// a recurring n-gram (the token in flight is not known yet; the
+    /// synchronous step after the chain looks again).
+    pub(super) fn wants_to_speculate(&self, seq: usize) -> bool {
+        self.speculates(seq) && !ngram_draft(&self.running[seq].tokens, 1).is_empty()
+    }
+
+    /// A decode step of `seq` passed without a chance to propose (a
+    /// pipelined step): a paused row counts down.
+    pub(super) fn pass_speculation(&mut self, seq: usize) {
+        let _ = self.running[seq].speculation.next_step();
+    }
+
+    /// Turns decode rows of `plan` into verification rows: each speculating
+    /// row proposes a draft (prompt lookup over its prompt and output), at
+    /// most its adaptive length, one token short of its `max_tokens` and
+    /// of a prefill chunk. No row speculates in a step of more than
+    /// [`MAX_SPECULATIVE_ROWS`] decode rows. Verification rows move behind
+    /// the plain decode rows (those are attended together), before the
+    /// prefill rows.
+    pub(super) fn speculate(&mut self, plan: &mut StepPlan) {
+        for s in &mut self.running {
+            s.draft.clear();
+        }
+        if self.config.speculative.method == SpeculativeMethod::Off {
+            return;
+        }
+        let decode = plan.decode_rows();
+        if decode == 0 || decode > MAX_SPECULATIVE_ROWS {
+            return;
+        }
+        let chunk = self.config.scheduler.prefill_chunk_size;
+        let mut any = false;
+        for r in &mut plan.rows[..decode] {
+            if !self.speculates(r.seq) {
+                continue;
+            }
+            let s = &mut self.running[r.seq];
+            let left = s
+                .job
+                .request
+                .max_tokens
+                .saturating_sub(s.usage.completion_tokens);
+            let k = s
+                .speculation
+                .next_step()
+                .min(left.saturating_sub(1))
+                .min(chunk.saturating_sub(1));
+            let draft = ngram_draft(&s.tokens, k);
+            if draft.is_empty() {
+                continue;
+            }
+            s.draft = draft.to_vec();
+            r.draft = s.draft.len();
+            r.real = 1 + r.draft;
+            r.padded = r.real;
+            any = true;
+        }
+        if any {
+            // Stable: plain decode rows, verification rows, prefill rows.
+            plan.rows
+                .sort_by_key(|r| match (r.padded == 1, r.draft > 0) {
+                    (true, _) => 0,
+                    (false, true) => 1,
+                    (false, false) => 2,
+                });
+        }
+    }
+
+    /// What a verification row keeps: the number of its drafts the model
+    /// agreed with. The rejected drafts' positions are truncated from the
+    /// cache here (the row then advances by `1 + accepted`).
+    ///
+    /// # Errors
+    /// A row output without a token per position, or the truncation
+    /// failing.
+    pub(super) fn verify(&mut self, r: &PlannedRow, out: &RowOutput) -> Result<usize, StepError> {
+        let s = &mut self.running[r.seq];
+        if out.tokens.len() != r.real || s.draft.len() != r.draft {
+            return Err(StepError::Internal(
+                "a verification row without a token per position",
+            ));
+        }
+        let accepted = accepted_prefix(&s.draft, &out.tokens);
+        self.kv.truncate_tail(&s.kv, s.computed + 1 + accepted)?;
+        s.speculation.record(r.draft, accepted);
+        let c = &mut self.counters;
+        c.speculative_verifications += 1;
+        c.speculative_proposed_tokens += r.draft as u64;
+        c.speculative_accepted_tokens += accepted as u64;
+        c.decode_tokens += accepted as u64;
+        Ok(accepted)
+    }
+
+    /// Streams a verification row's tokens (its agreeing drafts and the
+    /// model's token after them) until the choice ends, then donates the
+    /// blocks they filled.
+    pub(super) fn emit_verified(&mut self, seq: usize, out: &RowOutput) {
+        let s = &mut self.running[seq];
+        let accepted = accepted_prefix(&s.draft, &out.tokens);
+        s.draft.clear();
+        for &token in out.tokens.iter().take(accepted + 1) {
+            match self.emit(seq, NextToken::Sampled(token)) {
+                Ok(Emitted::Continue) => {}
+                Ok(Emitted::Finished | Emitted::Cancelled) => {
+                    self.done.push(self.running[seq].id);
+                    return;
+                }
+                Err(e) => {
+                    self.fail(seq, &e);
+                    return;
+                }
+            }
+        }
+        // Every position the cache holds has a known token again.
+        if let Err(e) = self.donate_known(seq) {
+            tracing::error!(error = %e, "donating a verified row's blocks");
+        }
+    }
+}

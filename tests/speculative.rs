@@ -1,0 +1,258 @@
+//! Speculative decoding with prompt lookup (`--speculative ngram`) on the
+//! real model: with greedy sampling every reply is the one decoding
+//! without speculation gives, token for token, alone and batched, on dense
+//! and paged storage, cold and warm prefix cache, with stop strings and
+//! with `max_tokens` landing inside an accepted run; drafts are really
+//! proposed and accepted (the prompts ask for code and text to be copied
+//! back); every block returns; a request can opt out.
+//!
+//! The reference is the same model without speculation (`--parallel 1`,
+//! dense storage), whose greedy tokens `tests/batching.rs` holds to
+//! mlx_lm's goldens.
+
+mod common;
+
+use common::{collect_tokens, greedy_request, model_dir, settled};
+use mlxcel_engine::api::{ChatMessage, EngineStats, InferenceService, Prompt};
+use mlxcel_engine::{Engine, EngineConfig, SpeculativeConfig, SpeculativeMethod, StorageBackend};
+
+/// Replies long enough for several verifications.
+const MAX_TOKENS: usize = 40;
+
+const CODE: &str = "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total += item.price * item.count\n    total = total * (1 + tax)\n    return round(total, 2)\n\n\ndef describe(items):\n    lines = []\n    for item in items:\n        lines.append(f\"{item.name}: {item.count} x {item.price}\")\n    return \"\\n\".join(lines)\n";
+
+const TEXT: &str = "The quick brown fox jumps over the lazy dog. The dog does not move; it sleeps in the warm afternoon sun while the fox runs back into the forest.";
+
+fn prompts() -> Vec<Prompt> {
+    let chat = |content: String| Prompt::Chat(vec![ChatMessage::text("user", content)]);
+    vec![
+        chat(format!(
+            "Rename `total` to `acc` in this code and print the whole code.\n\n```python\n{CODE}```"
+        )),
+        chat(format!(
+            "Repeat this text exactly, word for word:\n\n{TEXT}"
+        )),
+        chat(format!(
+            "Add a docstring to each function and print the whole code.\n\n```python\n{CODE}```"
+        )),
+        chat("What is the capital of France? Answer in one sentence.".into()),
+        Prompt::Text(format!("{TEXT}\n{TEXT}\n")),
+    ]
+}
+
+fn engine(speculative: bool, parallel: usize, backend: StorageBackend) -> Engine {
+    let mut c = EngineConfig::new(model_dir());
+    c.parallel = parallel;
+    c.storage_backend = Some(backend);
+    c.prefill_tile = Some(0);
+    c.kv_cache_budget = Some(128 << 20);
+    c.check_invariants = true;
+    c.speculative = SpeculativeConfig {
+        method: if speculative {
+            SpeculativeMethod::Ngram
+        } else {
+            SpeculativeMethod::Off
+        },
+        num_tokens: 6,
+    };
+    Engine::start(c).expect("engine")
+}
+
+fn run(engine: &Engine, prompt: &Prompt, max_tokens: usize, stop: &[&str]) -> Vec<u32> {
+    let mut r = greedy_request(prompt.clone(), max_tokens);
+    r.stop = stop.iter().map(|s| s.to_string()).collect();
+    let stream = engine.submit(r).expect("submit");
+    collect_tokens(stream).expect("run").0
+}
+
+/// Submits every prompt at once and returns the replies in prompt order.
+fn run_concurrently(engine: &Engine, prompts: &[Prompt], max_tokens: usize) -> Vec<Vec<u32>> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine
+                .submit(greedy_request(p.clone(), max_tokens))
+                .expect("submit")
+        })
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| collect_tokens(s).expect("run").0)
+        .collect()
+}
+
+/// The first `n` tokens of a reply (all of a shorter one).
+fn first(reply: &[u32], n: usize) -> Vec<u32> {
+    reply[..n.min(reply.len())].to_vec()
+}
+
+fn speculation(stats: &EngineStats) -> (u64, u64, u64) {
+    (
+        stats.speculative_verifications,
+        stats.speculative_proposed_tokens,
+        stats.speculative_accepted_tokens,
+    )
+}
+
+#[test]
+fn greedy_replies_are_identical_with_prompt_lookup() {
+    let prompts = prompts();
+    let reference_engine = engine(false, 1, StorageBackend::Dense);
+    let reference: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| run(&reference_engine, p, MAX_TOKENS, &[]))
+        .collect();
+    // Stop strings end a reply at the same token (a later word of the
+    // repeated text, inside a copied run).
+    let stop = ["sleeps"];
+    let reference_stopped = run(&reference_engine, &prompts[1], MAX_TOKENS, &stop);
+    assert!(
+        reference_stopped.len() < reference[1].len(),
+        "the stop string must cut the reply: {reference_stopped:?}"
+    );
+    assert_eq!(speculation(&settled(&reference_engine)), (0, 0, 0));
+    drop(reference_engine);
+
+    // Alone, dense storage.
+    let dense = engine(true, 1, StorageBackend::Dense);
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(
+            run(&dense, p, MAX_TOKENS, &[]),
+            reference[i],
+            "prompt {i}, dense"
+        );
+    }
+    // max_tokens landing anywhere in an accepted run.
+    for n in [1, 2, 5, 11, 17] {
+        for i in [0, 1] {
+            assert_eq!(
+                run(&dense, &prompts[i], n, &[]),
+                first(&reference[i], n),
+                "prompt {i}, max_tokens {n}"
+            );
+        }
+    }
+    assert_eq!(
+        run(&dense, &prompts[1], MAX_TOKENS, &stop),
+        reference_stopped
+    );
+    let stats = settled(&dense);
+    let (verified, proposed, accepted) = speculation(&stats);
+    assert!(
+        verified > 0 && accepted > 0 && accepted <= proposed,
+        "drafts proposed and accepted: {:?}",
+        speculation(&stats)
+    );
+    assert_eq!(stats.kv_blocks_active, 0, "dense: blocks conserved");
+    eprintln!(
+        "alone: (verifications, proposed, accepted) = {:?}",
+        speculation(&stats)
+    );
+    // A request that opts out verifies nothing.
+    let mut r = greedy_request(prompts[1].clone(), MAX_TOKENS);
+    r.speculative = false;
+    let opted_out = collect_tokens(dense.submit(r).expect("submit"))
+        .expect("run")
+        .0;
+    assert_eq!(opted_out, reference[1]);
+    assert_eq!(speculation(&settled(&dense)).0, verified, "opted out");
+    drop(dense);
+
+    // Batched, paged storage, cold then warm prefix cache.
+    let paged = engine(true, 4, StorageBackend::Paged);
+    let cold = run_concurrently(&paged, &prompts, MAX_TOKENS);
+    let warm = run_concurrently(&paged, &prompts, MAX_TOKENS);
+    for (i, want) in reference.iter().enumerate() {
+        assert_eq!(&cold[i], want, "prompt {i}, batched, cold");
+        assert_eq!(&warm[i], want, "prompt {i}, batched, warm");
+    }
+    let stats = settled(&paged);
+    assert!(stats.prefix_cache_hits > 0, "the warm round hit the cache");
+    assert!(
+        stats.speculative_accepted_tokens > 0,
+        "batched rows verified drafts: {:?}",
+        speculation(&stats)
+    );
+    assert_eq!(stats.kv_blocks_active, 0, "paged: blocks conserved");
+    eprintln!(
+        "batched: (verifications, proposed, accepted) = {:?}",
+        speculation(&stats)
+    );
+}
+
+/// KV groups (a local layer of a 16-key window beside a global layer, tiny
+/// random-weight Gemma 3): verification rows run past the window, and
+/// the rejected drafts are truncated from both groups; batched rows of
+/// several prompts (one repeating itself, so drafts are proposed), small
+/// blocks and chunks, a warm round from the prefix cache.
+#[test]
+fn kv_groups_give_the_same_greedy_tokens_with_prompt_lookup() {
+    let dir = common::tiny_gemma3_dir("speculative");
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("golden.json")).expect("golden (scripts/setup.sh)"),
+    )
+    .expect("json");
+    let prompt: Vec<u32> = golden["prompt"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect();
+    let mut repeated = prompt.clone();
+    repeated.extend(&prompt);
+    let prompts = [prompt[..20].to_vec(), prompt.clone(), repeated];
+    let start = |speculative: bool| {
+        let mut c = EngineConfig::new(dir.clone());
+        c.parallel = 4;
+        c.kv_cache_budget = Some(8 << 20);
+        c.kv_block_size = 8;
+        c.prefill_chunk_size = 16;
+        c.check_invariants = true;
+        if speculative {
+            c.speculative = SpeculativeConfig {
+                method: SpeculativeMethod::Ngram,
+                num_tokens: 5,
+            };
+        }
+        Engine::start(c).expect("engine")
+    };
+    let replies = |e: &Engine| -> Vec<Vec<u32>> {
+        let streams: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut r = greedy_request(Prompt::Tokens(p.clone()), 48);
+                r.ignore_eos = true;
+                e.submit(r).expect("submit")
+            })
+            .collect();
+        streams
+            .into_iter()
+            .map(|s| collect_tokens(s).expect("run").0)
+            .collect()
+    };
+    let off = start(false);
+    let want = replies(&off);
+    drop(off);
+    let on = start(true);
+    assert_eq!(replies(&on), want, "cold");
+    assert_eq!(replies(&on), want, "warm");
+    let stats = settled(&on);
+    assert!(
+        stats.speculative_accepted_tokens > 0,
+        "drafts accepted: {:?}",
+        speculation(&stats)
+    );
+    assert!(
+        stats.speculative_accepted_tokens < stats.speculative_proposed_tokens,
+        "some drafts rejected (and truncated): {:?}",
+        speculation(&stats)
+    );
+    assert!(stats.prefix_cache_hits > 0);
+    assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
+    eprintln!(
+        "tiny gemma3: (verifications, proposed, accepted) = {:?}",
+        speculation(&stats)
+    );
+    drop(on);
+    let _ = std::fs::remove_dir_all(&dir);
+}
