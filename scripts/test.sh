@@ -7,11 +7,16 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+# Each phase says how long it took (CI logs show where the time goes).
+phase() { echo "[test.sh] $1: ${SECONDS}s since start"; }
 bash scripts/setup.sh
+phase "setup done"
 export MLXCEL_TEST_MODEL="$REPO/models/SmolLM2-135M-Instruct"
 cargo test --release --workspace "$@"
+phase "cargo tests done"
 # Cheap after the release test build: the libraries are already compiled.
 cargo build --release --bin mlxcel-server
 TARGET_DIR="${CARGO_TARGET_DIR:-$REPO/target}"
 MLXCEL_SERVER_BIN="$TARGET_DIR/release/mlxcel-server" \
   "$REPO/.venv/bin/python" -m pytest -q tests/python
+phase "python tests done"

@@ -136,8 +136,9 @@ pub struct ModelArgs {
     /// Speculative decoding: `ngram` lets greedy requests propose the
     /// tokens that followed the last few tokens earlier in the prompt or
     /// reply (prompt lookup) and verifies them all in one forward; the
-    /// output is the same as without. `off`: one token per step.
-    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    /// output is the same as without. `off`: one token per step. `auto`:
+    /// `ngram` on a CPU, `off` on a GPU and with --tensor-parallel.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Auto)]
     pub speculative: SpeculativeArg,
     /// Most draft tokens a row verifies per step with `--speculative`
     /// (each row adapts below it to what it gets accepted).
@@ -250,6 +251,7 @@ pub enum ReasoningParserArg {
 /// `--speculative`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SpeculativeArg {
+    Auto,
     Off,
     Ngram,
 }
@@ -331,6 +333,7 @@ impl ModelArgs {
         c.pipeline = !self.no_decode_pipeline;
         c.speculative = mlxcel_engine::SpeculativeConfig {
             method: match self.speculative {
+                SpeculativeArg::Auto => mlxcel_engine::SpeculativeMethod::Auto,
                 SpeculativeArg::Off => mlxcel_engine::SpeculativeMethod::Off,
                 SpeculativeArg::Ngram => mlxcel_engine::SpeculativeMethod::Ngram,
             },

@@ -663,6 +663,11 @@ fn server_reuses_prompts_reports_cached_tokens_and_exports_metrics() {
         "mlxcel_inter_token_latency_seconds",
         "mlxcel_request_duration_seconds",
         "mlxcel_attention_rows",
+        // `--speculative auto` is prompt lookup on this CPU.
+        "mlxcel_speculative_tokens",
+        "mlxcel_speculative_verifications",
+        "mlxcel_speculative_acceptance_rate",
+        "mlxcel_speculative_tokens_per_verification",
     ] {
         assert!(
             families.iter().any(|f| f == name),

@@ -188,16 +188,8 @@ fn greedy_replies_are_identical_with_prompt_lookup() {
 #[test]
 fn kv_groups_give_the_same_greedy_tokens_with_prompt_lookup() {
     let dir = common::tiny_gemma3_dir("speculative");
-    let golden: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("golden.json")).expect("golden (scripts/setup.sh)"),
-    )
-    .expect("json");
-    let prompt: Vec<u32> = golden["prompt"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|v| v.as_u64().expect("id") as u32)
-        .collect();
+    let golden = common::parity::read_golden(&dir, "make_tiny_models.py");
+    let prompt = common::parity::ids(&golden, "prompt");
     let mut repeated = prompt.clone();
     repeated.extend(&prompt);
     let prompts = [prompt[..20].to_vec(), prompt.clone(), repeated];

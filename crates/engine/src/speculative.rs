@@ -55,6 +55,13 @@ pub enum SpeculativeMethod {
     Off,
     /// Prompt lookup (see the module docs).
     Ngram,
+    /// Prompt lookup on a CPU, where it paid in every workload measured
+    /// (1.03-1.61x, `benches/results/2026-12-02-speculative-cpu.json`);
+    /// off on a GPU, where a verification step leaves the decode pipeline
+    /// and the paged-attention batch and cost 0.81x at 4 clients on chat
+    /// (H200, `benches/results/2026-12-02-speculative-h200.md`), and under
+    /// tensor parallelism.
+    Auto,
 }
 
 impl SpeculativeMethod {
@@ -63,6 +70,18 @@ impl SpeculativeMethod {
         match self {
             SpeculativeMethod::Off => "off",
             SpeculativeMethod::Ngram => "ngram",
+            SpeculativeMethod::Auto => "auto",
+        }
+    }
+
+    /// The method that runs: [`SpeculativeMethod::Auto`] decided for a
+    /// GPU or CPU, with or without tensor parallelism; the others as they
+    /// are.
+    pub fn resolve(self, gpu: bool, tensor_parallel: bool) -> Self {
+        match self {
+            SpeculativeMethod::Auto if gpu || tensor_parallel => SpeculativeMethod::Off,
+            SpeculativeMethod::Auto => SpeculativeMethod::Ngram,
+            m => m,
         }
     }
 }
@@ -244,6 +263,16 @@ mod tests {
         assert!(ngram_draft(&[], 4).is_empty());
         // A single recurring token is below the shortest n-gram.
         assert!(ngram_draft(&[9, 1, 2, 9], 4).is_empty());
+    }
+
+    #[test]
+    fn auto_is_prompt_lookup_on_a_cpu_alone() {
+        use SpeculativeMethod::*;
+        assert_eq!(Auto.resolve(false, false), Ngram);
+        assert_eq!(Auto.resolve(true, false), Off);
+        assert_eq!(Auto.resolve(false, true), Off);
+        assert_eq!(Ngram.resolve(true, false), Ngram);
+        assert_eq!(Off.resolve(false, false), Off);
     }
 
     #[test]

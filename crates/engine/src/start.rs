@@ -53,7 +53,7 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let started = Instant::now();
         if config.tensor_parallel.is_some()
-            && config.speculative.method != crate::speculative::SpeculativeMethod::Off
+            && config.speculative.method == crate::speculative::SpeculativeMethod::Ngram
         {
             // Rejected drafts are truncated on rank 0 only; the followers'
             // replicas would keep them.
@@ -81,6 +81,10 @@ impl Engine {
             model_config.vocab_size,
         )?);
         let (gpu, options) = (opened.gpu, opened.options);
+        config.speculative.method = config
+            .speculative
+            .method
+            .resolve(gpu, config.tensor_parallel.is_some());
         let identity = format!(
             "{}|{:?}|{}",
             config.model_dir.display(),

@@ -27,7 +27,7 @@ impl Worker<'_> {
     /// request did not opt out, none otherwise.
     pub(super) fn row_speculation(&self, job: &Job) -> RowSpeculation {
         let on =
-            self.config.speculative.method != SpeculativeMethod::Off && job.request.speculative;
+            self.config.speculative.method == SpeculativeMethod::Ngram && job.request.speculative;
         RowSpeculation::new(if on {
             self.config.speculative.num_tokens
         } else {
@@ -68,7 +68,7 @@ impl Worker<'_> {
         for s in &mut self.running {
             s.draft.clear();
         }
-        if self.config.speculative.method == SpeculativeMethod::Off {
+        if self.config.speculative.method != SpeculativeMethod::Ngram {
             return;
         }
         let decode = plan.decode_rows();
