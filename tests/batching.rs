@@ -160,8 +160,8 @@ fn greedy_tokens_are_identical_across_batching_storage_padding_and_chunking() {
             pipeline: false,
             ..paged("", 0, 512, AttentionPath::PerRow)
         },
-        paged("parallel 4, paged, chunk 16", 0, 16, batched),
-        paged("parallel 4, paged, chunk 64, tile 32", 32, 64, batched),
+        // Chunks that end mid-block (48 = 1.5 blocks), each padded to 64.
+        paged("parallel 4, paged, chunk 48, tile 32", 32, 48, batched),
     ];
     for v in variants {
         let e = engine(v, None);
@@ -241,7 +241,7 @@ fn a_flood_larger_than_the_pool_completes_and_returns_every_block() {
         .iter()
         .map(|p| collect(e.submit(request(p.clone(), 16)).expect("submit")).expect("run"))
         .collect();
-    let flood: Vec<Prompt> = (0..50)
+    let flood: Vec<Prompt> = (0..24)
         .map(|i| distinct[i % distinct.len()].clone())
         .collect();
     let got = run_concurrently(&e, &flood, 16);
