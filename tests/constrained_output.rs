@@ -26,16 +26,7 @@ fn chat(server: &Server, body: Value) -> Value {
 /// The data chunks of a streamed answer, `[DONE]` checked and dropped.
 fn chunks(r: Response) -> Vec<Value> {
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    let body = String::from_utf8(r.body).expect("utf-8 SSE");
-    let data: Vec<&str> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
-    data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
-        .collect()
+    r.sse_chunks()
 }
 
 /// A schema whose one property must be `value`.

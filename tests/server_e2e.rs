@@ -94,7 +94,7 @@ fn check_streaming(port: u16, g: &Golden) {
     assert!(r
         .header("content-type")
         .is_some_and(|c| c.starts_with("text/event-stream")));
-    let chunks = sse_chunks(r);
+    let chunks = r.sse_chunks();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let id = chunks[0]["id"].clone();
     assert!(chunks
@@ -114,20 +114,6 @@ fn check_streaming(port: u16, g: &Golden) {
     let usage = &chunks.last().expect("usage chunk")["usage"];
     assert_eq!(usage["prompt_tokens"], g.prompt_ids.len() as u64);
     assert_eq!(usage["completion_tokens"], usage_completion(g));
-}
-
-/// The JSON chunks of an SSE answer (which must end with `[DONE]`).
-fn sse_chunks(r: common::http::Response) -> Vec<Value> {
-    let body = String::from_utf8(r.body).expect("utf-8 SSE");
-    let data: Vec<&str> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
-    data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
-        .collect()
 }
 
 /// Text that a call's arguments must be able to hold: every piece of the
@@ -236,9 +222,7 @@ fn check_forced_tool_calls(port: u16) {
 
     // Streamed: the message opens with the call (content null), whose
     // arguments arrive in fragments that add up to the same arguments.
-    let chunks = sse_chunks(ask(
-        json!({"tool_choice": named("get_weather"), "stream": true}),
-    ));
+    let chunks = ask(json!({"tool_choice": named("get_weather"), "stream": true})).sse_chunks();
     let (opening, streamed, text, finish) = streamed_calls(&chunks);
     assert_eq!(opening["role"], "assistant");
     assert_eq!(opening["content"], Value::Null, "{opening}");
@@ -281,7 +265,7 @@ fn check_forced_tool_calls(port: u16) {
     );
     let mut streamed_short = short;
     streamed_short["stream"] = json!(true);
-    let (_, streamed, text, finish) = streamed_calls(&sse_chunks(ask(streamed_short)));
+    let (_, streamed, text, finish) = streamed_calls(&ask(streamed_short).sse_chunks());
     assert_eq!((text.as_str(), finish.as_str()), ("", "length"));
     assert_eq!(streamed[0].fragments.concat(), cut);
 
@@ -326,7 +310,7 @@ fn check_forced_tool_calls(port: u16) {
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
         let mut streamed = extra;
         streamed["stream"] = json!(true);
-        let (_, calls, text, finish) = streamed_calls(&sse_chunks(ask(streamed)));
+        let (_, calls, text, finish) = streamed_calls(&ask(streamed).sse_chunks());
         assert_eq!((text.as_str(), finish.as_str()), ("", "tool_calls"));
         let args: Value = serde_json::from_str(&calls[0].fragments.concat()).unwrap();
         assert_eq!(args, json!({"snippet": WRAPPER_TEXT}));

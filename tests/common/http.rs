@@ -14,6 +14,21 @@ pub struct Response {
 }
 
 impl Response {
+    /// The JSON chunks of a server-sent-events answer, which must end with
+    /// `data: [DONE]` (checked and dropped).
+    pub fn sse_chunks(self) -> Vec<serde_json::Value> {
+        let body = String::from_utf8(self.body).expect("utf-8 SSE");
+        let data: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+        data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+            .collect()
+    }
+
     /// The body as JSON.
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)

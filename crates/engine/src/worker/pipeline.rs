@@ -90,11 +90,12 @@ impl Worker<'_> {
         }
         let mut ids = Vec::with_capacity(queued.ids.len());
         for &id in &queued.ids {
-            let s = self.running.iter().find(|s| s.id == id)?;
+            let seq = self.running.iter().position(|s| s.id == id)?;
+            let s = &self.running[seq];
             if !s.samples_on_device() {
                 return None;
             }
-            if self.wants_to_speculate(self.running.iter().position(|x| x.id == id)?) {
+            if self.wants_to_speculate(seq) {
                 // The next step verifies a draft (synchronously).
                 return None;
             }

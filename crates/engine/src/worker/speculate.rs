@@ -65,11 +65,12 @@ impl Worker<'_> {
     /// the plain decode rows (those are attended together), before the
     /// prefill rows.
     pub(super) fn speculate(&mut self, plan: &mut StepPlan) {
-        for s in &mut self.running {
-            s.draft.clear();
-        }
         if self.config.speculative.method != SpeculativeMethod::Ngram {
             return;
+        }
+        // A draft left by a failed step is not proposed again as is.
+        for s in &mut self.running {
+            s.draft.clear();
         }
         let decode = plan.decode_rows();
         if decode == 0 || decode > MAX_SPECULATIVE_ROWS {
