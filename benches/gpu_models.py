@@ -4,8 +4,11 @@
 
   python3 benches/gpu_models.py NAME OUT_DIR --tokenizer DIR [--group-size 64] [--bits 4]
 
-NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2), with the
-hyper-parameters of the published checkpoints. Weights come from mlx_lm's
+NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2),
+qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), with the
+hyper-parameters of the published checkpoints; qwen3-moe-small, a
+Qwen3-MoE of SmolLM2's vocabulary small enough for a CPU (4 layers, 16
+experts of 256, 4 per token). Weights come from mlx_lm's
 own model classes, quantized with `mlx.nn.quantize`, bfloat16 otherwise;
 the tokenizer files are copied from DIR (SmolLM2's tokenizer serves every
 shape: only token ids below its vocabulary are used).
@@ -28,6 +31,20 @@ SHAPES = {
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768,
                          rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+                          norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False),
+    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=512, intermediate_size=1536,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=64, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
+                            norm_topk_prob=True, vocab_size=49152, rope_theta=1000000.0,
+                            max_position_embeddings=8192, rms_norm_eps=1e-6,
+                            tie_word_embeddings=True),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
@@ -39,7 +56,8 @@ def main():
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--bits", type=int, default=4, help="0: not quantized")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -49,13 +67,18 @@ def main():
 
     cfg = dict(SHAPES[args.name])
     cfg.update(architectures=["RandomWeights"], bos_token_id=1, eos_token_id=2,
-               torch_dtype="bfloat16", hidden_act="silu")
+               torch_dtype=args.dtype, hidden_act="silu")
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(cfg))
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=args.group_size, bits=args.bits)
-    cfg["quantization"] = {"group_size": args.group_size, "bits": args.bits}
+    model.set_dtype(getattr(mx, args.dtype))
+    if args.bits:
+        nn.quantize(model, group_size=args.group_size, bits=args.bits)
+        cfg["quantization"] = {"group_size": args.group_size, "bits": args.bits}
+    # Layer by layer: a 30B model's float32 initial values never all live
+    # at once.
+    for layer in model.layers:
+        mx.eval(layer.parameters())
     args.out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(args.out / "model.safetensors"), weights, metadata={"format": "mlx"})

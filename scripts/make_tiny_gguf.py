@@ -6,6 +6,9 @@ that tests/family_parity.rs can serve the GGUF files and compare them with
 mlx_lm's goldens of the same weights (target/tiny-models/NAME/golden.json).
 
 - qwen3: q/k RMSNorms (`attn_q_norm`, `attn_k_norm`).
+- qwen3_moe (`qwen3moe`): a router (`ffn_gate_inp`) and stacked experts
+  (`ffn_{gate,up,down}_exps`, `[experts, out, in]` as numpy reads them)
+  on layer 0, a dense MLP on layer 1; expert counts in the metadata.
 - llama3_rope: Llama 3.1's RoPE scaling as llama.cpp stores it, a
   `rope_freqs` tensor of per-frequency divisors of the rotation angle, and
   llama's q/k rows in ggml's RoPE order (each head's two rotated halves
@@ -37,6 +40,10 @@ LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
 }
 TOP = {
     "model.embed_tokens": "token_embd",
@@ -106,6 +113,10 @@ def write(tiny: Path, name: str, arch: str) -> None:
         w.add_value_length(config["head_dim"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_rope_freq_base(config["rope_theta"])
+    if "num_experts" in config:
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for k in sorted(weights):
         w.add_tensor(gguf_name(k), weights[k].astype(np.float32))
@@ -122,6 +133,7 @@ def main() -> None:
     tiny = Path(sys.argv[1] if len(sys.argv) > 1 else "target/tiny-models")
     write(tiny, "qwen3", "qwen3")
     write(tiny, "llama3_rope", "llama")
+    write(tiny, "qwen3_moe", "qwen3moe")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,66 @@ FAMILIES = {
             "max_position_embeddings": 2048,
         },
     ),
+    # Mixture of experts: 8 experts, 2 per token (the 40-token prompt
+    # routes 80 token-expert pairs, past the 64 from which mlxcel and
+    # mlx_lm sort them by expert; decode steps route 2, unsorted).
+    # Qwen3-MoE: layer 0 sparse, layer 1 dense (`mlp_only_layers`), top-k
+    # scores renormalised.
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "model_type": "qwen3_moe",
+            "head_dim": 32,
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+        },
+    ),
+    # Qwen3-MoE again, 4-bit (group 32): experts through gather_qmm when
+    # kept quantized.
+    "qwen3_moe_q4": (
+        "qwen3_moe",
+        {
+            "model_type": "qwen3_moe",
+            "head_dim": 32,
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "quantization": {"group_size": 32, "bits": 4},
+        },
+    ),
+    # Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate.
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "model_type": "qwen2_moe",
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    # Mixtral, saved as Hugging Face lays it out: one tensor per expert
+    # (`block_sparse_moe.experts.{e}.w1/w3/w2`), stacked by mlxcel at load.
+    "mixtral": (
+        "mixtral",
+        {
+            "model_type": "mixtral",
+            "tie_word_embeddings": False,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+        },
+    ),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
     "phi3_q4": (
         "phi3",
@@ -173,7 +233,7 @@ def build(module: str, config: dict):
     # initial values, so that two norms loaded into each other's places
     # change the output.
     def spread(p):
-        if p.ndim == 2:
+        if p.ndim >= 2:  # matrices, and stacked experts' matrices
             return p * 4.0
         return p * mx.random.uniform(0.5, 1.5, p.shape) + mx.random.uniform(-0.2, 0.2, p.shape)
 
@@ -183,6 +243,25 @@ def build(module: str, config: dict):
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
     mx.eval(model.parameters())
     return model
+
+
+# Families saved with one tensor per expert (Hugging Face's layout) rather
+# than mlx_lm's stacked `switch_mlp`: name -> (gate, up, down) names.
+PER_EXPERT = {"mixtral": ("w1", "w3", "w2")}
+
+
+def per_expert(weights: dict, names: tuple[str, str, str]) -> dict:
+    out = {}
+    proj = dict(zip(("gate_proj", "up_proj", "down_proj"), names))
+    for key, value in weights.items():
+        if ".switch_mlp." not in key:
+            out[key] = value
+            continue
+        block, rest = key.split(".switch_mlp.")
+        name, suffix = rest.split(".", 1)
+        for e in range(value.shape[0]):
+            out[f"{block}.experts.{e}.{proj[name]}.{suffix}"] = value[e]
+    return out
 
 
 def greedy(model) -> tuple[list[float], list[int]]:
@@ -210,6 +289,8 @@ def main() -> None:
         config = {**BASE, **overrides}
         model = build(module, config)
         weights = dict(tree_flatten(model.parameters()))
+        if name in PER_EXPERT:
+            weights = per_expert(weights, PER_EXPERT[name])
         mx.save_safetensors(str(d / "model.safetensors"), weights)
         (d / "config.json").write_text(json.dumps(config, indent=2))
         if config.get("vocab_size") == 49152:

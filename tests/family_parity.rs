@@ -146,6 +146,43 @@ fn gemma3_matches_mlx_lm() {
     check_family("gemma3");
 }
 
+/// Qwen3-MoE: a sparse layer (8 experts, top 2, renormalised) then a
+/// dense one; the prompt's 80 token-expert pairs go through the sorted
+/// gathered matmuls, decode steps through the unsorted ones.
+#[test]
+fn qwen3_moe_matches_mlx_lm() {
+    check_family("qwen3_moe");
+}
+
+/// Qwen3-MoE, 4-bit: experts dequantized at load and kept quantized
+/// (`gather_qmm`), the router quantized too.
+#[test]
+fn quantized_qwen3_moe_matches_mlx_lm() {
+    check_family("qwen3_moe_q4");
+}
+
+/// Qwen3-MoE as llama.cpp lays it out (`qwen3moe`): the router and the
+/// stacked expert tensors renamed, expert counts from the metadata, the
+/// dense layer found by its missing router.
+#[test]
+fn qwen3_moe_gguf_matches_mlx_lm() {
+    check_gguf("qwen3_moe");
+}
+
+/// Qwen2-MoE: softmax routing without renormalising, and a shared expert
+/// behind a sigmoid gate.
+#[test]
+fn qwen2_moe_matches_mlx_lm() {
+    check_family("qwen2_moe");
+}
+
+/// Mixtral: top-k logits then softmax; saved with one tensor per expert
+/// (`experts.{e}.w1/w3/w2`, Hugging Face's layout), stacked at load.
+#[test]
+fn mixtral_matches_mlx_lm() {
+    check_family("mixtral");
+}
+
 /// A real checkpoint that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
 /// the directory in `env`), against mlx_lm's model class on the same
@@ -189,4 +226,121 @@ fn gemma3_270m_real_weights_match_mlx_lm() {
 #[test]
 fn qwen2_5_coder_real_weights_match_mlx_lm() {
     check_real_model("MLXCEL_QWEN_CODER_MODEL", "qwen2.5-coder-0.5b");
+}
+
+/// Tiny Qwen3-MoE through the engine (paged KV, prefix cache, 16-token
+/// prefill chunks that end mid-block): each of four prompts answers the
+/// same batched as alone, the golden prompt as mlx_lm does, and a warm
+/// prefix hit as the cold run. Routing is per token, so a step that mixes
+/// rows (and sorts their token-expert pairs) computes each row's experts
+/// as that row alone would.
+#[test]
+fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
+    use common::{collect_tokens, greedy_request};
+    use mlxcel_engine::api::{InferenceService, Prompt};
+    use mlxcel_engine::{Engine, EngineConfig};
+
+    let dir = common::tiny_model_dir("qwen3_moe", "engine");
+    let golden = read_golden(&dir, "make_tiny_models.py");
+    let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
+    let mut c = EngineConfig::new(dir);
+    c.parallel = 4;
+    c.kv_cache_budget = Some(8 << 20);
+    c.kv_block_size = 8;
+    c.prefill_chunk_size = 20;
+    c.check_invariants = true;
+    let e = Engine::start(c).expect("engine");
+    let request = |prompt: &[u32], cache: bool| {
+        let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), want.len());
+        r.ignore_eos = true;
+        r.cache_prompt = cache;
+        r
+    };
+    // Four prompts of different lengths over the same 256-token vocabulary.
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut p = prompt[i * 3..].to_vec();
+            p.rotate_left(i * 5);
+            p
+        })
+        .collect();
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            collect_tokens(e.submit(request(p, false)).expect("submit"))
+                .expect("run")
+                .0
+        })
+        .collect();
+    assert_eq!(alone[0], want, "alone = mlx_lm");
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| e.submit(request(p, false)).expect("submit"))
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (batched, _) = collect_tokens(s).expect("batched run");
+        assert_eq!(batched, alone[i], "prompt {i}: batched = alone");
+    }
+    let (first, _) =
+        collect_tokens(e.submit(request(&prompt, true)).expect("submit")).expect("run");
+    assert_eq!(first, want, "first cached run");
+    let (warm, usage) =
+        collect_tokens(e.submit(request(&prompt, true)).expect("submit")).expect("run");
+    assert_eq!(usage.cached_tokens, prompt.len() - 1, "a whole-prompt hit");
+    assert_eq!(warm, want, "warm = cold");
+}
+
+/// A Qwen3-MoE config that disagrees with its weights, or asks for more
+/// experts per token than it has, is a load error naming the field, never
+/// a panic or a wrong model.
+#[test]
+fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
+    let src = tiny_models().join("qwen3_moe");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+            .expect("json");
+    let cases: [(&str, serde_json::Value, &str); 4] = [
+        (
+            "num_experts",
+            4.into(),
+            "routes to 8 experts, config says 4",
+        ),
+        (
+            "num_experts",
+            16.into(),
+            "routes to 8 experts, config says 16",
+        ),
+        (
+            "moe_intermediate_size",
+            48.into(),
+            "32 rows, config says 48",
+        ),
+        (
+            "num_experts_per_tok",
+            9.into(),
+            "num_experts_per_tok 9 with 8 experts",
+        ),
+    ];
+    for (i, (key, value, want)) in cases.into_iter().enumerate() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-moe-bad-{i}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let mut bad = config.clone();
+        bad[key] = value;
+        std::fs::write(dir.join("config.json"), bad.to_string()).expect("write");
+        let link = dir.join("model.safetensors");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(src.join("model.safetensors"), &link).expect("link");
+        let options = LoadOptions {
+            dtype: Dtype::Float32,
+            weight_mode: WeightMode::Dequantized,
+            quantize: None,
+        };
+        let err = read_config(&dir)
+            .and_then(|c| load_model(&dir, c, options))
+            .err()
+            .unwrap_or_else(|| panic!("{key}: loaded"))
+            .to_string();
+        assert!(err.contains(want), "{key}: {err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

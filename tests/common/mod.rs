@@ -144,17 +144,26 @@ pub fn readme_tokens(engine: &mlxcel_engine::Engine) -> Vec<u32> {
 /// layer of a 16-key window and a global layer, so two KV groups) with the
 /// tiny `llama_chat` tokenizer, in a temporary directory named after `tag`.
 pub fn tiny_gemma3_dir(tag: &str) -> std::path::PathBuf {
+    tiny_model_dir("gemma3", tag)
+}
+
+/// The tiny random-weight checkpoint `model` of `scripts/make_tiny_models.py`
+/// (`target/tiny-models/<model>`, or under `MLXCEL_TINY_MODELS`; its
+/// `golden.json` too) with the tiny `llama_chat` tokenizer, so an engine can
+/// start on it, in a temporary directory named after `model` and `tag`.
+/// Requests feed token ids below the model's vocabulary.
+pub fn tiny_model_dir(model: &str, tag: &str) -> std::path::PathBuf {
     let tiny = std::env::var_os("MLXCEL_TINY_MODELS")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
             std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models")
         });
-    let dir = std::env::temp_dir().join(format!("mlxcel-gemma3-{tag}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("mlxcel-{model}-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let files = [
-        ("gemma3", "config.json"),
-        ("gemma3", "model.safetensors"),
-        ("gemma3", "golden.json"),
+        (model, "config.json"),
+        (model, "model.safetensors"),
+        (model, "golden.json"),
         ("llama_chat", "tokenizer.json"),
         ("llama_chat", "tokenizer_config.json"),
         ("llama_chat", "special_tokens_map.json"),

@@ -65,6 +65,14 @@ ArrayPtr contiguous(const array& a);
 ArrayPtr softmax(const array& a, int32_t axis);
 ArrayPtr argmax(const array& a, int32_t axis, bool keepdims);
 ArrayPtr take(const array& a, const array& indices, int32_t axis);
+ArrayPtr take_along_axis(const array& a, const array& indices, int32_t axis);
+ArrayPtr argpartition(const array& a, int32_t kth, int32_t axis);
+ArrayPtr argsort(const array& a, int32_t axis);
+ArrayPtr sum_axis(const array& a, int32_t axis, bool keepdims);
+ArrayPtr floor_divide(const array& a, const array& b);
+ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted);
+ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+                    const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted);
 ArrayPtr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis);
 ArrayPtr concatenate(const ArrayList& arrays, int32_t axis);
 ArrayPtr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop);

@@ -45,6 +45,28 @@ pub(crate) mod bridge {
         fn softmax(a: &array, axis: i32) -> Result<UniquePtr<array>>;
         fn argmax(a: &array, axis: i32, keepdims: bool) -> Result<UniquePtr<array>>;
         fn take(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn take_along_axis(a: &array, indices: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn argpartition(a: &array, kth: i32, axis: i32) -> Result<UniquePtr<array>>;
+        fn argsort(a: &array, axis: i32) -> Result<UniquePtr<array>>;
+        fn sum_axis(a: &array, axis: i32, keepdims: bool) -> Result<UniquePtr<array>>;
+        fn floor_divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn gather_mm(
+            a: &array,
+            b: &array,
+            rhs_indices: &array,
+            sorted: bool,
+        ) -> Result<UniquePtr<array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn gather_qmm(
+            x: &array,
+            w: &array,
+            scales: &array,
+            biases: &array,
+            rhs_indices: &array,
+            group_size: i32,
+            bits: i32,
+            sorted: bool,
+        ) -> Result<UniquePtr<array>>;
         fn put_along_axis(
             a: &array,
             indices: &array,

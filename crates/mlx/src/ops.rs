@@ -256,6 +256,80 @@ impl Array {
         Array::wrap(bridge::take(self.raw(), indices.raw(), axis))
     }
 
+    /// `self`'s entries at `indices` along `axis`, per position of the
+    /// other axes (`indices` int32 or uint32, `self`'s rank, broadcast
+    /// against it): the scores of the chosen experts from all of them.
+    pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Array::wrap(bridge::take_along_axis(self.raw(), indices.raw(), axis))
+    }
+
+    /// Indices (uint32) that partition `axis` around its `kth` smallest
+    /// element: every index before position `kth` points at an element no
+    /// larger, every one after at one no smaller (negative `kth` counts
+    /// from the end). The top-k experts are the last `k` of
+    /// `argpartition(-k)`; the order within each side is unspecified.
+    pub fn argpartition(&self, kth: i32, axis: i32) -> Result<Array> {
+        Array::wrap(bridge::argpartition(self.raw(), kth, axis))
+    }
+
+    /// Indices (uint32) that sort `axis` ascending.
+    pub fn argsort(&self, axis: i32) -> Result<Array> {
+        Array::wrap(bridge::argsort(self.raw(), axis))
+    }
+
+    /// Sum over `axis`, keeping it as size 1 when `keepdims`.
+    pub fn sum_axis(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Array::wrap(bridge::sum_axis(self.raw(), axis, keepdims))
+    }
+
+    /// Elementwise `floor(self / other)` with broadcasting (integer
+    /// division for integer arrays).
+    pub fn floor_divide(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::floor_divide(self.raw(), other.raw()))
+    }
+
+    /// Batched matrix products with a matrix gathered per batch entry
+    /// (MLX's `gather_mm`, the mixture-of-experts product): `self`
+    /// `[..., M, K]`, `b` `[E, K, N]` (one matrix per expert), `rhs_indices`
+    /// (uint32 or int32, broadcast against `self`'s batch axes) picks the
+    /// expert of each batch entry; returns `[..., M, N]`. `sorted` tells
+    /// MLX the indices are ascending (one contiguous run per expert).
+    pub fn gather_mm(&self, b: &Array, rhs_indices: &Array, sorted: bool) -> Result<Array> {
+        Array::wrap(bridge::gather_mm(
+            self.raw(),
+            b.raw(),
+            rhs_indices.raw(),
+            sorted,
+        ))
+    }
+
+    /// [`Array::gather_mm`] against affine-quantized expert matrices
+    /// (MLX's `gather_qmm`, transposed): `w` `[E, N, K · bits / 32]`
+    /// uint32, `scales`/`biases` `[E, N, K / group_size]`; `self`
+    /// `[..., M, K]` -> `[..., M, N]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_qmm(
+        &self,
+        w: &Array,
+        scales: &Array,
+        biases: &Array,
+        rhs_indices: &Array,
+        group_size: i32,
+        bits: i32,
+        sorted: bool,
+    ) -> Result<Array> {
+        Array::wrap(bridge::gather_qmm(
+            self.raw(),
+            w.raw(),
+            scales.raw(),
+            biases.raw(),
+            rhs_indices.raw(),
+            group_size,
+            bits,
+            sorted,
+        ))
+    }
+
     /// The sub-array `[start, stop)` on every axis.
     pub fn slice(&self, start: &[i32], stop: &[i32]) -> Result<Array> {
         Array::wrap(bridge::slice(self.raw(), start, stop))

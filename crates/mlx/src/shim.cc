@@ -117,6 +117,25 @@ ArrayPtr argmax(const array& a, int32_t axis, bool keepdims) {
 ArrayPtr take(const array& a, const array& indices, int32_t axis) {
   return wrap(mx::take(a, indices, axis));
 }
+ArrayPtr take_along_axis(const array& a, const array& indices, int32_t axis) {
+  return wrap(mx::take_along_axis(a, indices, axis));
+}
+ArrayPtr argpartition(const array& a, int32_t kth, int32_t axis) {
+  return wrap(mx::argpartition(a, kth, axis));
+}
+ArrayPtr argsort(const array& a, int32_t axis) { return wrap(mx::argsort(a, axis)); }
+ArrayPtr sum_axis(const array& a, int32_t axis, bool keepdims) {
+  return wrap(mx::sum(a, axis, keepdims));
+}
+ArrayPtr floor_divide(const array& a, const array& b) { return wrap(mx::floor_divide(a, b)); }
+ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted) {
+  return wrap(mx::gather_mm(a, b, std::nullopt, rhs_indices, sorted));
+}
+ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+                    const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted) {
+  return wrap(mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, /*transpose=*/true,
+                             group_size, bits, "affine", std::nullopt, sorted));
+}
 ArrayPtr concatenate(const ArrayList& arrays, int32_t axis) {
   return wrap(mx::concatenate(arrays.items, axis));
 }

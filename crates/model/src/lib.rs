@@ -8,6 +8,7 @@ pub mod attention;
 pub mod config;
 pub mod gguf;
 pub mod layers;
+pub mod moe;
 pub mod profile;
 pub mod rope;
 pub mod step;

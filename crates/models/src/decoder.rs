@@ -14,6 +14,7 @@ use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec};
 use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::moe::{MoeSpec, SparseMoe};
 use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
     AttentionPath, LoadOptions, Model, ModelConfig, ModelError, RowInput, Step, StepMismatch,
@@ -43,6 +44,47 @@ pub struct DecoderSpec {
     pub norm_weight_offset: f32,
     /// The MLP gate's activation.
     pub activation: Activation,
+    /// The mixture-of-experts layers: which layers are sparse and what
+    /// their block is; `None` for a dense model.
+    pub moe: Option<SparseLayers>,
+}
+
+/// Which layers of a decoder are sparse mixture-of-experts blocks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseLayers {
+    /// The block of every sparse layer.
+    pub spec: MoeSpec,
+    /// Per layer, whether its feed-forward is the sparse block (the others
+    /// keep a dense MLP of `intermediate_size`).
+    pub layers: Vec<bool>,
+    /// The block's name under the layer (`mlp`; Mixtral's
+    /// `block_sparse_moe`).
+    pub path: &'static str,
+}
+
+/// A layer's feed-forward: a dense gated MLP or a sparse MoE block.
+enum FeedForward {
+    Dense(Mlp),
+    Sparse(Box<SparseMoe>),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Array) -> Result<Array, ModelError> {
+        match self {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Sparse(m) => m.forward(x),
+        }
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        match self {
+            FeedForward::Dense(m) => [&m.gate_proj, &m.up_proj, &m.down_proj]
+                .into_iter()
+                .flat_map(|l| l.arrays())
+                .collect(),
+            FeedForward::Sparse(m) => m.arrays(),
+        }
+    }
 }
 
 /// Where a layer's RMSNorms sit.
@@ -75,6 +117,7 @@ impl DecoderSpec {
             norms: NormPlacement::Pre,
             norm_weight_offset: 0.0,
             activation: Activation::Silu,
+            moe: None,
         }
     }
 }
@@ -105,7 +148,7 @@ struct DecoderLayer {
     /// The norm before the MLP (pre-norm, sandwich), or after it
     /// (post-norm).
     mlp_norm: RmsNorm,
-    mlp: Mlp,
+    mlp: FeedForward,
     /// Sandwich: the norms after attention and after the MLP.
     post_norms: Option<(RmsNorm, RmsNorm)>,
     norms: NormPlacement,
@@ -114,11 +157,12 @@ struct DecoderLayer {
 impl DecoderLayer {
     fn load(
         ctx: &mut LoadContext<'_>,
-        path: &str,
+        index: usize,
         c: &ModelConfig,
         attention: &AttentionSpec,
         spec: &DecoderSpec,
     ) -> Result<Self, ModelError> {
+        let path = &format!("model.layers.{index}");
         let (attn_norm, mlp_norm) = match spec.norms {
             NormPlacement::Pre => ("input_layernorm", "post_attention_layernorm"),
             NormPlacement::Post => ("post_attention_layernorm", "post_feedforward_layernorm"),
@@ -136,12 +180,23 @@ impl DecoderLayer {
             attn_norm: norm(ctx, attn_norm)?,
             self_attn: Attention::load(ctx, &format!("{path}.self_attn"), attention)?,
             mlp_norm: norm(ctx, mlp_norm)?,
-            mlp: if spec.fused_gate_up {
-                Mlp::load_fused(ctx, &format!("{path}.mlp"), c.mlp_bias, c.intermediate_size)?
-            } else {
-                Mlp::load(ctx, &format!("{path}.mlp"), c.mlp_bias)?
-            }
-            .with_activation(spec.activation),
+            mlp: match &spec.moe {
+                Some(moe) if moe.layers.get(index).copied().unwrap_or(false) => {
+                    FeedForward::Sparse(Box::new(SparseMoe::load(
+                        ctx,
+                        &format!("{path}.{}", moe.path),
+                        &moe.spec,
+                    )?))
+                }
+                _ if spec.fused_gate_up => FeedForward::Dense(
+                    Mlp::load_fused(ctx, &format!("{path}.mlp"), c.mlp_bias, c.intermediate_size)?
+                        .with_activation(spec.activation),
+                ),
+                _ => FeedForward::Dense(
+                    Mlp::load(ctx, &format!("{path}.mlp"), c.mlp_bias)?
+                        .with_activation(spec.activation),
+                ),
+            },
             post_norms: match spec.norms {
                 NormPlacement::Sandwich => Some((
                     norm(ctx, "post_attention_layernorm")?,
@@ -199,9 +254,7 @@ impl DecoderLayer {
             v.extend([&a.weight, &m.weight]);
         }
         v.extend(self.self_attn.arrays());
-        for l in [&self.mlp.gate_proj, &self.mlp.up_proj, &self.mlp.down_proj] {
-            v.extend(l.arrays());
-        }
+        v.extend(self.mlp.arrays());
         v
     }
 }
@@ -235,6 +288,15 @@ impl Decoder {
         weights: &mut Weights,
         options: LoadOptions,
     ) -> Result<Self, ModelError> {
+        if let Some(moe) = &spec.moe {
+            if moe.layers.len() != config.num_hidden_layers {
+                return Err(ModelError::Config(format!(
+                    "{} sparse-layer flags for {} layers",
+                    moe.layers.len(),
+                    config.num_hidden_layers
+                )));
+            }
+        }
         if spec.layers.len() != config.num_hidden_layers {
             return Err(ModelError::Config(format!(
                 "{} attention specs for {} layers",
@@ -255,8 +317,7 @@ impl Decoder {
         let embed_tokens = Embedding::load(&mut ctx, "model.embed_tokens")?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
-            let path = format!("model.layers.{i}");
-            let layer = DecoderLayer::load(&mut ctx, &path, &config, &spec.layers[i], spec)?;
+            let layer = DecoderLayer::load(&mut ctx, i, &config, &spec.layers[i], spec)?;
             // Materialize layer by layer so load shows progress and peaks low.
             mlxcel_mlx::eval(&layer.arrays())?;
             // Drawn as a bar by the binaries (see `src/progress.rs`).

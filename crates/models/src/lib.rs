@@ -2,7 +2,8 @@
 //! checkpoint.
 //!
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
-//! `granite.rs`, `phi3.rs`, `olmo2.rs`): the
+//! `granite.rs`, `phi3.rs`, `olmo2.rs`, `gemma3.rs`, and the
+//! mixture-of-experts `qwen2_moe.rs`, `qwen3_moe.rs`, `mixtral.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
 //! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`),
 //! how it builds each layer from the shared layers of `mlxcel-model`, and
@@ -16,10 +17,13 @@ pub mod decoder;
 mod gemma3;
 mod granite;
 mod llama;
+mod mixtral;
 mod olmo2;
 mod phi3;
 mod qwen2;
+mod qwen2_moe;
 mod qwen3;
+mod qwen3_moe;
 
 use std::path::Path;
 
@@ -57,6 +61,9 @@ pub const FAMILIES: &[&Family] = &[
     &phi3::FAMILY,
     &olmo2::FAMILY,
     &gemma3::FAMILY,
+    &qwen2_moe::FAMILY,
+    &qwen3_moe::FAMILY,
+    &mixtral::FAMILY,
 ];
 
 /// The family serving `model_type`.

@@ -45,19 +45,25 @@ const QWEN3_LAYER_TENSORS: &[(&str, &str)] = &[
     ("ffn_down", "mlp.down_proj"),
 ];
 
-fn load(
-    config: ModelConfig,
-    weights: &mut Weights,
-    options: LoadOptions,
-) -> Result<Box<dyn Model>, ModelError> {
-    let attention = AttentionSpec {
+/// Qwen3's attention: the shared one with per-head q/k RMSNorms (also
+/// Qwen3-MoE's).
+pub(crate) fn attention(config: &ModelConfig) -> AttentionSpec {
+    AttentionSpec {
         qk_norm: Some(QkNorm {
             eps: config.rms_norm_eps,
             per_head: true,
             weight_offset: 0.0,
         }),
-        ..AttentionSpec::from_config(&config)
-    };
+        ..AttentionSpec::from_config(config)
+    }
+}
+
+fn load(
+    config: ModelConfig,
+    weights: &mut Weights,
+    options: LoadOptions,
+) -> Result<Box<dyn Model>, ModelError> {
+    let attention = attention(&config);
     let spec = DecoderSpec::uniform(attention, config.num_hidden_layers);
     Ok(Box::new(Decoder::load(config, &spec, weights, options)?))
 }

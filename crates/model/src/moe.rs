@@ -1,0 +1,443 @@
+//! The sparse mixture-of-experts feed-forward layer (Shazeer et al. 2017;
+//! top-k routing as in Switch / Mixtral, Jiang et al. 2024): a router picks
+//! `top_k` of `experts` gated MLPs per token, their outputs are summed
+//! weighted by the router's scores, and an optional shared expert (Qwen2-MoE)
+//! runs for every token.
+//!
+//! The experts of a layer are one stacked matrix per projection,
+//! `[experts, out, in]`, multiplied through MLX's gathered matmuls
+//! (`gather_mm`, or `gather_qmm` for weights kept quantized): one product
+//! per (token, chosen expert), no per-expert loop on the host. When a step
+//! routes many tokens (64 or more token-expert pairs) they are sorted by
+//! expert first, so each expert's matrix is read in one run, and put back
+//! after; each product is the same either way. The reference for the
+//! routing variants and the sort is mlx_lm's `models/switch_layers.py`,
+//! `qwen3_moe.py`, `qwen2_moe.py` and `mixtral.py`.
+//!
+//! Checkpoints store experts stacked (`{path}.switch_mlp.gate_proj.weight`,
+//! what mlx_lm writes) or one tensor per expert
+//! (`{path}.experts.{e}.gate_proj.weight`, Hugging Face's layout; Mixtral's
+//! `w1`/`w3`/`w2`): both load, the second stacked at load.
+
+use crate::layers::{Activation, Linear, LoadContext, Mlp, WeightMode};
+use crate::{config::QuantSpec, ModelError};
+use mlxcel_mlx::{Array, Dtype};
+
+/// How router logits become the chosen experts and their weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Softmax over all experts, keep the `top_k` largest probabilities;
+    /// with `normalize`, divide them by their sum (Qwen3-MoE's
+    /// `norm_topk_prob`; Qwen2-MoE without).
+    SoftmaxTopK { normalize: bool },
+    /// Keep the `top_k` largest logits, softmax over those alone
+    /// (Mixtral).
+    TopKSoftmax,
+}
+
+/// The checkpoint names of one expert's gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertNames {
+    /// The gate projection (`gate_proj`; Mixtral's per-expert `w1`).
+    pub gate: &'static str,
+    /// The up projection (`up_proj`; `w3`).
+    pub up: &'static str,
+    /// The down projection (`down_proj`; `w2`).
+    pub down: &'static str,
+}
+
+impl ExpertNames {
+    /// `gate_proj`, `up_proj`, `down_proj`.
+    pub const PROJ: ExpertNames = ExpertNames {
+        gate: "gate_proj",
+        up: "up_proj",
+        down: "down_proj",
+    };
+    /// Mixtral's per-expert `w1` (gate), `w3` (up), `w2` (down).
+    pub const MIXTRAL: ExpertNames = ExpertNames {
+        gate: "w1",
+        up: "w3",
+        down: "w2",
+    };
+}
+
+/// What a family's sparse layer is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    /// Experts per layer (`num_experts`, Mixtral's `num_local_experts`).
+    pub experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// The hidden size of each expert's MLP (`moe_intermediate_size`;
+    /// Mixtral's `intermediate_size`).
+    pub expert_hidden: usize,
+    pub routing: Routing,
+    /// The names of a per-expert checkpoint's projections (stacked
+    /// checkpoints always use `gate_proj`/`up_proj`/`down_proj` under
+    /// `switch_mlp`).
+    pub per_expert_names: ExpertNames,
+    /// The hidden size of the shared expert (`shared_expert` with a
+    /// sigmoid `shared_expert_gate`, Qwen2-MoE), `None` without one.
+    pub shared_expert: Option<usize>,
+    /// The experts' gate activation.
+    pub activation: Activation,
+}
+
+impl MoeSpec {
+    /// Checks the counts before any weight is read.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] for no experts, `top_k` of 0 or more than the
+    /// experts.
+    pub fn check(&self) -> Result<(), ModelError> {
+        if self.experts == 0 || self.top_k == 0 || self.top_k > self.experts {
+            return Err(ModelError::Config(format!(
+                "num_experts_per_tok {} with {} experts (want 1 to the expert count)",
+                self.top_k, self.experts
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Stacked expert matrices of one projection, `[experts, out, in]`.
+#[derive(Debug, Clone)]
+enum ExpertMatrix {
+    /// Dense, `[experts, out, in]` as in the checkpoint (multiplied through
+    /// a transposed view, as a dense [`Linear`] is).
+    Dense(Array),
+    /// Affine-quantized: `weight` `[experts, out, in · bits / 32]` uint32,
+    /// `scales`/`biases` `[experts, out, in / group_size]`.
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        spec: QuantSpec,
+    },
+}
+
+/// One projection of every expert (mlx_lm's `SwitchLinear`).
+#[derive(Debug, Clone)]
+pub struct SwitchLinear {
+    matrix: ExpertMatrix,
+    /// The output rows of each expert's matrix.
+    out: usize,
+}
+
+impl SwitchLinear {
+    /// Loads `{path}.switch_mlp.{name}` (stacked) or, when that is absent,
+    /// `{path}.experts.{e}.{per_expert}` for every expert, stacking them.
+    ///
+    /// # Errors
+    /// Missing tensors; an expert count other than `experts`; a
+    /// quantized tensor without quantization parameters.
+    fn load(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        name: &str,
+        per_expert: &str,
+        experts: usize,
+    ) -> Result<Self, ModelError> {
+        let stacked = format!("{path}.switch_mlp.{name}");
+        let (module, parts) = if ctx.weights.contains(&format!("{stacked}.weight")) {
+            let take =
+                |ctx: &mut LoadContext<'_>, suffix: &str| -> Result<Option<Array>, ModelError> {
+                    let key = format!("{stacked}.{suffix}");
+                    if suffix != "weight" && !ctx.weights.contains(&key) {
+                        return Ok(None);
+                    }
+                    Ok(Some(ctx.weights.take(&key)?))
+                };
+            let parts = [
+                take(ctx, "weight")?,
+                take(ctx, "scales")?,
+                take(ctx, "biases")?,
+            ];
+            (stacked, parts)
+        } else {
+            let first = format!("{path}.experts.0.{per_expert}");
+            if !ctx.weights.contains(&format!("{first}.weight")) {
+                return Err(ModelError::Weights(format!(
+                    "no experts: neither {stacked}.weight nor {first}.weight"
+                )));
+            }
+            let mut parts: [Option<Array>; 3] = [None, None, None];
+            for (slot, suffix) in ["weight", "scales", "biases"].iter().enumerate() {
+                if *suffix != "weight" && !ctx.weights.contains(&format!("{first}.{suffix}")) {
+                    continue;
+                }
+                let mut each = Vec::with_capacity(experts);
+                for e in 0..experts {
+                    let t = ctx
+                        .weights
+                        .take(&format!("{path}.experts.{e}.{per_expert}.{suffix}"))?;
+                    let mut shape = vec![1];
+                    shape.extend(t.shape());
+                    each.push(t.reshape(&shape)?);
+                }
+                let refs: Vec<&Array> = each.iter().collect();
+                parts[slot] = Some(mlxcel_mlx::concatenate(&refs, 0)?);
+            }
+            (first, parts)
+        };
+        let [weight, scales, biases] = parts;
+        let weight = weight.ok_or_else(|| ModelError::Weights(format!("{module}.weight")))?;
+        let shape = weight.shape();
+        if shape.len() != 3 || shape[0] as usize != experts {
+            return Err(ModelError::Weights(format!(
+                "{module}: shape {shape:?}, want [{experts}, out, in] ({experts} experts)"
+            )));
+        }
+        let out = shape[1] as usize;
+        let matrix = match (scales, biases) {
+            (None, _) => ExpertMatrix::Dense(weight.astype(ctx.dtype)?),
+            (Some(scales), Some(biases)) => {
+                let spec = ctx.quantization.for_module(&module).ok_or_else(|| {
+                    ModelError::Config(format!(
+                        "{module} is quantized but config has no quantization"
+                    ))
+                })?;
+                let scales = scales.astype(ctx.dtype)?;
+                let biases = biases.astype(ctx.dtype)?;
+                match ctx.mode {
+                    WeightMode::Quantized => ExpertMatrix::Quantized {
+                        weight,
+                        scales,
+                        biases,
+                        spec,
+                    },
+                    WeightMode::Dequantized => ExpertMatrix::Dense(
+                        weight
+                            .dequantize(&scales, &biases, spec.group_size, spec.bits)?
+                            .astype(ctx.dtype)?,
+                    ),
+                }
+            }
+            (Some(_), None) => {
+                return Err(ModelError::Weights(format!(
+                    "{module}: scales without biases (only affine quantization)"
+                )))
+            }
+        };
+        Ok(SwitchLinear { matrix, out })
+    }
+
+    /// `x` `[..., 1, in]` through the expert `indices` (uint32, broadcast
+    /// against `x`'s batch axes) -> `[..., 1, out]`.
+    fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
+        Ok(match &self.matrix {
+            ExpertMatrix::Dense(w) => x.gather_mm(&w.transpose(&[0, 2, 1])?, indices, sorted)?,
+            ExpertMatrix::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            } => x.gather_qmm(
+                weight,
+                scales,
+                biases,
+                indices,
+                spec.group_size,
+                spec.bits,
+                sorted,
+            )?,
+        })
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        match &self.matrix {
+            ExpertMatrix::Dense(w) => vec![w],
+            ExpertMatrix::Quantized {
+                weight,
+                scales,
+                biases,
+                ..
+            } => vec![weight, scales, biases],
+        }
+    }
+}
+
+/// Token-expert pairs from which a step sorts by expert before the
+/// gathered products (mlx_lm's threshold).
+const SORT_FROM_PAIRS: usize = 64;
+
+/// The sparse MoE block: router, experts, optional shared expert.
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    /// `[hidden] -> [experts]` logits.
+    router: Linear,
+    gate_proj: SwitchLinear,
+    up_proj: SwitchLinear,
+    down_proj: SwitchLinear,
+    /// The shared expert and its `[hidden] -> [1]` sigmoid gate.
+    shared: Option<(Mlp, Linear)>,
+    top_k: usize,
+    routing: Routing,
+    activation: Activation,
+}
+
+impl SparseMoe {
+    /// Loads the block at `path` (the router `{path}.gate`, the experts,
+    /// the shared expert `{path}.shared_expert` and its gate
+    /// `{path}.shared_expert_gate`).
+    ///
+    /// # Errors
+    /// Counts [`MoeSpec::check`] refuses; missing tensors; a router or
+    /// expert stack whose expert count is not `spec.experts`;
+    /// [`ModelError::Unsupported`] under tensor parallelism (experts are not
+    /// split across ranks yet).
+    pub fn load(ctx: &mut LoadContext<'_>, path: &str, spec: &MoeSpec) -> Result<Self, ModelError> {
+        spec.check()?;
+        if ctx.shard.is_some() {
+            return Err(ModelError::Unsupported(
+                "tensor parallelism over mixture-of-experts layers (experts are not split across ranks yet)"
+                    .into(),
+            ));
+        }
+        let router = Linear::load(ctx, &format!("{path}.gate"), false)?;
+        let router_rows = match &router.weight {
+            crate::layers::Matrix::Dense(w) => w.shape()[0],
+            crate::layers::Matrix::Quantized(q) => q.weight.shape()[0],
+        } as usize;
+        if router_rows != spec.experts {
+            return Err(ModelError::Weights(format!(
+                "{path}.gate routes to {router_rows} experts, config says {}",
+                spec.experts
+            )));
+        }
+        let names = spec.per_expert_names;
+        let mut proj = |name: &str, per_expert: &str| {
+            SwitchLinear::load(ctx, path, name, per_expert, spec.experts)
+        };
+        let gate_proj = proj("gate_proj", names.gate)?;
+        let up_proj = proj("up_proj", names.up)?;
+        let down_proj = proj("down_proj", names.down)?;
+        for (name, rows) in [("gate", gate_proj.out), ("up", up_proj.out)] {
+            if rows != spec.expert_hidden {
+                return Err(ModelError::Weights(format!(
+                    "{path}: expert {name} projections have {rows} rows, config says {}",
+                    spec.expert_hidden
+                )));
+            }
+        }
+        let shared = match spec.shared_expert {
+            None => None,
+            Some(_) => Some((
+                Mlp::load(ctx, &format!("{path}.shared_expert"), false)?,
+                Linear::load(ctx, &format!("{path}.shared_expert_gate"), false)?,
+            )),
+        };
+        Ok(SparseMoe {
+            router,
+            gate_proj,
+            up_proj,
+            down_proj,
+            shared,
+            top_k: spec.top_k,
+            routing: spec.routing,
+            activation: spec.activation,
+        })
+    }
+
+    /// The chosen experts `[..., top_k]` (uint32) and their weights
+    /// `[..., top_k]` (float32) from router logits `[..., experts]`.
+    fn route(&self, logits: &Array) -> Result<(Array, Array), ModelError> {
+        let k = self.top_k as i32;
+        let logits = logits.astype(Dtype::Float32)?;
+        // The k largest: the first k of an argpartition of the negated
+        // logits (the order mlx_lm's Mixtral and Qwen2-MoE take them in).
+        let top = |x: &Array| -> Result<Array, ModelError> {
+            let neg = x.multiply(&Array::scalar(-1.0)?)?;
+            let part = neg.argpartition(k - 1, -1)?;
+            let mut stop = part.shape();
+            let begin = vec![0; stop.len()];
+            if let Some(last) = stop.last_mut() {
+                *last = k;
+            }
+            Ok(part.slice(&begin, &stop)?)
+        };
+        Ok(match self.routing {
+            Routing::SoftmaxTopK { normalize } => {
+                let probs = logits.softmax(-1)?;
+                let inds = top(&probs)?;
+                let scores = probs.take_along_axis(&inds, -1)?;
+                let scores = if normalize {
+                    scores.divide(&scores.sum_axis(-1, true)?)?
+                } else {
+                    scores
+                };
+                (inds, scores)
+            }
+            Routing::TopKSoftmax => {
+                let inds = top(&logits)?;
+                let scores = logits.take_along_axis(&inds, -1)?.softmax(-1)?;
+                (inds, scores)
+            }
+        })
+    }
+
+    /// `[..., hidden] -> [..., hidden]`.
+    ///
+    /// # Errors
+    /// MLX errors of the graph.
+    pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
+        let dtype = x.dtype();
+        let shape = x.shape();
+        let hidden = *shape.last().unwrap_or(&0);
+        let tokens: i32 = shape[..shape.len().saturating_sub(1)].iter().product();
+        let k = self.top_k as i32;
+        let (inds, scores) = self.route(&self.router.forward(x)?)?;
+        let inds = inds.reshape(&[tokens, k])?;
+        let pairs = (tokens * k) as usize;
+        // [tokens, k, hidden]: each token through each of its experts.
+        let y = if pairs >= SORT_FROM_PAIRS {
+            // Sorted by expert: one run of rows per expert.
+            let flat = inds.reshape(&[tokens * k])?;
+            let order = flat.argsort(0)?;
+            let inverse = order.argsort(0)?;
+            let rows = order.floor_divide(&Array::from_u32(&[k as u32], &[1])?)?;
+            let xs = x.reshape(&[tokens, 1, hidden])?.take(&rows, 0)?;
+            let sorted = flat.take(&order, 0)?;
+            let y = self.experts(&xs, &sorted, true)?;
+            y.take(&inverse, 0)?.reshape(&[tokens, k, hidden])?
+        } else {
+            let xs = x.reshape(&[tokens, 1, 1, hidden])?;
+            self.experts(&xs, &inds, false)?
+                .reshape(&[tokens, k, hidden])?
+        };
+        let scores = scores.reshape(&[tokens, k, 1])?.astype(dtype)?;
+        let mut out = y.multiply(&scores)?.sum_axis(1, false)?;
+        if let Some((mlp, gate)) = &self.shared {
+            let flat = x.reshape(&[tokens, hidden])?;
+            let g = gate.forward(&flat)?.sigmoid()?;
+            out = out.add(&g.multiply(&mlp.forward(&flat)?)?)?;
+        }
+        Ok(out.reshape(&shape)?)
+    }
+
+    /// The gated MLP of each row's expert: `x` `[..., 1, hidden]`,
+    /// `indices` broadcast against its batch axes -> `[..., 1, hidden]`.
+    fn experts(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
+        let g = self.gate_proj.forward(x, indices, sorted)?;
+        let g = match self.activation {
+            Activation::Silu => g.silu()?,
+            Activation::GeluTanh => g.gelu_tanh()?,
+        };
+        let u = self.up_proj.forward(x, indices, sorted)?;
+        self.down_proj.forward(&g.multiply(&u)?, indices, sorted)
+    }
+
+    /// Every tensor of the block.
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = self.router.arrays();
+        for p in [&self.gate_proj, &self.up_proj, &self.down_proj] {
+            v.extend(p.arrays());
+        }
+        if let Some((mlp, gate)) = &self.shared {
+            for l in [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj, gate] {
+                v.extend(l.arrays());
+            }
+        }
+        v
+    }
+}

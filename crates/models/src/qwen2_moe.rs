@@ -1,0 +1,62 @@
+//! Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v
+//! biases) and on every layer a sparse MoE block: `num_experts` SwiGLU
+//! experts of `moe_intermediate_size`, softmax routing to the top
+//! `num_experts_per_tok` (not renormalised), plus a shared expert of
+//! `shared_expert_intermediate_size` that every token runs through,
+//! weighted by a sigmoid gate. Reference: mlx_lm's `models/qwen2_moe.py`.
+
+use mlxcel_model::attention::AttentionSpec;
+use mlxcel_model::moe::{ExpertNames, MoeSpec, Routing};
+use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
+use serde::Deserialize;
+
+use crate::decoder::{Decoder, DecoderSpec, SparseLayers};
+use crate::Family;
+
+pub const FAMILY: Family = Family {
+    name: "qwen2_moe",
+    model_types: &["qwen2_moe"],
+    configure: crate::qwen2::configure,
+    load,
+    gguf: &[],
+};
+
+/// What Qwen2-MoE reads that the shared config does not.
+#[derive(Deserialize)]
+struct Qwen2MoeKeys {
+    num_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    shared_expert_intermediate_size: usize,
+}
+
+fn load(
+    config: ModelConfig,
+    weights: &mut Weights,
+    options: LoadOptions,
+) -> Result<Box<dyn Model>, ModelError> {
+    let keys: Qwen2MoeKeys = crate::own_keys(&config)?;
+    let attention = AttentionSpec {
+        qkv_bias: true,
+        o_bias: false,
+        ..AttentionSpec::from_config(&config)
+    };
+    let moe = SparseLayers {
+        spec: MoeSpec {
+            experts: keys.num_experts,
+            top_k: keys.num_experts_per_tok,
+            expert_hidden: keys.moe_intermediate_size,
+            routing: Routing::SoftmaxTopK { normalize: false },
+            per_expert_names: ExpertNames::PROJ,
+            shared_expert: Some(keys.shared_expert_intermediate_size),
+            activation: Default::default(),
+        },
+        layers: vec![true; config.num_hidden_layers],
+        path: "mlp",
+    };
+    let spec = DecoderSpec {
+        moe: Some(moe),
+        ..DecoderSpec::uniform(attention, config.num_hidden_layers)
+    };
+    Ok(Box::new(Decoder::load(config, &spec, weights, options)?))
+}
