@@ -9,7 +9,9 @@ use std::path::PathBuf;
 
 mod common;
 
-use common::parity::{check_model, config_shape, floats, ids, read_golden, real_model_dir};
+use common::parity::{
+    check_model, check_model_as_served, config_shape, floats, ids, read_golden, real_model_dir,
+};
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{LoadOptions, WeightMode};
@@ -183,7 +185,8 @@ fn mixtral_matches_mlx_lm() {
     check_family("mixtral");
 }
 
-/// A real checkpoint that `scripts/prepare_real_models.py` dequantized to
+/// A real checkpoint (on the storage the engine serves it with: paged, in
+/// its KV groups) that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
 /// the directory in `env`), against mlx_lm's model class on the same
 /// weights: every prompt of its golden (a short one, and one of 600
@@ -204,7 +207,7 @@ fn check_real_model(env: &str, dir: &str) {
         let logits = floats(case, "last_logits");
         let prompt = ids(case, "prompt");
         let name = format!("{}, {} prompt tokens", dir.display(), prompt.len());
-        check_model(
+        check_model_as_served(
             &name,
             model.as_ref(),
             &prompt,

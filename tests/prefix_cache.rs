@@ -142,7 +142,7 @@ fn greedy_answers_are_the_same_cold_warm_opted_out_and_disabled() {
         .map(|&n| Prompt::Tokens(ids[..n].to_vec()))
         .collect();
     let run = |e: &Engine, p: &Prompt, cache: bool| {
-        let mut r = greedy_request(p.clone(), 40);
+        let mut r = greedy_request(p.clone(), 24);
         r.cache_prompt = cache;
         collect_tokens(e.submit(r).expect("submit")).expect("run")
     };

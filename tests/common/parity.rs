@@ -108,12 +108,41 @@ pub fn check_model(
     want_logits: &[f32],
     tolerance: f32,
 ) {
-    let blocks = (prompt.len() + want.len()).div_ceil(16) + 2;
-    for (backend, grouped) in [
+    let storages = [
         (StorageBackend::Dense, false),
         (StorageBackend::Paged, false),
         (StorageBackend::Paged, true),
-    ] {
+    ];
+    check_model_on(name, model, prompt, want, want_logits, tolerance, &storages);
+}
+
+/// [`check_model`] on the storage the engine serves with alone (paged, in
+/// the model's KV groups): for real checkpoints, whose family math is what
+/// is checked (the storages are compared on the tiny checkpoints, at a
+/// third of the cost).
+pub fn check_model_as_served(
+    name: &str,
+    model: &dyn Model,
+    prompt: &[u32],
+    want: &[u32],
+    want_logits: &[f32],
+    tolerance: f32,
+) {
+    let storages = [(StorageBackend::Paged, true)];
+    check_model_on(name, model, prompt, want, want_logits, tolerance, &storages);
+}
+
+fn check_model_on(
+    name: &str,
+    model: &dyn Model,
+    prompt: &[u32],
+    want: &[u32],
+    want_logits: &[f32],
+    tolerance: f32,
+    storages: &[(StorageBackend, bool)],
+) {
+    let blocks = (prompt.len() + want.len()).div_ceil(16) + 2;
+    for &(backend, grouped) in storages {
         let config = KvCacheConfig {
             layout: model.kv_layout(),
             block_size: 16,

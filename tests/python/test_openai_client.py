@@ -367,21 +367,53 @@ def test_unknown_model_and_bad_key(client, mlxcel_server):
 # --- prompt logprobs (echo with logprobs) against mlx_lm -------------------
 
 
+# mlx_lm's reference, run in a child process: its weights dequantized to
+# float32 (as mlxcel computes on a CPU; MLX's CPU quantized matmul is ~40x
+# slower) and OpenBLAS preloaded where the system has it (the wheel's own
+# CPU matmul is a reference loop): 2 s instead of 42 s on a 2-core CI box.
+_PROMPT_LOGPROBS = """
+import json, sys
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.utils import dequantize_model
+model, _ = load(sys.argv[1])
+model = dequantize_model(model)
+ids = json.loads(sys.argv[2])
+logits = model(mx.array([ids]))[0].astype(mx.float32)
+lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+print(json.dumps([lp[i - 1, ids[i]].item() for i in range(1, len(ids))]))
+"""
+
+
+def mlx_lm_prompt_logprobs(model_dir, ids):
+    """log p(ids[i] | ids[:i]) for i >= 1 by mlx_lm's own model class."""
+    import ctypes.util
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    openblas = ctypes.util.find_library("openblas")
+    if openblas and sys.platform.startswith("linux"):
+        env["LD_PRELOAD"] = openblas
+    out = subprocess.run(
+        [sys.executable, "-c", _PROMPT_LOGPROBS, str(model_dir), json.dumps(ids)],
+        env=env, check=True, capture_output=True, text=True,
+    )
+    return json.loads(out.stdout)
+
+
 def test_echoed_prompt_logprobs_match_mlx_lm(client, model, mlxcel_server):
     """`echo` with `logprobs` on /v1/completions returns the prompt's
     logprobs (issue 13 item 12), and they are mlx_lm's: the same checkpoint
     run by mlx_lm's own model class over the same token ids, log-softmaxed.
     The prompt is 300 tokens, so it is scored in several 128-token chunks."""
-    import mlx.core as mx
-    from mlx_lm import load
+    from transformers import AutoTokenizer
 
-    mlx_model, tokenizer = load(str(mlxcel_server.model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(mlxcel_server.model_dir))
     text = " ".join(f"{i} apples and {i + 1} pears," for i in range(40))
     ids = tokenizer.encode(text)[:300]
     assert len(ids) == 300
-    logits = mlx_model(mx.array([ids]))[0].astype(mx.float32)
-    want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    want = [want[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    want = mlx_lm_prompt_logprobs(mlxcel_server.model_dir, ids)
 
     def check(lp, what):
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, what
