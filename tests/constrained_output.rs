@@ -151,3 +151,83 @@ fn qwen_constrained_output_never_fails_a_request() {
     // `<|endoftext|>` (151643) ends a reply; the GGUF names `<|im_end|>`.
     check_stops_at(&server, 151_643);
 }
+
+/// A Llama 3 template that writes tool calls with `"parameters"` (the
+/// shape of Meta's Llama 3.1 template, reduced): the format is read from it.
+const LLAMA3_TEMPLATE: &str = r#"{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Respond with a JSON function call {"name": function name, "parameters": dictionary of argument name and its value}.
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}<|eot_id|>{%- endif %}
+{%- for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>
+
+{% if message.tool_calls %}{%- for tool_call in message.tool_calls %}{{- '{"name": "' + tool_call.function.name + '", ' }}{{- '"parameters": ' }}{{- tool_call.function.arguments | tojson }}{{- '}' }}{%- endfor %}{% else %}{{ message['content'] }}{% endif %}<|eot_id|>{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"#;
+
+/// Served with a Llama 3 chat template, a model's `tool_choice: "auto"`
+/// reply is parsed in Llama 3's JSON format: a bare
+/// `{"name": .., "parameters": ..}` reply (made certain here by a
+/// `response_format` schema of that shape) comes back as a tool call,
+/// streamed or not, with no content.
+#[test]
+fn a_llama3_template_has_its_replies_parsed_as_llama3_json_calls() {
+    let dir = std::env::temp_dir().join(format!("mlxcel-llama3-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let template = dir.join("llama3.jinja");
+    std::fs::write(&template, LLAMA3_TEMPLATE).expect("template");
+    let server = start(
+        &model_dir(),
+        "smollm2",
+        &["--chat-template", template.to_str().expect("utf-8")],
+        |_| {},
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters":
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let schema = json!({"type": "object", "additionalProperties": false,
+        "required": ["name", "parameters"],
+        "properties": {"name": {"const": "get_weather"},
+            "parameters": {"type": "object", "additionalProperties": false, "required": ["city"],
+                "properties": {"city": {"const": "Paris"}}}}});
+    let body = json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": tools, "tool_choice": "auto", "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}});
+    let v = chat(&server, body.clone());
+    let choice = &v["choices"][0];
+    assert_eq!(choice["message"]["content"], Value::Null, "{v}");
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let calls = choice["message"]["tool_calls"]
+        .as_array()
+        .expect("tool_calls");
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let arguments: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().expect("string"))
+            .expect("arguments are JSON");
+    assert_eq!(arguments, json!({"city": "Paris"}));
+    // Streamed: the same call, in argument fragments, and no content.
+    let mut stream = body;
+    stream["stream"] = json!(true);
+    let r = post_json(server.port, "/v1/chat/completions", &stream);
+    assert_eq!(r.status, 200);
+    let mut name = String::new();
+    let mut streamed = String::new();
+    for chunk in r.sse_chunks() {
+        let delta = &chunk["choices"][0]["delta"];
+        if let Some(text) = delta["content"].as_str() {
+            assert!(text.is_empty(), "content streamed: {text:?}");
+        }
+        if let Some(call) = delta["tool_calls"].get(0) {
+            name += call["function"]["name"].as_str().unwrap_or("");
+            streamed += call["function"]["arguments"].as_str().unwrap_or("");
+        }
+    }
+    assert_eq!(name, "get_weather");
+    assert_eq!(
+        streamed,
+        calls[0]["function"]["arguments"].as_str().unwrap()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -231,12 +231,13 @@ fn qwen2_5_coder_real_weights_match_mlx_lm() {
     check_real_model("MLXCEL_QWEN_CODER_MODEL", "qwen2.5-coder-0.5b");
 }
 
-/// Tiny Qwen3-MoE through the engine (paged KV, prefix cache, 16-token
-/// prefill chunks that end mid-block): each of four prompts answers the
+/// Tiny Qwen3-MoE through the engine (paged KV of 8-token blocks, prefix
+/// cache, 40-token prefill chunks): each of four prompts answers the
 /// same batched as alone, the golden prompt as mlx_lm does, and a warm
 /// prefix hit as the cold run. Routing is per token, so a step that mixes
-/// rows (and sorts their token-expert pairs) computes each row's experts
-/// as that row alone would.
+/// rows computes each row's experts as that row alone would; a step of
+/// 32 tokens or more routes 64 token-expert pairs and sorts them, the
+/// decode steps do not.
 #[test]
 fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
     use common::{collect_tokens, greedy_request};
@@ -250,7 +251,7 @@ fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
     c.parallel = 4;
     c.kv_cache_budget = Some(8 << 20);
     c.kv_block_size = 8;
-    c.prefill_chunk_size = 20;
+    c.prefill_chunk_size = 40;
     c.check_invariants = true;
     let e = Engine::start(c).expect("engine");
     let request = |prompt: &[u32], cache: bool| {
@@ -298,33 +299,44 @@ fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
 /// a panic or a wrong model.
 #[test]
 fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
-    let src = tiny_models().join("qwen3_moe");
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
-            .expect("json");
-    let cases: [(&str, serde_json::Value, &str); 4] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
         (
+            "qwen3_moe",
             "num_experts",
             4.into(),
             "routes to 8 experts, config says 4",
         ),
         (
+            "qwen3_moe",
             "num_experts",
             16.into(),
             "routes to 8 experts, config says 16",
         ),
         (
+            "qwen3_moe",
             "moe_intermediate_size",
             48.into(),
             "32 rows, config says 48",
         ),
         (
+            "qwen3_moe",
             "num_experts_per_tok",
             9.into(),
             "num_experts_per_tok 9 with 8 experts",
         ),
+        (
+            "qwen2_moe",
+            "shared_expert_intermediate_size",
+            32.into(),
+            "shared_expert has 64 rows, config says 32",
+        ),
     ];
-    for (i, (key, value, want)) in cases.into_iter().enumerate() {
+    for (i, (model, key, value, want)) in cases.into_iter().enumerate() {
+        let src = tiny_models().join(model);
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("config.json")).expect("config"),
+        )
+        .expect("json");
         let dir = std::env::temp_dir().join(format!("mlxcel-moe-bad-{i}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let mut bad = config.clone();
@@ -346,4 +358,21 @@ fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
         assert!(err.contains(want), "{key}: {err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+    let src = tiny_models().join("qwen3_moe");
+    // Tensor parallelism does not split experts: refused with the reason.
+    let mut config = read_config(&src).expect("config");
+    config.tensor_parallel = Some(mlxcel_model::TensorParallel::new(0, 2).expect("tp"));
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+        quantize: None,
+    };
+    let err = load_model(&src, config, options)
+        .err()
+        .expect("a sharded MoE loaded")
+        .to_string();
+    assert!(
+        err.contains("tensor parallelism over mixture-of-experts layers"),
+        "{err}"
+    );
 }

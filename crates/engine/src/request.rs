@@ -173,7 +173,13 @@ impl RequestBuilder {
         });
         let tool_calls = match reply {
             Some(prefix) => ToolCallOutput::Forced(prefix),
-            None if !tools.is_empty() => ToolCallOutput::Parsed,
+            None if !tools.is_empty() => ToolCallOutput::Parsed(
+                self.text
+                    .template
+                    .as_ref()
+                    .map(|t| t.tool_call_format())
+                    .unwrap_or_default(),
+            ),
             None => ToolCallOutput::Off,
         };
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();

@@ -10,7 +10,8 @@
 //! per (token, chosen expert), no per-expert loop on the host. When a step
 //! routes many tokens (64 or more token-expert pairs) they are sorted by
 //! expert first, so each expert's matrix is read in one run, and put back
-//! after; each product is the same either way. The reference for the
+//! after (on a CPU each product is the same either way; a GPU's sorted
+//! and unsorted kernels may round differently). The reference for the
 //! routing variants and the sort is mlx_lm's `models/switch_layers.py`,
 //! `qwen3_moe.py`, `qwen2_moe.py` and `mixtral.py`.
 //!
@@ -122,6 +123,8 @@ pub struct SwitchLinear {
     matrix: ExpertMatrix,
     /// The output rows of each expert's matrix.
     out: usize,
+    /// The input width of each expert's matrix.
+    input: usize,
 }
 
 impl SwitchLinear {
@@ -189,6 +192,7 @@ impl SwitchLinear {
             )));
         }
         let out = shape[1] as usize;
+        let mut input = shape[2] as usize;
         let matrix = match (scales, biases) {
             (None, _) => ExpertMatrix::Dense(weight.astype(ctx.dtype)?),
             (Some(scales), Some(biases)) => {
@@ -199,6 +203,22 @@ impl SwitchLinear {
                 })?;
                 let scales = scales.astype(ctx.dtype)?;
                 let biases = biases.astype(ctx.dtype)?;
+                // Packed: `in · bits / 32` words per row.
+                input = input * 32 / spec.bits.max(1) as usize;
+                let groups = scales.shape();
+                if groups != biases.shape()
+                    || groups.len() != 3
+                    || groups[..2] != shape[..2]
+                    || groups[2] as usize * spec.group_size.max(1) as usize != input
+                {
+                    return Err(ModelError::Weights(format!(
+                        "{module}: scales {groups:?} and biases {:?} do not fit weights {shape:?} \
+                         at {} bits, group {}",
+                        biases.shape(),
+                        spec.bits,
+                        spec.group_size
+                    )));
+                }
                 match ctx.mode {
                     WeightMode::Quantized => ExpertMatrix::Quantized {
                         weight,
@@ -219,7 +239,7 @@ impl SwitchLinear {
                 )))
             }
         };
-        Ok(SwitchLinear { matrix, out })
+        Ok(SwitchLinear { matrix, out, input })
     }
 
     /// `x` `[..., 1, in]` through the expert `indices` (uint32, broadcast
@@ -253,6 +273,22 @@ impl SwitchLinear {
                 biases,
                 ..
             } => vec![weight, scales, biases],
+        }
+    }
+}
+
+/// `[out, in]` of a linear layer's matrix (`in` unpacked when quantized;
+/// 0 for a tensor of another rank).
+fn matrix_dims(m: &crate::layers::Matrix) -> (usize, usize) {
+    let dims = |a: &Array| match a.shape()[..] {
+        [out, input] => (out as usize, input as usize),
+        _ => (0, 0),
+    };
+    match m {
+        crate::layers::Matrix::Dense(w) => dims(w),
+        crate::layers::Matrix::Quantized(q) => {
+            let (out, words) = dims(&q.weight);
+            (out, words * 32 / q.spec.bits.max(1) as usize)
         }
     }
 }
@@ -295,10 +331,7 @@ impl SparseMoe {
             ));
         }
         let router = Linear::load(ctx, &format!("{path}.gate"), false)?;
-        let router_rows = match &router.weight {
-            crate::layers::Matrix::Dense(w) => w.shape()[0],
-            crate::layers::Matrix::Quantized(q) => q.weight.shape()[0],
-        } as usize;
+        let (router_rows, hidden) = matrix_dims(&router.weight);
         if router_rows != spec.experts {
             return Err(ModelError::Weights(format!(
                 "{path}.gate routes to {router_rows} experts, config says {}",
@@ -320,12 +353,33 @@ impl SparseMoe {
                 )));
             }
         }
+        // [out, in] of each projection against the router's input width.
+        for (name, p, want) in [
+            ("gate", &gate_proj, (spec.expert_hidden, hidden)),
+            ("up", &up_proj, (spec.expert_hidden, hidden)),
+            ("down", &down_proj, (hidden, spec.expert_hidden)),
+        ] {
+            if (p.out, p.input) != want {
+                return Err(ModelError::Weights(format!(
+                    "{path}: expert {name} projections are [{}, {}], want {want:?} \
+                     (hidden size {hidden}, expert size {})",
+                    p.out, p.input, spec.expert_hidden
+                )));
+            }
+        }
         let shared = match spec.shared_expert {
             None => None,
-            Some(_) => Some((
-                Mlp::load(ctx, &format!("{path}.shared_expert"), false)?,
-                Linear::load(ctx, &format!("{path}.shared_expert_gate"), false)?,
-            )),
+            Some(size) => {
+                let mlp = Mlp::load(ctx, &format!("{path}.shared_expert"), false)?;
+                let rows = matrix_dims(&mlp.gate_proj.weight).0;
+                if rows != size {
+                    return Err(ModelError::Weights(format!(
+                        "{path}.shared_expert has {rows} rows, config says {size}"
+                    )));
+                }
+                let gate = Linear::load(ctx, &format!("{path}.shared_expert_gate"), false)?;
+                Some((mlp, gate))
+            }
         };
         Ok(SparseMoe {
             router,

@@ -180,6 +180,21 @@ pub(crate) fn sliding_layers(
     }
 }
 
+/// Defaults of the mixture-of-experts families that the shared config
+/// reads otherwise: an untied head when `tie_word_embeddings` is absent
+/// (Hugging Face's default for them; the shared reader ties), and, with
+/// `rope_base` given, that RoPE base when `rope_theta` is absent.
+fn untied_unless_said(config: &mut ModelConfig, rope_base: Option<f32>) {
+    if config.raw.get("tie_word_embeddings").is_none() {
+        config.tie_word_embeddings = false;
+    }
+    if let Some(base) = rope_base {
+        if config.raw.get("rope_theta").is_none() {
+            config.rope_theta = base;
+        }
+    }
+}
+
 /// Nothing to adjust.
 fn keep(_: &mut ModelConfig) -> Result<(), ModelError> {
     Ok(())

@@ -40,9 +40,11 @@ fn two() -> usize {
     2
 }
 
-/// Mixtral's window is not applied (mlx_lm's reading).
+/// Mixtral's window is not applied (mlx_lm's reading); an untied head and
+/// RoPE base 10^6 unless the config says otherwise (mlx_lm's defaults).
 fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
     config.sliding_window = None;
+    crate::untied_unless_said(config, Some(1_000_000.0));
     Ok(())
 }
 

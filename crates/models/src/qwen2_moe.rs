@@ -1,7 +1,9 @@
 //! Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v
-//! biases) and on every layer a sparse MoE block: `num_experts` SwiGLU
-//! experts of `moe_intermediate_size`, softmax routing to the top
-//! `num_experts_per_tok` (not renormalised), plus a shared expert of
+//! biases) and a sparse MoE block on every `decoder_sparse_step`-th layer
+//! not in `mlp_only_layers` (every layer by default; mlx_lm reads neither
+//! key): `num_experts` SwiGLU experts of `moe_intermediate_size`, softmax
+//! routing to the top `num_experts_per_tok` (renormalised only with
+//! `norm_topk_prob`, default false), plus a shared expert of
 //! `shared_expert_intermediate_size` that every token runs through,
 //! weighted by a sigmoid gate. Reference: mlx_lm's `models/qwen2_moe.py`.
 
@@ -16,7 +18,7 @@ use crate::Family;
 pub const FAMILY: Family = Family {
     name: "qwen2_moe",
     model_types: &["qwen2_moe"],
-    configure: crate::qwen2::configure,
+    configure,
     load,
     gguf: &[],
 };
@@ -28,6 +30,24 @@ struct Qwen2MoeKeys {
     num_experts_per_tok: usize,
     moe_intermediate_size: usize,
     shared_expert_intermediate_size: usize,
+    #[serde(default = "one")]
+    decoder_sparse_step: usize,
+    #[serde(default)]
+    mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    norm_topk_prob: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// Qwen2's reading, an untied head and RoPE base 10^6 unless the config
+/// says otherwise (mlx_lm's defaults).
+fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
+    crate::qwen2::configure(config)?;
+    crate::untied_unless_said(config, Some(1_000_000.0));
+    Ok(())
 }
 
 fn load(
@@ -46,12 +66,19 @@ fn load(
             experts: keys.num_experts,
             top_k: keys.num_experts_per_tok,
             expert_hidden: keys.moe_intermediate_size,
-            routing: Routing::SoftmaxTopK { normalize: false },
+            routing: Routing::SoftmaxTopK {
+                normalize: keys.norm_topk_prob,
+            },
             per_expert_names: ExpertNames::PROJ,
             shared_expert: Some(keys.shared_expert_intermediate_size),
             activation: Default::default(),
         },
-        layers: vec![true; config.num_hidden_layers],
+        layers: crate::qwen3_moe::sparse_layers(
+            config.num_hidden_layers,
+            keys.num_experts,
+            keys.decoder_sparse_step,
+            keys.mlp_only_layers.as_deref().unwrap_or_default(),
+        )?,
         path: "mlp",
     };
     let spec = DecoderSpec {

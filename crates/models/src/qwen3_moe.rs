@@ -18,7 +18,7 @@ use crate::Family;
 pub const FAMILY: Family = Family {
     name: "qwen3_moe",
     model_types: &["qwen3_moe"],
-    configure: crate::qwen2::configure,
+    configure,
     load,
     gguf: &[GGUF],
 };
@@ -74,13 +74,27 @@ fn gguf_config(meta: &Meta<'_>, c: &mut Map<String, Json>) -> Result<(), ModelEr
     c.insert("norm_topk_prob".into(), json!(true));
     c.insert("decoder_sparse_step".into(), json!(1));
     let layers = required("block_count")?;
-    let dense: Vec<u64> = (0..layers)
-        .filter(|i| {
-            meta.header
-                .tensor(&format!("blk.{i}.ffn_gate_inp.weight"))
-                .is_none()
+    // The layers with a router, from the tensors the file has (a corrupt
+    // block count cannot make this loop long).
+    if layers > meta.header.tensors.len() as u64 {
+        return Err(ModelError::Config(format!(
+            "GGUF block_count {layers} with {} tensors",
+            meta.header.tensors.len()
+        )));
+    }
+    let routed: std::collections::BTreeSet<u64> = meta
+        .header
+        .tensors
+        .iter()
+        .filter_map(|t| {
+            let layer = t
+                .name
+                .strip_prefix("blk.")?
+                .strip_suffix(".ffn_gate_inp.weight")?;
+            layer.parse().ok()
         })
         .collect();
+    let dense: Vec<u64> = (0..layers).filter(|i| !routed.contains(i)).collect();
     c.insert("mlp_only_layers".into(), json!(dense));
     Ok(())
 }
@@ -94,7 +108,7 @@ struct Qwen3MoeKeys {
     #[serde(default = "one")]
     decoder_sparse_step: usize,
     #[serde(default)]
-    mlp_only_layers: Vec<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
     #[serde(default)]
     norm_topk_prob: bool,
 }
@@ -103,7 +117,17 @@ fn one() -> usize {
     1
 }
 
-/// The sparse layers of Qwen2/3-MoE: every `step`-th (1-based) layer not in
+/// Qwen2's reading (no window unless `use_sliding_window`), an untied head
+/// unless the config ties it.
+fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
+    crate::qwen2::configure(config)?;
+    crate::untied_unless_said(config, None);
+    Ok(())
+}
+
+/// The sparse layers of Qwen2/3-MoE (Hugging Face's reading of
+/// `decoder_sparse_step` and `mlp_only_layers`): every `step`-th (1-based)
+/// layer not in
 /// `dense`; none when there are no experts.
 ///
 /// # Errors
@@ -144,7 +168,7 @@ fn load(
             config.num_hidden_layers,
             keys.num_experts,
             keys.decoder_sparse_step,
-            &keys.mlp_only_layers,
+            keys.mlp_only_layers.as_deref().unwrap_or_default(),
         )?,
         path: "mlp",
     };

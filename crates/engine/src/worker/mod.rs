@@ -51,8 +51,9 @@ pub(crate) struct Job {
 pub(crate) enum ToolCallOutput {
     /// No tools offered (or `tool_choice: "none"`): text only.
     Off,
-    /// Calls of the offered functions are parsed out of free text.
-    Parsed,
+    /// Calls of the offered functions are parsed out of free text, in the
+    /// format of the model's chat template.
+    Parsed(mlxcel_text::output::ToolCallFormat),
     /// A forced reply whose start, this prefix
     /// ([`mlxcel_text::output::forced_call_prefix`]), ends the prompt.
     Forced(String),

@@ -163,7 +163,9 @@ impl Job {
             || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
         let filter = match &self.tool_calls {
             ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
-            ToolCallOutput::Parsed => OutputFilter::new(&self.request.stop, &names()),
+            ToolCallOutput::Parsed(format) => {
+                OutputFilter::with_format(&self.request.stop, &names(), *format)
+            }
             ToolCallOutput::Forced(prefix) => {
                 OutputFilter::forced(&self.request.stop, &names(), prefix)
             }

@@ -104,15 +104,19 @@ impl Loaded {
         spec: Option<QuantSpec>,
     ) -> Result<(), ModelError> {
         let shape = array.shape();
+        // Matrices, and the stacked matrices of a layer's experts
+        // (`[experts, out, in]`: MLX quantizes along the last axis).
+        let matrix = shape.len() == 2 || (shape.len() == 3 && name.contains(".switch_mlp."));
+        let row = shape.last().copied().unwrap_or(0);
         let spec = spec.filter(|s| {
-            shape.len() == 2
+            matrix
                 && matches!(
                     array.dtype(),
                     Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
                 )
-                && shape[1] > 0
+                && row > 0
                 && usize::try_from(s.group_size)
-                    .is_ok_and(|g| g > 0 && (shape[1] as usize).is_multiple_of(g))
+                    .is_ok_and(|g| g > 0 && (row as usize).is_multiple_of(g))
         });
         match (spec, name.strip_suffix(".weight")) {
             (Some(spec), Some(module)) => {

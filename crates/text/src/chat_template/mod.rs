@@ -39,6 +39,8 @@ pub struct ChatTemplate {
     knows_tool_calls: bool,
     /// The template writes `<think>` (a reasoning model's template).
     knows_reasoning: bool,
+    /// The tool-call format the template teaches the model.
+    tool_call_format: crate::output::ToolCallFormat,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -90,6 +92,12 @@ impl ChatTemplate {
         self.knows_reasoning
     }
 
+    /// The tool-call format the template teaches the model (how replies
+    /// are parsed for calls).
+    pub fn tool_call_format(&self) -> crate::output::ToolCallFormat {
+        self.tool_call_format
+    }
+
     /// Compiles `source` (Jinja text) with the given special-token strings.
     ///
     /// Errors: [`TextError::TemplateSyntax`] when the source does not parse.
@@ -102,6 +110,7 @@ impl ChatTemplate {
         let knows_tools = source.contains("tools");
         let knows_tool_calls = source.contains("tool_calls");
         let knows_reasoning = source.contains("<think>");
+        let tool_call_format = crate::output::ToolCallFormat::from_template(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -118,6 +127,7 @@ impl ChatTemplate {
             knows_tools,
             knows_tool_calls,
             knows_reasoning,
+            tool_call_format,
             bos_token,
             eos_token,
         })

@@ -34,6 +34,7 @@ use stop::StopStrings;
 pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
+pub use tool_calls::ToolCallFormat;
 use tool_calls::{HermesParser, ToolCallParser};
 
 /// One piece of a choice's visible output.
@@ -137,6 +138,12 @@ impl OutputFilter {
     /// any other name stays text: it is not a call the client can answer).
     pub fn new(stop: &[String], tool_names: &[String]) -> Self {
         Self::with_parser(stop, tool_names, HermesParser::new)
+    }
+
+    /// [`OutputFilter::new`] reading calls in `format` (the model's own,
+    /// [`ToolCallFormat::from_template`]).
+    pub fn with_format(stop: &[String], tool_names: &[String], format: ToolCallFormat) -> Self {
+        Self::with_parser(stop, tool_names, |names| format.parser(names))
     }
 
     /// The same filter, after `splitter` has taken the reasoning out: only

@@ -347,3 +347,97 @@ fn a_required_reply_cut_between_calls_sends_no_wrapper_text() {
         }
     }
 }
+
+// --- Llama 3.1-3.3's bare JSON calls ----------------------------------------
+
+fn llama3(names: &[&str]) -> OutputFilter {
+    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    OutputFilter::with_format(&[], &names, ToolCallFormat::Llama3Json)
+}
+
+/// Every split of `text` into pieces of 1 to 7 characters gives `want`.
+fn llama3_each_split(names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
+    for n in 1..=7 {
+        let pieces = chunks(text, n);
+        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        let sent = run(&mut llama3(names), &pieces);
+        check(&sent, n);
+    }
+}
+
+#[test]
+fn llama3_json_calls_stream_as_calls() {
+    let reply =
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\", \"days\": [1, 2]}}";
+    llama3_each_split(&["get_weather"], reply, |sent, n| {
+        assert_eq!(sent.text, "", "pieces of {n}");
+        assert_eq!(sent.calls.len(), 1, "pieces of {n}");
+        assert_eq!(sent.calls[0].name, "get_weather");
+        assert_eq!(
+            sent.calls[0].arguments, "{\"city\": \"Paris\", \"days\": [1, 2]}",
+            "pieces of {n}"
+        );
+    });
+    // After `<|python_tag|>` and whitespace; two calls separated by `;`.
+    let two = "\n<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": 1}}";
+    llama3_each_split(&["a", "b"], two, |sent, n| {
+        assert_eq!(sent.text, "", "pieces of {n}");
+        let names: Vec<&str> = sent.calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"], "pieces of {n}");
+        assert_eq!(sent.calls[1].arguments, "{\"x\": 1}");
+    });
+}
+
+#[test]
+fn llama3_json_markup_inside_arguments_is_argument_text() {
+    // The format's own markup (`<|python_tag|>`, a call object, `;`, `}`)
+    // inside an argument string stays in the argument.
+    let inner = "<|python_tag|>{\\\"name\\\": \\\"a\\\", \\\"parameters\\\": {}}; }";
+    let reply = format!("{{\"name\": \"echo\", \"parameters\": {{\"text\": \"{inner}\"}}}}");
+    llama3_each_split(&["echo", "a"], &reply, |sent, n| {
+        assert_eq!(sent.text, "", "pieces of {n}");
+        assert_eq!(sent.calls.len(), 1, "pieces of {n}");
+        assert_eq!(
+            sent.calls[0].arguments,
+            format!("{{\"text\": \"{inner}\"}}"),
+            "pieces of {n}"
+        );
+    });
+}
+
+#[test]
+fn llama3_json_replies_that_are_not_calls_are_text() {
+    for (names, reply) in [
+        // Prose, even with a call-shaped object later: calls open a reply.
+        (&["f"][..], "Sure: {\"name\": \"f\", \"parameters\": {}}"),
+        // JSON that is not a call.
+        (&["f"][..], "{\"answer\": 42, \"name\": \"f\"}"),
+        // A function that was not offered.
+        (&["f"][..], "{\"name\": \"g\", \"parameters\": {\"x\": 1}}"),
+        // Whitespace, then prose.
+        (&["f"][..], "  \n The answer is 4."),
+        // The start of the marker, then prose.
+        (&["f"][..], "<|python"),
+    ] {
+        llama3_each_split(names, reply, |sent, n| {
+            assert!(sent.calls.is_empty(), "{reply:?} in pieces of {n}");
+            assert_eq!(sent.text, reply, "{reply:?} in pieces of {n}");
+        });
+    }
+}
+
+#[test]
+fn the_tool_call_format_follows_the_chat_template() {
+    let llama31 = "{%- if tools %}<|start_header_id|>system<|end_header_id|>{%- endif %}\
+        {{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}";
+    assert_eq!(
+        ToolCallFormat::from_template(llama31),
+        ToolCallFormat::Llama3Json
+    );
+    let qwen = "<|im_start|>{%- if tools %}<tool_call>\n{\"name\": ...}</tool_call>{%- endif %}";
+    assert_eq!(ToolCallFormat::from_template(qwen), ToolCallFormat::Hermes);
+    // A Llama 3 template without tools: Hermes (mlxcel describes tools in
+    // that format to templates that do not know them).
+    let plain = "<|start_header_id|>{{ message['role'] }}<|end_header_id|>";
+    assert_eq!(ToolCallFormat::from_template(plain), ToolCallFormat::Hermes);
+}

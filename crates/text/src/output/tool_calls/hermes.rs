@@ -13,6 +13,14 @@
 //! function that was not offered, is sent as text, unchanged. Whitespace
 //! between calls is dropped. A forced reply starts with
 //! [`forced_call_prefix`] in the prompt ([`HermesParser::forced`]).
+//!
+//! The same reader serves Llama 3.1-3.3's JSON format
+//! ([`CallWrapper::Bare`], [`HermesParser::llama3_json`]): a reply that is a
+//! call starts (after whitespace, and `<|python_tag|>` when the model
+//! writes it) with `{"name": "<fn>", "parameters": {...}}`, with no tags;
+//! further calls may follow, separated by `;` or whitespace. A reply that
+//! starts with anything else is text, whatever follows (Meta's format puts
+//! a call only at the start of a reply).
 
 use mlxcel_engine_api::ToolCall;
 
@@ -41,6 +49,21 @@ pub fn forced_call_prefix(name: Option<&str>) -> String {
         None => format!("{TOOL_CALL_OPEN}\n{{\"name\": \""),
     }
 }
+
+/// How a call is wrapped in the reply's text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallWrapper {
+    /// Between `<tool_call>` and `</tool_call>`, anywhere in the reply
+    /// (Hermes, Qwen2.5, Qwen3).
+    Tagged,
+    /// A bare JSON object at the start of the reply (after
+    /// `<|python_tag|>` when present), calls separated by `;` or
+    /// whitespace (Llama 3.1-3.3).
+    Bare,
+}
+
+/// The marker Llama 3.1+ may write before a call (its `ipython` turn).
+pub const PYTHON_TAG: &str = "<|python_tag|>";
 
 /// Where the parser is.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -74,6 +97,10 @@ pub struct HermesParser {
     scanned: usize,
     call: CallState,
     calls: usize,
+    wrapper: CallWrapper,
+    /// [`CallWrapper::Bare`]: the reply has shown it is not calls; all of
+    /// it is text.
+    text_only: bool,
 }
 
 impl ToolCallParser for HermesParser {
@@ -85,6 +112,8 @@ impl ToolCallParser for HermesParser {
             scanned: 0,
             call: CallState::Outside,
             calls: 0,
+            wrapper: CallWrapper::Tagged,
+            text_only: false,
         }
     }
 
@@ -110,6 +139,39 @@ impl ToolCallParser for HermesParser {
 }
 
 impl HermesParser {
+    /// The parser of Llama 3.1-3.3's bare JSON calls ([`CallWrapper::Bare`]).
+    pub fn llama3_json(tool_names: &[String]) -> Self {
+        let mut parser = Self::new(tool_names);
+        parser.wrapper = CallWrapper::Bare;
+        parser
+    }
+
+    /// [`CallWrapper::Bare`], outside a call: a call starts here when the
+    /// held text (past whitespace, `;` after a call and `<|python_tag|>`)
+    /// opens a JSON object; `None` while that is still undecided.
+    fn bare_call_starts(&mut self, last: bool) -> Option<bool> {
+        if self.text_only {
+            return Some(false);
+        }
+        let skip = |c: char| c.is_whitespace() || (c == ';' && self.calls > 0);
+        let rest = self.held.trim_start_matches(skip);
+        if let Some(after) = rest.strip_prefix(PYTHON_TAG) {
+            let at = self.held.len() - after.len();
+            self.held.drain(..at);
+            return self.bare_call_starts(last);
+        }
+        if rest.starts_with('{') {
+            let at = self.held.len() - rest.len();
+            self.held.drain(..at);
+            return Some(true);
+        }
+        if !last && (rest.is_empty() || PYTHON_TAG.starts_with(rest)) {
+            return None;
+        }
+        self.text_only = true;
+        Some(false)
+    }
+
     /// Runs released text through the parser; `last` decides whatever is
     /// still held.
     fn parse(&mut self, released: &str, last: bool) -> Filtered {
@@ -125,6 +187,31 @@ impl HermesParser {
     /// One move of the parser over `held`; false when it needs more text.
     fn step(&mut self, out: &mut Filtered, last: bool) -> bool {
         match self.call {
+            CallState::Outside if self.wrapper == CallWrapper::Bare => {
+                match self.bare_call_starts(last) {
+                    None => false,
+                    Some(true) => {
+                        self.call = CallState::Header;
+                        true
+                    }
+                    Some(false) => {
+                        let text = std::mem::take(&mut self.held);
+                        // After a call, whatever is not one is dropped only
+                        // when it is whitespace (and `;`).
+                        let text = if self.calls > 0
+                            && text
+                                .trim_matches(|c: char| c.is_whitespace() || c == ';')
+                                .is_empty()
+                        {
+                            String::new()
+                        } else {
+                            text
+                        };
+                        self.emit_text(out, &text);
+                        false
+                    }
+                }
+            }
             CallState::Outside => {
                 if let Some(start) = self.held.find(TOOL_CALL_OPEN) {
                     let before: String = self.held.drain(..start).collect();
@@ -204,7 +291,18 @@ impl HermesParser {
                 self.held.drain(..ws);
                 if !brace && self.held.starts_with('}') {
                     self.held.drain(..1);
-                    self.call = CallState::Tail { brace: true };
+                    self.call = match self.wrapper {
+                        CallWrapper::Tagged => CallState::Tail { brace: true },
+                        CallWrapper::Bare => CallState::Outside,
+                    };
+                    return true;
+                }
+                if self.wrapper == CallWrapper::Bare {
+                    if self.held.is_empty() && !last {
+                        return false;
+                    }
+                    // No closing brace: what follows is decided outside.
+                    self.call = CallState::Outside;
                     return true;
                 }
                 if self.held.starts_with(TOOL_CALL_CLOSE) {
@@ -229,7 +327,11 @@ impl HermesParser {
                     return false;
                 };
                 let body = self.held[..end].to_owned();
-                self.held.drain(..end + TOOL_CALL_CLOSE.len());
+                let close = match self.wrapper {
+                    CallWrapper::Tagged => TOOL_CALL_CLOSE.len(),
+                    CallWrapper::Bare => 0,
+                };
+                self.held.drain(..end + close);
                 self.close_held(out, &body, true);
                 true
             }
@@ -241,6 +343,13 @@ impl HermesParser {
     /// at the first tag.
     fn held_call_end(&mut self) -> Option<usize> {
         let body_start = self.held.len() - self.held.trim_start().len();
+        if self.wrapper == CallWrapper::Bare {
+            // The object is the call (a bare call opens with `{`).
+            let mut scan = JsonScan::default();
+            return scan
+                .feed(&self.held[body_start..])
+                .map(|end| body_start + end);
+        }
         let from = if self.held[body_start..].starts_with('{') {
             let mut scan = JsonScan::default();
             body_start + scan.feed(&self.held[body_start..])?
@@ -271,7 +380,10 @@ impl HermesParser {
     /// text, unchanged (dropped under a forced choice).
     fn close_held(&mut self, out: &mut Filtered, body: &str, closed: bool) {
         self.call = CallState::Outside;
-        match parse_tool_call(body).filter(|c| self.tool_names.contains(&c.name)) {
+        // A bare object is a call only with its arguments key: a JSON
+        // answer that happens to have a "name" is text.
+        let bare_ok = self.wrapper == CallWrapper::Tagged || has_arguments_key(body);
+        match parse_tool_call(body).filter(|c| bare_ok && self.tool_names.contains(&c.name)) {
             Some(call) => {
                 self.calls += 1;
                 out.push(OutputPiece::CallStart {
@@ -281,6 +393,11 @@ impl HermesParser {
                 out.arguments(&call.arguments);
             }
             None if self.forced => {}
+            None if self.wrapper == CallWrapper::Bare => {
+                // Not a call: the reply is text from here on.
+                self.text_only = true;
+                out.text_piece(body);
+            }
             None => {
                 out.text_piece(TOOL_CALL_OPEN);
                 out.text_piece(body);
@@ -422,6 +539,12 @@ fn read_header(s: &str) -> Result<Header, Header> {
         at: i,
         encoded,
     })
+}
+
+/// Whether `body` is a JSON object with an `arguments` or `parameters` key.
+fn has_arguments_key(body: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(body.trim())
+        .is_ok_and(|v| v.get("arguments").is_some() || v.get("parameters").is_some())
 }
 
 /// `{"name": str, "arguments": object | JSON string}` → a call with a fresh

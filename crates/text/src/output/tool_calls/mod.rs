@@ -3,14 +3,53 @@
 //! A [`ToolCallParser`] reads the text that passed the stop-string check
 //! and sends on what it has decided: plain text, a call's start (id and
 //! name), fragments of the call's arguments. Each model family's format is
-//! one parser; today the Hermes / Qwen2.5 `<tool_call>` JSON format
-//! ([`hermes`]).
+//! one parser ([`ToolCallFormat`], picked from the chat template): the
+//! Hermes / Qwen `<tool_call>` JSON format and Llama 3.1-3.3's bare JSON
+//! calls ([`hermes`]).
 
 use super::OutputPiece;
 
 pub mod hermes;
 
 pub use hermes::HermesParser;
+
+/// The tool-call format a model writes, as its chat template shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ToolCallFormat {
+    /// `<tool_call>{"name": .., "arguments": {..}}</tool_call>` (Hermes,
+    /// Qwen2.5, Qwen3, and the default: mlxcel describes tools in this
+    /// format to templates that do not know tools).
+    #[default]
+    Hermes,
+    /// `{"name": .., "parameters": {..}}` at the start of the reply,
+    /// optionally after `<|python_tag|>` (Llama 3.1-3.3).
+    Llama3Json,
+}
+
+impl ToolCallFormat {
+    /// The format the chat template `source` teaches: Hermes when it
+    /// writes `<tool_call>`, Llama 3's JSON when it is a Llama 3 template
+    /// (`<|start_header_id|>`) that writes calls with `"parameters"`,
+    /// else Hermes.
+    pub fn from_template(source: &str) -> Self {
+        if !source.contains("<tool_call>")
+            && source.contains("<|start_header_id|>")
+            && source.contains("\"parameters\"")
+        {
+            ToolCallFormat::Llama3Json
+        } else {
+            ToolCallFormat::Hermes
+        }
+    }
+
+    /// A parser of this format for calls of `tool_names`.
+    pub fn parser(self, tool_names: &[String]) -> HermesParser {
+        match self {
+            ToolCallFormat::Hermes => HermesParser::new(tool_names),
+            ToolCallFormat::Llama3Json => HermesParser::llama3_json(tool_names),
+        }
+    }
+}
 
 /// Reads tool calls of one format out of a choice's text.
 ///
