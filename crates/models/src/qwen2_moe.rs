@@ -8,11 +8,11 @@
 //! weighted by a sigmoid gate. Reference: mlx_lm's `models/qwen2_moe.py`.
 
 use mlxcel_model::attention::AttentionSpec;
-use mlxcel_model::moe::{ExpertNames, MoeSpec, Routing};
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 use serde::Deserialize;
 
-use crate::decoder::{Decoder, DecoderSpec, SparseLayers};
+use crate::decoder::{Decoder, DecoderSpec};
+use crate::qwen3_moe::QwenMoeKeys;
 use crate::Family;
 
 pub const FAMILY: Family = Family {
@@ -23,23 +23,10 @@ pub const FAMILY: Family = Family {
     gguf: &[],
 };
 
-/// What Qwen2-MoE reads that the shared config does not.
+/// What Qwen2-MoE reads beyond the shared Qwen MoE keys.
 #[derive(Deserialize)]
-struct Qwen2MoeKeys {
-    num_experts: usize,
-    num_experts_per_tok: usize,
-    moe_intermediate_size: usize,
+struct SharedExpertKeys {
     shared_expert_intermediate_size: usize,
-    #[serde(default = "one")]
-    decoder_sparse_step: usize,
-    #[serde(default)]
-    mlp_only_layers: Option<Vec<usize>>,
-    #[serde(default)]
-    norm_topk_prob: bool,
-}
-
-fn one() -> usize {
-    1
 }
 
 /// Qwen2's reading, an untied head and RoPE base 10^6 unless the config
@@ -55,32 +42,17 @@ fn load(
     weights: &mut Weights,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
-    let keys: Qwen2MoeKeys = crate::own_keys(&config)?;
+    let keys: QwenMoeKeys = crate::own_keys(&config)?;
+    let shared: SharedExpertKeys = crate::own_keys(&config)?;
     let attention = AttentionSpec {
         qkv_bias: true,
         o_bias: false,
         ..AttentionSpec::from_config(&config)
     };
-    let moe = SparseLayers {
-        spec: MoeSpec {
-            experts: keys.num_experts,
-            top_k: keys.num_experts_per_tok,
-            expert_hidden: keys.moe_intermediate_size,
-            routing: Routing::SoftmaxTopK {
-                normalize: keys.norm_topk_prob,
-            },
-            per_expert_names: ExpertNames::PROJ,
-            shared_expert: Some(keys.shared_expert_intermediate_size),
-            activation: Default::default(),
-        },
-        layers: crate::qwen3_moe::sparse_layers(
-            config.num_hidden_layers,
-            keys.num_experts,
-            keys.decoder_sparse_step,
-            keys.mlp_only_layers.as_deref().unwrap_or_default(),
-        )?,
-        path: "mlp",
-    };
+    let moe = keys.sparse_layers(
+        config.num_hidden_layers,
+        Some(shared.shared_expert_intermediate_size),
+    )?;
     let spec = DecoderSpec {
         moe: Some(moe),
         ..DecoderSpec::uniform(attention, config.num_hidden_layers)

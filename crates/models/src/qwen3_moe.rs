@@ -99,9 +99,10 @@ fn gguf_config(meta: &Meta<'_>, c: &mut Map<String, Json>) -> Result<(), ModelEr
     Ok(())
 }
 
-/// What Qwen3-MoE reads that the shared config does not.
+/// The MoE keys Qwen2-MoE and Qwen3-MoE share (Hugging Face's names and
+/// defaults).
 #[derive(Deserialize)]
-struct Qwen3MoeKeys {
+pub(crate) struct QwenMoeKeys {
     num_experts: usize,
     num_experts_per_tok: usize,
     moe_intermediate_size: usize,
@@ -117,6 +118,41 @@ fn one() -> usize {
     1
 }
 
+impl QwenMoeKeys {
+    /// The sparse layers these keys describe, each a block of softmax
+    /// routing (renormalised with `norm_topk_prob`) under `mlp`, with a
+    /// shared expert of `shared_expert` rows when given.
+    ///
+    /// # Errors
+    /// A `decoder_sparse_step` of 0.
+    pub(crate) fn sparse_layers(
+        &self,
+        layers: usize,
+        shared_expert: Option<usize>,
+    ) -> Result<SparseLayers, ModelError> {
+        Ok(SparseLayers {
+            spec: MoeSpec {
+                experts: self.num_experts,
+                top_k: self.num_experts_per_tok,
+                expert_hidden: self.moe_intermediate_size,
+                routing: Routing::SoftmaxTopK {
+                    normalize: self.norm_topk_prob,
+                },
+                per_expert_names: ExpertNames::PROJ,
+                shared_expert,
+                activation: Default::default(),
+            },
+            layers: sparse_layers(
+                layers,
+                self.num_experts,
+                self.decoder_sparse_step,
+                self.mlp_only_layers.as_deref().unwrap_or_default(),
+            )?,
+            path: "mlp",
+        })
+    }
+}
+
 /// Qwen2's reading (no window unless `use_sliding_window`), an untied head
 /// unless the config ties it.
 fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
@@ -127,12 +163,11 @@ fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
 
 /// The sparse layers of Qwen2/3-MoE (Hugging Face's reading of
 /// `decoder_sparse_step` and `mlp_only_layers`): every `step`-th (1-based)
-/// layer not in
-/// `dense`; none when there are no experts.
+/// layer not in `dense`; none when there are no experts.
 ///
 /// # Errors
 /// A `decoder_sparse_step` of 0.
-pub(crate) fn sparse_layers(
+fn sparse_layers(
     layers: usize,
     experts: usize,
     step: usize,
@@ -151,27 +186,8 @@ fn load(
     weights: &mut Weights,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
-    let keys: Qwen3MoeKeys = crate::own_keys(&config)?;
-    let moe = SparseLayers {
-        spec: MoeSpec {
-            experts: keys.num_experts,
-            top_k: keys.num_experts_per_tok,
-            expert_hidden: keys.moe_intermediate_size,
-            routing: Routing::SoftmaxTopK {
-                normalize: keys.norm_topk_prob,
-            },
-            per_expert_names: ExpertNames::PROJ,
-            shared_expert: None,
-            activation: Default::default(),
-        },
-        layers: sparse_layers(
-            config.num_hidden_layers,
-            keys.num_experts,
-            keys.decoder_sparse_step,
-            keys.mlp_only_layers.as_deref().unwrap_or_default(),
-        )?,
-        path: "mlp",
-    };
+    let keys: QwenMoeKeys = crate::own_keys(&config)?;
+    let moe = keys.sparse_layers(config.num_hidden_layers, None)?;
     let spec = DecoderSpec {
         moe: Some(moe),
         ..DecoderSpec::uniform(crate::qwen3::attention(&config), config.num_hidden_layers)
