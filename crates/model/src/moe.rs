@@ -169,7 +169,7 @@ impl SwitchLinear {
                 if *suffix != "weight" && !ctx.weights.contains(&format!("{first}.{suffix}")) {
                     continue;
                 }
-                let mut each = Vec::with_capacity(experts);
+                let mut each = Vec::new();
                 for e in 0..experts {
                     let t = ctx
                         .weights

@@ -441,3 +441,56 @@ fn the_tool_call_format_follows_the_chat_template() {
     let plain = "<|start_header_id|>{{ message['role'] }}<|end_header_id|>";
     assert_eq!(ToolCallFormat::from_template(plain), ToolCallFormat::Hermes);
 }
+
+// --- Mistral's v3 JSON list of calls -----------------------------------------
+
+fn mistral(names: &[&str]) -> OutputFilter {
+    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    OutputFilter::with_format(&[], &names, ToolCallFormat::MistralJson)
+}
+
+fn mistral_each_split(names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
+    for n in 1..=7 {
+        let pieces = chunks(text, n);
+        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        check(&run(&mut mistral(names), &pieces), n);
+    }
+}
+
+#[test]
+fn mistral_json_lists_of_calls_stream_as_calls() {
+    let reply = " [{\"name\": \"a\", \"arguments\": {\"q\": \"x], {\\\"name\\\": 1}\"}}, {\"name\": \"b\", \"arguments\": {}}]";
+    mistral_each_split(&["a", "b"], reply, |sent, n| {
+        assert_eq!(sent.text, "", "pieces of {n}");
+        let names: Vec<&str> = sent.calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"], "pieces of {n}");
+        assert_eq!(
+            sent.calls[0].arguments, "{\"q\": \"x], {\\\"name\\\": 1}\"}",
+            "pieces of {n}"
+        );
+        assert_eq!(sent.calls[1].arguments, "{}", "pieces of {n}");
+    });
+}
+
+#[test]
+fn mistral_json_replies_that_are_not_calls_are_text() {
+    for reply in [
+        "Hello [{\"name\": \"a\", \"arguments\": {}}]",
+        "[1, 2, 3]",
+        "[{\"answer\": 4}]",
+        "[{\"name\": \"z\", \"arguments\": {}}]",
+        "[",
+    ] {
+        mistral_each_split(&["a"], reply, |sent, n| {
+            assert!(sent.calls.is_empty(), "{reply:?} in pieces of {n}");
+            assert_eq!(sent.text, reply, "{reply:?} in pieces of {n}");
+        });
+    }
+    let v3 = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]";
+    assert_eq!(
+        ToolCallFormat::from_template(v3),
+        ToolCallFormat::MistralJson
+    );
+    let v11 = "[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}";
+    assert_eq!(ToolCallFormat::from_template(v11), ToolCallFormat::Hermes);
+}

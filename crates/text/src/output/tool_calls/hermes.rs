@@ -20,7 +20,11 @@
 //! writes it) with `{"name": "<fn>", "parameters": {...}}`, with no tags;
 //! further calls may follow, separated by `;` or whitespace. A reply that
 //! starts with anything else is text, whatever follows (Meta's format puts
-//! a call only at the start of a reply).
+//! a call only at the start of a reply). Mistral's v3 format
+//! ([`CallWrapper::List`], [`HermesParser::mistral_json`]) is the same
+//! objects in a JSON list at the start of the reply,
+//! `[{"name": .., "arguments": {..}}, ..]` (its `[TOOL_CALLS]` marker is a
+//! special token, not text).
 
 use mlxcel_engine_api::ToolCall;
 
@@ -60,6 +64,8 @@ pub enum CallWrapper {
     /// `<|python_tag|>` when present), calls separated by `;` or
     /// whitespace (Llama 3.1-3.3).
     Bare,
+    /// A JSON list of call objects at the start of the reply (Mistral v3).
+    List,
 }
 
 /// The marker Llama 3.1+ may write before a call (its `ipython` turn).
@@ -98,9 +104,12 @@ pub struct HermesParser {
     call: CallState,
     calls: usize,
     wrapper: CallWrapper,
-    /// [`CallWrapper::Bare`]: the reply has shown it is not calls; all of
-    /// it is text.
+    /// [`CallWrapper::Bare`] and [`CallWrapper::List`]: the reply has
+    /// shown it is not calls; all of it is text.
     text_only: bool,
+    /// The reply's text before its first call's `{` (whitespace, the list's
+    /// `[`), sent as text if that call turns out not to be one.
+    lead: String,
 }
 
 impl ToolCallParser for HermesParser {
@@ -114,6 +123,7 @@ impl ToolCallParser for HermesParser {
             calls: 0,
             wrapper: CallWrapper::Tagged,
             text_only: false,
+            lead: String::new(),
         }
     }
 
@@ -146,23 +156,57 @@ impl HermesParser {
         parser
     }
 
-    /// [`CallWrapper::Bare`], outside a call: a call starts here when the
-    /// held text (past whitespace, `;` after a call and `<|python_tag|>`)
-    /// opens a JSON object; `None` while that is still undecided.
+    /// The parser of Mistral's v3 JSON list of calls ([`CallWrapper::List`]).
+    pub fn mistral_json(tool_names: &[String]) -> Self {
+        let mut parser = Self::new(tool_names);
+        parser.wrapper = CallWrapper::List;
+        parser
+    }
+
+    /// Calls are bare objects or a list of them at the reply's start.
+    fn bare(&self) -> bool {
+        self.wrapper != CallWrapper::Tagged
+    }
+
+    /// Bare or listed calls, outside a call: a call starts here when the
+    /// held text (past whitespace, a separator after a call, Llama's
+    /// `<|python_tag|>`, the list's `[` before the first call) opens a JSON
+    /// object; `None` while that is still undecided.
     fn bare_call_starts(&mut self, last: bool) -> Option<bool> {
         if self.text_only {
             return Some(false);
         }
-        let skip = |c: char| c.is_whitespace() || (c == ';' && self.calls > 0);
-        let rest = self.held.trim_start_matches(skip);
+        let after_call = self.calls > 0;
+        let list = self.wrapper == CallWrapper::List;
+        let skip = |c: char| {
+            c.is_whitespace() || (after_call && (c == ';' || (list && (c == ',' || c == ']'))))
+        };
+        let mut rest = self.held.trim_start_matches(skip);
         if let Some(after) = rest.strip_prefix(PYTHON_TAG) {
             let at = self.held.len() - after.len();
             self.held.drain(..at);
             return self.bare_call_starts(last);
         }
+        if list && !after_call {
+            // The first call opens the list.
+            match rest.strip_prefix('[') {
+                Some(after) => rest = after.trim_start(),
+                None if !last && rest.is_empty() => return None,
+                None => {
+                    self.text_only = true;
+                    return Some(false);
+                }
+            }
+            if rest.is_empty() && !last {
+                return None;
+            }
+        }
         if rest.starts_with('{') {
             let at = self.held.len() - rest.len();
-            self.held.drain(..at);
+            let lead: String = self.held.drain(..at).collect();
+            if !after_call {
+                self.lead = lead;
+            }
             return Some(true);
         }
         if !last && (rest.is_empty() || PYTHON_TAG.starts_with(rest)) {
@@ -187,7 +231,7 @@ impl HermesParser {
     /// One move of the parser over `held`; false when it needs more text.
     fn step(&mut self, out: &mut Filtered, last: bool) -> bool {
         match self.call {
-            CallState::Outside if self.wrapper == CallWrapper::Bare => {
+            CallState::Outside if self.bare() => {
                 match self.bare_call_starts(last) {
                     None => false,
                     Some(true) => {
@@ -198,11 +242,12 @@ impl HermesParser {
                         let text = std::mem::take(&mut self.held);
                         // After a call, whatever is not one is dropped only
                         // when it is whitespace (and `;`).
-                        let text = if self.calls > 0
-                            && text
-                                .trim_matches(|c: char| c.is_whitespace() || c == ';')
-                                .is_empty()
-                        {
+                        let separators = |c: char| {
+                            c.is_whitespace()
+                                || c == ';'
+                                || (self.wrapper == CallWrapper::List && (c == ',' || c == ']'))
+                        };
+                        let text = if self.calls > 0 && text.trim_matches(separators).is_empty() {
                             String::new()
                         } else {
                             text
@@ -239,6 +284,7 @@ impl HermesParser {
                 Header::Incomplete => false,
                 Header::Arguments { name, at, encoded } if self.tool_names.contains(&name) => {
                     self.calls += 1;
+                    self.lead.clear();
                     out.push(OutputPiece::CallStart {
                         id: new_call_id(),
                         name,
@@ -293,11 +339,11 @@ impl HermesParser {
                     self.held.drain(..1);
                     self.call = match self.wrapper {
                         CallWrapper::Tagged => CallState::Tail { brace: true },
-                        CallWrapper::Bare => CallState::Outside,
+                        CallWrapper::Bare | CallWrapper::List => CallState::Outside,
                     };
                     return true;
                 }
-                if self.wrapper == CallWrapper::Bare {
+                if self.bare() {
                     if self.held.is_empty() && !last {
                         return false;
                     }
@@ -329,7 +375,7 @@ impl HermesParser {
                 let body = self.held[..end].to_owned();
                 let close = match self.wrapper {
                     CallWrapper::Tagged => TOOL_CALL_CLOSE.len(),
-                    CallWrapper::Bare => 0,
+                    CallWrapper::Bare | CallWrapper::List => 0,
                 };
                 self.held.drain(..end + close);
                 self.close_held(out, &body, true);
@@ -343,7 +389,7 @@ impl HermesParser {
     /// at the first tag.
     fn held_call_end(&mut self) -> Option<usize> {
         let body_start = self.held.len() - self.held.trim_start().len();
-        if self.wrapper == CallWrapper::Bare {
+        if self.bare() {
             // The object is the call (a bare call opens with `{`).
             let mut scan = JsonScan::default();
             return scan
@@ -386,6 +432,7 @@ impl HermesParser {
         match parse_tool_call(body).filter(|c| bare_ok && self.tool_names.contains(&c.name)) {
             Some(call) => {
                 self.calls += 1;
+                self.lead.clear();
                 out.push(OutputPiece::CallStart {
                     id: call.id,
                     name: call.name,
@@ -393,9 +440,11 @@ impl HermesParser {
                 out.arguments(&call.arguments);
             }
             None if self.forced => {}
-            None if self.wrapper == CallWrapper::Bare => {
-                // Not a call: the reply is text from here on.
+            None if self.bare() => {
+                // Not a call: the reply is text from here on (with what
+                // came before the object when it was the first).
                 self.text_only = true;
+                out.text_piece(&std::mem::take(&mut self.lead));
                 out.text_piece(body);
             }
             None => {

@@ -4,8 +4,8 @@
 //! and sends on what it has decided: plain text, a call's start (id and
 //! name), fragments of the call's arguments. Each model family's format is
 //! one parser ([`ToolCallFormat`], picked from the chat template): the
-//! Hermes / Qwen `<tool_call>` JSON format and Llama 3.1-3.3's bare JSON
-//! calls ([`hermes`]).
+//! Hermes / Qwen `<tool_call>` JSON format, Llama 3.1-3.3's bare JSON
+//! calls and Mistral's v3 JSON list ([`hermes`]).
 
 use super::OutputPiece;
 
@@ -24,19 +24,25 @@ pub enum ToolCallFormat {
     /// `{"name": .., "parameters": {..}}` at the start of the reply,
     /// optionally after `<|python_tag|>` (Llama 3.1-3.3).
     Llama3Json,
+    /// `[{"name": .., "arguments": {..}}, ..]` at the start of the reply,
+    /// after the `[TOOL_CALLS]` special token (Mistral's v3 tokenizers:
+    /// Mistral 7B v0.3, Nemo).
+    MistralJson,
 }
 
 impl ToolCallFormat {
     /// The format the chat template `source` teaches: Hermes when it
-    /// writes `<tool_call>`, Llama 3's JSON when it is a Llama 3 template
-    /// (`<|start_header_id|>`) that writes calls with `"parameters"`,
-    /// else Hermes.
+    /// writes `<tool_call>`; Llama 3's JSON when it is a Llama 3 template
+    /// (`<|start_header_id|>`) that writes calls with `"parameters"`;
+    /// Mistral's v3 list when it writes `[TOOL_CALLS]` and not `[ARGS]`
+    /// (the v11 format, not read yet); else Hermes.
     pub fn from_template(source: &str) -> Self {
-        if !source.contains("<tool_call>")
-            && source.contains("<|start_header_id|>")
-            && source.contains("\"parameters\"")
-        {
+        if source.contains("<tool_call>") {
+            ToolCallFormat::Hermes
+        } else if source.contains("<|start_header_id|>") && source.contains("\"parameters\"") {
             ToolCallFormat::Llama3Json
+        } else if source.contains("[TOOL_CALLS]") && !source.contains("[ARGS]") {
+            ToolCallFormat::MistralJson
         } else {
             ToolCallFormat::Hermes
         }
@@ -47,6 +53,7 @@ impl ToolCallFormat {
         match self {
             ToolCallFormat::Hermes => HermesParser::new(tool_names),
             ToolCallFormat::Llama3Json => HermesParser::llama3_json(tool_names),
+            ToolCallFormat::MistralJson => HermesParser::mistral_json(tool_names),
         }
     }
 }
