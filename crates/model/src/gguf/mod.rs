@@ -447,3 +447,64 @@ impl GgufModel {
 /// [`arch::checkpoint_name`]); it is read into the config
 /// (`rope_scaling`), never loaded as a weight.
 const ROPE_FREQS: &str = "rope_freqs.weight";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Requantizing at load takes 2-D matrices and the 3-D stacks of a
+    /// layer's experts (quantized along their last axis), and leaves other
+    /// 3-D tensors and vectors as they are.
+    #[test]
+    fn expert_stacks_are_quantized_like_matrices() {
+        let spec = QuantSpec {
+            group_size: 32,
+            bits: 8,
+        };
+        let values: Vec<f32> = (0..4 * 8 * 64).map(|i| (i % 17) as f32 / 17.0).collect();
+        let stack = || Array::from_f32(&values, &[4, 8, 64]).unwrap();
+        let mut loaded = Loaded::default();
+        let experts = "model.layers.0.mlp.switch_mlp.up_proj";
+        loaded
+            .insert(format!("{experts}.weight"), stack(), Some(spec))
+            .unwrap();
+        let other = "model.layers.0.something.weight";
+        loaded.insert(other.into(), stack(), Some(spec)).unwrap();
+        let norm = "model.norm.weight";
+        loaded
+            .insert(
+                norm.into(),
+                Array::from_f32(&values[..64], &[64]).unwrap(),
+                Some(spec),
+            )
+            .unwrap();
+        assert_eq!(loaded.quantized, vec![(experts.to_string(), spec)]);
+        assert_eq!(
+            loaded.arrays[&format!("{experts}.weight")].shape(),
+            vec![4, 8, 16]
+        );
+        assert_eq!(
+            loaded.arrays[&format!("{experts}.scales")].shape(),
+            vec![4, 8, 2]
+        );
+        assert_eq!(loaded.arrays[other].shape(), vec![4, 8, 64]);
+        assert_eq!(loaded.arrays[norm].shape(), vec![64]);
+        // The quantized stack dequantizes back to within 8-bit rounding.
+        let back = loaded.arrays[&format!("{experts}.weight")]
+            .dequantize(
+                &loaded.arrays[&format!("{experts}.scales")],
+                &loaded.arrays[&format!("{experts}.biases")],
+                32,
+                8,
+            )
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        let worst = back
+            .iter()
+            .zip(&values)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-2, "{worst}");
+    }
+}
