@@ -350,19 +350,18 @@ fn a_required_reply_cut_between_calls_sends_no_wrapper_text() {
 
 // --- Llama 3.1-3.3's bare JSON calls ----------------------------------------
 
-fn llama3(names: &[&str]) -> OutputFilter {
+/// Every split of `text` into pieces of 1 to 7 characters, through a
+/// filter reading calls of `names` in `format`.
+fn each_split(format: ToolCallFormat, names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
     let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    OutputFilter::with_format(&[], &names, ToolCallFormat::Llama3Json)
+    for n in 1..=7 {
+        let mut filter = OutputFilter::with_format(&[], &names, format);
+        check(&run_chunked(&mut filter, text, n), n);
+    }
 }
 
-/// Every split of `text` into pieces of 1 to 7 characters gives `want`.
 fn llama3_each_split(names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
-    for n in 1..=7 {
-        let pieces = chunks(text, n);
-        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
-        let sent = run(&mut llama3(names), &pieces);
-        check(&sent, n);
-    }
+    each_split(ToolCallFormat::Llama3Json, names, text, check)
 }
 
 #[test]
@@ -444,17 +443,8 @@ fn the_tool_call_format_follows_the_chat_template() {
 
 // --- Mistral's v3 JSON list of calls -----------------------------------------
 
-fn mistral(names: &[&str]) -> OutputFilter {
-    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    OutputFilter::with_format(&[], &names, ToolCallFormat::MistralJson)
-}
-
 fn mistral_each_split(names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
-    for n in 1..=7 {
-        let pieces = chunks(text, n);
-        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
-        check(&run(&mut mistral(names), &pieces), n);
-    }
+    each_split(ToolCallFormat::MistralJson, names, text, check)
 }
 
 #[test]
