@@ -26,6 +26,7 @@ use serde_json::{json, Map, Value as Json};
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{AttentionSpec, QkNorm};
 use mlxcel_model::config::RopeScaling;
+use mlxcel_model::gguf::arch::QK_NORM_LAYER_TENSORS;
 use mlxcel_model::gguf::{GgufArch, Meta};
 use mlxcel_model::layers::Activation;
 use mlxcel_model::rope::RopeSpec;
@@ -48,7 +49,7 @@ pub const FAMILY: Family = Family {
 const GGUF: GgufArch = GgufArch {
     name: "gemma3",
     model_type: "gemma3_text",
-    layer_tensors: GEMMA3_LAYER_TENSORS,
+    layer_tensors: &[GEMMA3_LAYER_TENSORS, QK_NORM_LAYER_TENSORS],
     extra_config: gemma3_config,
     fix_tensor: gemma_norms,
 };
@@ -61,8 +62,6 @@ const GEMMA3_LAYER_TENSORS: &[(&str, &str)] = &[
     ("attn_k", "self_attn.k_proj"),
     ("attn_v", "self_attn.v_proj"),
     ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
     ("post_attention_norm", "post_attention_layernorm"),
     ("ffn_norm", "pre_feedforward_layernorm"),
     ("post_ffw_norm", "post_feedforward_layernorm"),

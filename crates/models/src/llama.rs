@@ -37,7 +37,7 @@ pub const FAMILY: Family = Family {
 const GGUF: GgufArch = GgufArch {
     name: "llama",
     model_type: "llama",
-    layer_tensors: LLAMA_LAYER_TENSORS,
+    layer_tensors: &[LLAMA_LAYER_TENSORS],
     extra_config: no_extra_config,
     fix_tensor: unpermute_qk,
 };

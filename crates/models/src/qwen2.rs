@@ -26,7 +26,7 @@ pub const FAMILY: Family = Family {
 const GGUF: GgufArch = GgufArch {
     name: "qwen2",
     model_type: "qwen2",
-    layer_tensors: LLAMA_LAYER_TENSORS,
+    layer_tensors: &[LLAMA_LAYER_TENSORS],
     extra_config: no_extra_config,
     fix_tensor: keep_tensor,
 };

@@ -4,7 +4,9 @@
 //! `models/qwen3.py`.
 
 use mlxcel_model::attention::{AttentionSpec, QkNorm};
-use mlxcel_model::gguf::arch::{keep_tensor, no_extra_config};
+use mlxcel_model::gguf::arch::{
+    keep_tensor, no_extra_config, LLAMA_LAYER_TENSORS, QK_NORM_LAYER_TENSORS,
+};
 use mlxcel_model::gguf::GgufArch;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 
@@ -23,27 +25,13 @@ pub const FAMILY: Family = Family {
 const GGUF: GgufArch = GgufArch {
     name: "qwen3",
     model_type: "qwen3",
-    layer_tensors: QWEN3_LAYER_TENSORS,
+    // Llama's tensors plus per-head RMSNorms of q and k (llama.cpp leaves
+    // Qwen's q/k rows in the checkpoint's order: its RoPE for Qwen rotates
+    // halves, as the checkpoint's does).
+    layer_tensors: &[LLAMA_LAYER_TENSORS, QK_NORM_LAYER_TENSORS],
     extra_config: no_extra_config,
     fix_tensor: keep_tensor,
 };
-
-/// The decoder-layer tensors of Qwen3: llama's plus per-head RMSNorms of
-/// q and k (llama.cpp leaves Qwen's q/k rows in the checkpoint's order:
-/// its RoPE for Qwen rotates halves, as the checkpoint's does).
-const QWEN3_LAYER_TENSORS: &[(&str, &str)] = &[
-    ("attn_norm", "input_layernorm"),
-    ("attn_q", "self_attn.q_proj"),
-    ("attn_k", "self_attn.k_proj"),
-    ("attn_v", "self_attn.v_proj"),
-    ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
-];
 
 /// Qwen3's attention: the shared one with per-head q/k RMSNorms (also
 /// Qwen3-MoE's).

@@ -5,7 +5,9 @@
 //! to the top `num_experts_per_tok`, renormalised when `norm_topk_prob`.
 //! Reference: mlx_lm's `models/qwen3_moe.py`.
 
-use mlxcel_model::gguf::arch::keep_tensor;
+use mlxcel_model::gguf::arch::{
+    keep_tensor, LLAMA_LAYER_TENSORS, MOE_LAYER_TENSORS, QK_NORM_LAYER_TENSORS,
+};
 use mlxcel_model::gguf::{GgufArch, Meta};
 use mlxcel_model::moe::{ExpertNames, MoeSpec, Routing};
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
@@ -29,29 +31,14 @@ pub const FAMILY: Family = Family {
 const GGUF: GgufArch = GgufArch {
     name: "qwen3moe",
     model_type: "qwen3_moe",
-    layer_tensors: QWEN3_MOE_LAYER_TENSORS,
+    layer_tensors: &[
+        LLAMA_LAYER_TENSORS,
+        QK_NORM_LAYER_TENSORS,
+        MOE_LAYER_TENSORS,
+    ],
     extra_config: gguf_config,
     fix_tensor: keep_tensor,
 };
-
-/// Qwen3's decoder-layer tensors plus the MoE block's.
-const QWEN3_MOE_LAYER_TENSORS: &[(&str, &str)] = &[
-    ("attn_norm", "input_layernorm"),
-    ("attn_q", "self_attn.q_proj"),
-    ("attn_k", "self_attn.k_proj"),
-    ("attn_v", "self_attn.v_proj"),
-    ("attn_output", "self_attn.o_proj"),
-    ("attn_q_norm", "self_attn.q_norm"),
-    ("attn_k_norm", "self_attn.k_norm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("ffn_gate", "mlp.gate_proj"),
-    ("ffn_up", "mlp.up_proj"),
-    ("ffn_down", "mlp.down_proj"),
-    ("ffn_gate_inp", "mlp.gate"),
-    ("ffn_gate_exps", "mlp.switch_mlp.gate_proj"),
-    ("ffn_up_exps", "mlp.switch_mlp.up_proj"),
-    ("ffn_down_exps", "mlp.switch_mlp.down_proj"),
-];
 
 /// The MoE keys of a `qwen3moe` GGUF: `expert_count`, `expert_used_count`,
 /// `expert_feed_forward_length`; scores renormalised (llama.cpp's Qwen3-MoE

@@ -21,8 +21,9 @@ pub struct GgufArch {
     /// The `config.json` `model_type` whose family serves it.
     pub model_type: &'static str,
     /// GGUF per-layer tensor names (`blk.N.{gguf}`) and the checkpoint
-    /// names they become (`model.layers.N.{hf}`).
-    pub layer_tensors: &'static [(&'static str, &'static str)],
+    /// names they become (`model.layers.N.{hf}`), in tables searched in
+    /// order (e.g. llama's, then the q/k norms, then the MoE block's).
+    pub layer_tensors: &'static [&'static [(&'static str, &'static str)]],
     /// Adds the architecture's own config keys to the shared ones that
     /// [`config_json`] wrote ([`no_extra_config`] when it has none).
     pub extra_config: fn(&Meta<'_>, &mut Map<String, Json>) -> Result<(), ModelError>,
@@ -55,6 +56,21 @@ pub const LLAMA_LAYER_TENSORS: &[(&str, &str)] = &[
     ("ffn_down", "mlp.down_proj"),
 ];
 
+/// Per-head RMSNorms of queries and keys (Qwen3, Gemma 3).
+pub const QK_NORM_LAYER_TENSORS: &[(&str, &str)] = &[
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+];
+
+/// A sparse MoE block under `mlp`: the router and the stacked experts
+/// (`[experts, out, in]` once read, as mlx_lm stacks them).
+pub const MOE_LAYER_TENSORS: &[(&str, &str)] = &[
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_exps", "mlp.switch_mlp.gate_proj"),
+    ("ffn_up_exps", "mlp.switch_mlp.up_proj"),
+    ("ffn_down_exps", "mlp.switch_mlp.down_proj"),
+];
+
 /// Tensors outside the layers, shared by every architecture.
 const MODEL_TENSORS: &[(&str, &str)] = &[
     ("token_embd", "model.embed_tokens"),
@@ -79,6 +95,7 @@ pub fn checkpoint_name(arch: &GgufArch, gguf: &str) -> Option<String> {
         let hf = arch
             .layer_tensors
             .iter()
+            .flat_map(|table| table.iter())
             .find(|(g, _)| *g == name)
             .map(|(_, h)| *h)?;
         return Some(format!("model.layers.{layer}.{hf}.{suffix}"));
@@ -192,7 +209,7 @@ mod tests {
     const LLAMA_LIKE: GgufArch = GgufArch {
         name: "llama",
         model_type: "llama",
-        layer_tensors: LLAMA_LAYER_TENSORS,
+        layer_tensors: &[LLAMA_LAYER_TENSORS],
         extra_config: no_extra_config,
         fix_tensor: keep_tensor,
     };
