@@ -10,7 +10,7 @@ use std::path::PathBuf;
 mod common;
 
 use common::parity::{
-    check_model, check_model_as_served, config_shape, floats, ids, read_golden, real_model_dir,
+    check_model, config_shape, floats, ids, read_golden, real_model_dir, ALL_STORAGES, AS_SERVED,
 };
 use mlxcel_engine::loader::{load_model, read_config};
 use mlxcel_mlx::Dtype;
@@ -41,7 +41,15 @@ fn check_family(name: &str) {
             quantize: None,
         };
         let model = load_model(&dir, config.clone(), options).expect("load");
-        check_model(name, model.as_ref(), &prompt, &want, &want_logits, 1e-3);
+        check_model(
+            name,
+            model.as_ref(),
+            &prompt,
+            &want,
+            &want_logits,
+            1e-3,
+            ALL_STORAGES,
+        );
     }
 }
 
@@ -70,6 +78,7 @@ fn check_gguf(name: &str) {
         &ids(&golden, "greedy"),
         &floats(&golden, "last_logits"),
         1e-4,
+        ALL_STORAGES,
     );
 }
 
@@ -207,13 +216,14 @@ fn check_real_model(env: &str, dir: &str) {
         let logits = floats(case, "last_logits");
         let prompt = ids(case, "prompt");
         let name = format!("{}, {} prompt tokens", dir.display(), prompt.len());
-        check_model_as_served(
+        check_model(
             &name,
             model.as_ref(),
             &prompt,
             &ids(case, "greedy"),
             &logits,
             1e-3,
+            AS_SERVED,
         );
     }
 }

@@ -14,7 +14,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::parity::{
-    check_model_as_served, config_shape, floats, ids, read_golden, real_model_dir,
+    check_model, config_shape, floats, ids, read_golden, real_model_dir, AS_SERVED,
 };
 use mlxcel_engine::api::{InferenceService, Prompt};
 use mlxcel_engine::loader::{load_model, read_config};
@@ -130,13 +130,14 @@ fn the_gguf_file_served_directly_matches_mlx_lm() {
         // The same float32 weights as mlx_lm's (see the test above): the
         // logits differ only by float32 summation order (measured: 2.2e-5
         // and 3.3e-5 for the two prompts).
-        check_model_as_served(
+        check_model(
             &name,
             model.as_ref(),
             &prompt,
             &ids(case, "greedy"),
             &floats(case, "last_logits"),
             1e-4,
+            AS_SERVED,
         );
     }
 }
@@ -195,13 +196,14 @@ fn quantize_8_quantizes_every_matrix_and_keeps_the_greedy_tokens() {
     // 8-bit groups of 32 move the logits by rounding only (measured: 0.34
     // at most, over 262 144 logits: the tied embedding, which Gemma scales
     // by √640, is quantized too); the greedy tokens stay mlx_lm's.
-    check_model_as_served(
+    check_model(
         &format!("{GGUF_NAME} --quantize 8"),
         model.as_ref(),
         &ids(case, "prompt"),
         &ids(case, "greedy"),
         &floats(case, "last_logits"),
         0.5,
+        AS_SERVED,
     );
 }
 
@@ -245,13 +247,14 @@ fn quantize_auto_follows_the_stored_precision() {
     let model = load_model(&path, read_config(&path).unwrap(), options).expect("load");
     // The Q4_K matrices move from ggml's 4-bit grid to MLX's (measured:
     // 2.66 at most, over 262 144 logits); the greedy tokens stay mlx_lm's.
-    check_model_as_served(
+    check_model(
         &format!("{GGUF_NAME} --quantize auto"),
         model.as_ref(),
         &ids(case, "prompt"),
         &ids(case, "greedy"),
         &floats(case, "last_logits"),
         4.0,
+        AS_SERVED,
     );
 }
 

@@ -97,42 +97,24 @@ pub fn argmax(v: &[f32]) -> u32 {
     (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap() as u32
 }
 
+/// Every KV storage: dense, paged, and paged split into the model's KV
+/// groups (each trimmed after every step).
+pub const ALL_STORAGES: &[(StorageBackend, bool)] = &[
+    (StorageBackend::Dense, false),
+    (StorageBackend::Paged, false),
+    (StorageBackend::Paged, true),
+];
+
+/// The storage the engine serves with alone (paged, in the model's KV
+/// groups): for real checkpoints, whose family math is what is checked
+/// (the storages are compared on the tiny checkpoints, at a third of the
+/// cost).
+pub const AS_SERVED: &[(StorageBackend, bool)] = &[(StorageBackend::Paged, true)];
+
 /// `prompt`'s last logits within `tolerance` of `want_logits` and its
-/// greedy tokens equal to `want`, on both KV storages, and on the paged
-/// storage split into the model's KV groups (each trimmed after every step).
+/// greedy tokens equal to `want`, on every storage of `storages`
+/// ([`ALL_STORAGES`] or [`AS_SERVED`]).
 pub fn check_model(
-    name: &str,
-    model: &dyn Model,
-    prompt: &[u32],
-    want: &[u32],
-    want_logits: &[f32],
-    tolerance: f32,
-) {
-    let storages = [
-        (StorageBackend::Dense, false),
-        (StorageBackend::Paged, false),
-        (StorageBackend::Paged, true),
-    ];
-    check_model_on(name, model, prompt, want, want_logits, tolerance, &storages);
-}
-
-/// [`check_model`] on the storage the engine serves with alone (paged, in
-/// the model's KV groups): for real checkpoints, whose family math is what
-/// is checked (the storages are compared on the tiny checkpoints, at a
-/// third of the cost).
-pub fn check_model_as_served(
-    name: &str,
-    model: &dyn Model,
-    prompt: &[u32],
-    want: &[u32],
-    want_logits: &[f32],
-    tolerance: f32,
-) {
-    let storages = [(StorageBackend::Paged, true)];
-    check_model_on(name, model, prompt, want, want_logits, tolerance, &storages);
-}
-
-fn check_model_on(
     name: &str,
     model: &dyn Model,
     prompt: &[u32],
