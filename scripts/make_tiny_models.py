@@ -66,6 +66,18 @@ CHAT_FILES = [
 ]
 CHAT_SOURCE = REPO / "models" / "SmolLM2-135M-Instruct"
 
+# A tiny Qwen3-MoE: 8 experts of 32, 2 per token, scores renormalised.
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+}
+
 # name -> (mlx_lm module, config overrides)
 FAMILIES = {
     "llama": ("llama", {"model_type": "llama", "tie_word_embeddings": False}),
@@ -155,36 +167,12 @@ FAMILIES = {
     # mlx_lm sort them by expert; decode steps route 2, unsorted).
     # Qwen3-MoE: layer 0 sparse, layer 1 dense (`mlp_only_layers`), top-k
     # scores renormalised.
-    "qwen3_moe": (
-        "qwen3_moe",
-        {
-            "model_type": "qwen3_moe",
-            "head_dim": 32,
-            "tie_word_embeddings": False,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [1],
-            "norm_topk_prob": True,
-        },
-    ),
-    # Qwen3-MoE again, 4-bit (group 32): experts through gather_qmm when
-    # kept quantized.
+    "qwen3_moe": ("qwen3_moe", {**QWEN3_MOE, "mlp_only_layers": [1]}),
+    # Qwen3-MoE again, 4-bit (group 32), both layers sparse: experts
+    # through gather_qmm when kept quantized.
     "qwen3_moe_q4": (
         "qwen3_moe",
-        {
-            "model_type": "qwen3_moe",
-            "head_dim": 32,
-            "tie_word_embeddings": False,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "norm_topk_prob": True,
-            "quantization": {"group_size": 32, "bits": 4},
-        },
+        {**QWEN3_MOE, "mlp_only_layers": [], "quantization": {"group_size": 32, "bits": 4}},
     ),
     # Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate.
     "qwen2_moe": (
