@@ -302,18 +302,8 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
 #[test]
 fn a_prefix_hit_on_kv_groups_answers_like_a_cold_run_and_like_mlx_lm() {
     let dir = common::tiny_gemma3_dir("groups");
-    let golden: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("golden.json")).expect("golden (scripts/setup.sh)"),
-    )
-    .expect("json");
-    let ids = |key: &str| -> Vec<u32> {
-        golden[key]
-            .as_array()
-            .expect("ids")
-            .iter()
-            .map(|v| v.as_u64().expect("id") as u32)
-            .collect()
-    };
+    let golden = common::parity::read_golden(&dir, "make_tiny_models.py");
+    let ids = |key: &str| common::parity::ids(&golden, key);
     let (prompt, want) = (ids("prompt"), ids("greedy"));
     assert!(prompt.len() > 16, "the prompt runs past the window");
     let mut c = EngineConfig::new(dir.clone());
