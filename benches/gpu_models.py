@@ -5,10 +5,13 @@
   python3 benches/gpu_models.py NAME OUT_DIR --tokenizer DIR [--group-size 64] [--bits 4]
 
 NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2),
-qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), with the
+qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), gpt-oss-20b (32
+experts, 4 per token, attention sinks, windows of 128), with the
 hyper-parameters of the published checkpoints; qwen3-moe-small, a
 Qwen3-MoE of SmolLM2's vocabulary small enough for a CPU (4 layers, 16
-experts of 256, 4 per token). Weights come from mlx_lm's
+experts of 256, 4 per token); gpt-oss-small, the same for gpt-oss (4
+layers, 16 experts of 256, 4 per token, windows of 16 keys: shorter than
+the parity prompts). Weights come from mlx_lm's
 own model classes, quantized with `mlx.nn.quantize`, bfloat16 otherwise;
 the tokenizer files are copied from DIR (SmolLM2's tokenizer serves every
 shape: only token ids below its vocabulary are used).
@@ -38,6 +41,22 @@ SHAPES = {
                           norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0,
                           max_position_embeddings=40960, rms_norm_eps=1e-6,
                           tie_word_embeddings=False),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        sliding_window=128, vocab_size=201088, rope_theta=150000.0,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                          beta_slow=1.0, original_max_position_embeddings=4096),
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                        tie_word_embeddings=False),
+    "gpt-oss-small": dict(model_type="gpt_oss", hidden_size=512, intermediate_size=256,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=64, num_local_experts=16, num_experts_per_tok=4,
+                          sliding_window=16, vocab_size=49152, rope_theta=150000.0,
+                          rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                            beta_slow=1.0, original_max_position_embeddings=4096),
+                          max_position_embeddings=8192, rms_norm_eps=1e-5,
+                          tie_word_embeddings=True),
     "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=512, intermediate_size=1536,
                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                             head_dim=64, num_experts=16, num_experts_per_tok=4,
@@ -71,6 +90,12 @@ def main():
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(cfg))
+    # gpt-oss's sinks start at 0 in mlx_lm: give them values of the size
+    # trained ones have, so that a parity run exercises them.
+    for layer in model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and "sinks" in attn:
+            attn.sinks = mx.random.uniform(-1.0, 3.0, attn.sinks.shape)
     model.set_dtype(getattr(mx, args.dtype))
     if args.bits:
         nn.quantize(model, group_size=args.group_size, bits=args.bits)

@@ -66,6 +66,27 @@ CHAT_FILES = [
 ]
 CHAT_SOURCE = REPO / "models" / "SmolLM2-135M-Instruct"
 
+# A tiny gpt-oss: every layer 8 experts of 32 (2 per token, biases,
+# clamped SwiGLU), attention sinks, layer 0 a window of 16 keys (shorter
+# than the prompt), layer 1 full; YaRN RoPE as gpt-oss configures it.
+GPT_OSS = {
+    "model_type": "gpt_oss",
+    "head_dim": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 32,
+    "sliding_window": 16,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "tie_word_embeddings": False,
+}
+
 # A tiny Qwen3-MoE: 8 experts of 32, 2 per token, scores renormalised.
 QWEN3_MOE = {
     "model_type": "qwen3_moe",
@@ -198,6 +219,9 @@ FAMILIES = {
             "intermediate_size": 64,
         },
     ),
+    "gpt_oss": ("gpt_oss", GPT_OSS),
+    # gpt-oss, 4-bit (group 32): the experts' biases beside gather_qmm.
+    "gpt_oss_q4": ("gpt_oss", {**GPT_OSS, "quantization": {"group_size": 32, "bits": 4}}),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
     "phi3_q4": (
         "phi3",
@@ -226,6 +250,13 @@ def build(module: str, config: dict):
         return p * mx.random.uniform(0.5, 1.5, p.shape) + mx.random.uniform(-0.2, 0.2, p.shape)
 
     model.update(tree_map(spread, model.parameters()))
+    # Attention sinks start at 0 in mlx_lm; against the large scores of
+    # these scaled-up weights, sinks of 4 to 10 weigh in each softmax
+    # (logits move by ~0.6 without them; below 4 they hardly count).
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and "sinks" in attn:
+            attn.sinks = mx.random.uniform(4.0, 10.0, attn.sinks.shape)
     if "quantization" in config:
         q = config["quantization"]
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"])

@@ -194,6 +194,22 @@ fn mixtral_matches_mlx_lm() {
     check_family("mixtral");
 }
 
+/// gpt-oss: attention sinks in every softmax, a window of 16 keys on layer
+/// 0 (shorter than the prompt) and full attention on layer 1, YaRN RoPE,
+/// biases on q/k/v/o, the router and every expert, the clamped SwiGLU,
+/// top-k logits then softmax.
+#[test]
+fn gpt_oss_matches_mlx_lm() {
+    check_family("gpt_oss");
+}
+
+/// gpt-oss, 4-bit: experts dequantized at load and kept quantized
+/// (`gather_qmm`, the experts' biases added per row).
+#[test]
+fn quantized_gpt_oss_matches_mlx_lm() {
+    check_family("gpt_oss_q4");
+}
+
 /// A real checkpoint (on the storage the engine serves it with: paged, in
 /// its KV groups) that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
@@ -250,11 +266,23 @@ fn qwen2_5_coder_real_weights_match_mlx_lm() {
 /// decode steps do not.
 #[test]
 fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("qwen3_moe");
+}
+
+/// [`a_mixture_of_experts_answers_alike_alone_batched_and_warm`] on
+/// gpt-oss: sinks in the batched decode attention over padded keys, and a
+/// windowed layer whose KV group keeps only its window beside a full one.
+#[test]
+fn gpt_oss_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("gpt_oss");
+}
+
+fn engine_answers_alike(model: &str) {
     use common::{collect_tokens, greedy_request};
     use mlxcel_engine::api::{InferenceService, Prompt};
     use mlxcel_engine::{Engine, EngineConfig};
 
-    let dir = common::tiny_model_dir("qwen3_moe", "engine");
+    let dir = common::tiny_model_dir(model, "engine");
     let golden = read_golden(&dir, "make_tiny_models.py");
     let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
     let mut c = EngineConfig::new(dir);
@@ -309,7 +337,7 @@ fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
 /// a panic or a wrong model.
 #[test]
 fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
-    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 7] = [
         (
             "qwen3_moe",
             "num_experts",
@@ -340,6 +368,13 @@ fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
             32.into(),
             "shared_expert has 64 rows, config says 32",
         ),
+        (
+            "gpt_oss",
+            "num_local_experts",
+            4.into(),
+            "mlp.router routes to 8 experts, config says 4",
+        ),
+        ("gpt_oss", "sliding_window", 0.into(), "sliding_window is 0"),
     ];
     for (i, (model, key, value, want)) in cases.into_iter().enumerate() {
         let src = tiny_models().join(model);

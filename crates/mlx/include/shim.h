@@ -56,6 +56,8 @@ ArrayPtr add(const array& a, const array& b);
 ArrayPtr subtract(const array& a, const array& b);
 ArrayPtr multiply(const array& a, const array& b);
 ArrayPtr divide(const array& a, const array& b);
+ArrayPtr minimum(const array& a, const array& b);
+ArrayPtr maximum(const array& a, const array& b);
 ArrayPtr sigmoid(const array& a);
 ArrayPtr tanh(const array& a);
 ArrayPtr matmul(const array& a, const array& b);
@@ -98,10 +100,17 @@ ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale,
                     const array& freqs);
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
+ArrayPtr sdpa_sinks(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode,
+                    const array& sinks);
+ArrayPtr sdpa_masked_sinks(const array& q, const array& k, const array& v, float scale,
+                           const array& mask, const array& sinks);
 // paged_attention.cc
 ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
                                 const array& tables, const array& meta, const array& scale,
                                 int32_t block_size);
+ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const array& v_pool,
+                                      const array& tables, const array& meta, const array& scale,
+                                      int32_t block_size, const array& sinks);
 bool paged_attention_available();
 
 // io

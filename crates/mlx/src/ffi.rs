@@ -36,6 +36,8 @@ pub(crate) mod bridge {
         fn subtract(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn minimum(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn maximum(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn sigmoid(a: &array) -> Result<UniquePtr<array>>;
         fn tanh(a: &array) -> Result<UniquePtr<array>>;
         fn matmul(a: &array, b: &array) -> Result<UniquePtr<array>>;
@@ -150,6 +152,22 @@ pub(crate) mod bridge {
             scale: f32,
             mask: &array,
         ) -> Result<UniquePtr<array>>;
+        fn sdpa_sinks(
+            q: &array,
+            k: &array,
+            v: &array,
+            scale: f32,
+            mask_mode: &str,
+            sinks: &array,
+        ) -> Result<UniquePtr<array>>;
+        fn sdpa_masked_sinks(
+            q: &array,
+            k: &array,
+            v: &array,
+            scale: f32,
+            mask: &array,
+            sinks: &array,
+        ) -> Result<UniquePtr<array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<TensorMap>>;
         fn load_gguf_tensors(path: &str) -> Result<UniquePtr<TensorMap>>;
@@ -170,6 +188,17 @@ pub(crate) mod bridge {
             meta: &array,
             scale: &array,
             block_size: i32,
+        ) -> Result<UniquePtr<array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn paged_decode_attention_sinks(
+            q: &array,
+            k_pool: &array,
+            v_pool: &array,
+            tables: &array,
+            meta: &array,
+            scale: &array,
+            block_size: i32,
+            sinks: &array,
         ) -> Result<UniquePtr<array>>;
         fn paged_attention_available() -> Result<bool>;
         fn use_device(gpu: bool) -> Result<()>;

@@ -72,6 +72,28 @@ pub fn scaled_dot_product_attention(
     }
 }
 
+/// [`scaled_dot_product_attention`] with attention sinks (gpt-oss; Xiao et
+/// al. 2023, "Efficient Streaming Language Models with Attention Sinks"):
+/// `sinks` float `[heads]` is one more logit per head in each query's
+/// softmax, with no value: `softmax([q kᵀ · scale + mask, sink])[..k_len] v`.
+pub fn scaled_dot_product_attention_with_sinks(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &AttentionMask,
+    sinks: &Array,
+) -> Result<Array> {
+    let (q, k, v, s) = (q.raw(), k.raw(), v.raw(), sinks.raw());
+    match mask {
+        AttentionMask::None => Array::wrap(bridge::sdpa_sinks(q, k, v, scale, "", s)),
+        AttentionMask::Causal => Array::wrap(bridge::sdpa_sinks(q, k, v, scale, "causal", s)),
+        AttentionMask::Array(m) => {
+            Array::wrap(bridge::sdpa_masked_sinks(q, k, v, scale, m.raw(), s))
+        }
+    }
+}
+
 /// The mask argument of [`scaled_dot_product_attention`].
 #[derive(Debug, Clone)]
 pub enum AttentionMask {
@@ -183,6 +205,16 @@ impl Array {
     /// Elementwise `self / other` with broadcasting.
     pub fn divide(&self, other: &Array) -> Result<Array> {
         Array::wrap(bridge::divide(self.raw(), other.raw()))
+    }
+
+    /// Elementwise `min(self, other)` with broadcasting.
+    pub fn minimum(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::minimum(self.raw(), other.raw()))
+    }
+
+    /// Elementwise `max(self, other)` with broadcasting.
+    pub fn maximum(&self, other: &Array) -> Result<Array> {
+        Array::wrap(bridge::maximum(self.raw(), other.raw()))
     }
 
     /// Elementwise logistic sigmoid.
@@ -547,6 +579,35 @@ pub fn paged_decode_attention(
         meta.raw(),
         scale.raw(),
         block_size,
+    ))
+}
+
+/// [`paged_decode_attention`] with attention sinks: `sinks` float32
+/// `[heads]`, one more logit per head in each row's softmax, with no value
+/// (gpt-oss).
+///
+/// # Errors
+/// As [`paged_decode_attention`]; `sinks` not float32 `[heads]`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_with_sinks(
+    q: &Array,
+    k_pool: &Array,
+    v_pool: &Array,
+    tables: &Array,
+    meta: &Array,
+    scale: &Array,
+    block_size: i32,
+    sinks: &Array,
+) -> Result<Array> {
+    Array::wrap(bridge::paged_decode_attention_sinks(
+        q.raw(),
+        k_pool.raw(),
+        v_pool.raw(),
+        tables.raw(),
+        meta.raw(),
+        scale.raw(),
+        block_size,
+        sinks.raw(),
     ))
 }
 

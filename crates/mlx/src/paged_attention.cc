@@ -21,6 +21,11 @@
 //   meta    int32 [rows, 2]                      (offset of the first live key
 //                                                 in the row's first block, live keys)
 //   scale   float32 [1]                          softmax scale
+//   sinks   float32 [heads]                      (the `_sinks` variant) a
+//                                                 per-head logit in the
+//                                                 softmax's denominator that
+//                                                 carries no value (gpt-oss's
+//                                                 attention sinks)
 // Output:
 //   o       [rows, heads, head_dim]
 // Live key t of a row sits at slot tables[row][(offset + t) / BS] * BS +
@@ -33,6 +38,7 @@
 #include "mlx/backend/cuda/cuda.h"
 #endif
 
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -91,7 +97,9 @@ const char* kMetalSource = R"(
   if (warp == 0) {
     float mx_ = -1e30f;
     for (int w = 0; w < WARPS; ++w) mx_ = max(mx_, sm[w]);
+    @SINK_MAX@
     float total = 0.0f;
+    @SINK_ADD@
     float out[PER];
     for (int i = 0; i < PER; ++i) out[i] = 0.0f;
     for (int w = 0; w < WARPS; ++w) {
@@ -155,7 +163,9 @@ const char* kCudaSource = R"(
   if (warp == 0) {
     float mx_ = -1e30f;
     for (int w = 0; w < WARPS; ++w) mx_ = fmaxf(mx_, sm[w]);
+    @SINK_MAX@
     float total = 0.0f;
+    @SINK_ADD@
     float out[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) out[i] = 0.0f;
@@ -173,22 +183,56 @@ const char* kCudaSource = R"(
 
 const std::vector<std::string> kInputs = {"q", "k_pool", "v_pool", "tables", "meta", "scale"};
 
-const mx::fast::CustomKernelFunction& kernel() {
+// `source` with its sink placeholders filled: with `sinks`, the head's sink
+// logit (float32 `sinks[head]`, gpt-oss) joins the softmax's denominator and
+// no value; without, the placeholders go.
+std::string with_sinks(const char* source, bool sinks) {
+  std::string s(source);
+  auto put = [&s](const std::string& mark, const std::string& code) {
+    const auto at = s.find(mark);
+    if (at != std::string::npos) s.replace(at, mark.size(), code);
+  };
 #if defined(__APPLE__)
-  static const auto k = mx::fast::metal_kernel("mlxcel_paged_decode_attention", kInputs, {"o"},
-                                               kMetalSource);
+  put("@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = max(mx_, sink);" : "");
+  put("@SINK_ADD@", sinks ? "total = fast::exp(sink - mx_);" : "");
 #else
-  static const auto k = mx::fast::cuda_kernel("mlxcel_paged_decode_attention", kInputs, {"o"},
-                                              kCudaSource);
+  put("@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = fmaxf(mx_, sink);" : "");
+  put("@SINK_ADD@", sinks ? "total = __expf(sink - mx_);" : "");
 #endif
-  return k;
+  return s;
+}
+
+const mx::fast::CustomKernelFunction& make_kernel(const char* name,
+                                                  const std::vector<std::string>& inputs,
+                                                  bool sinks) {
+#if defined(__APPLE__)
+  auto* k = new mx::fast::CustomKernelFunction(
+      mx::fast::metal_kernel(name, inputs, {"o"}, with_sinks(kMetalSource, sinks)));
+#else
+  auto* k = new mx::fast::CustomKernelFunction(
+      mx::fast::cuda_kernel(name, inputs, {"o"}, with_sinks(kCudaSource, sinks)));
+#endif
+  return *k;
+}
+
+// The kernel without sinks, and the one with (its own name, so each is
+// compiled and cached once, on its first call).
+const mx::fast::CustomKernelFunction& kernel(bool sinks) {
+  static const auto& plain = make_kernel("mlxcel_paged_decode_attention", kInputs, false);
+  static const auto& with = [] {
+    auto inputs = kInputs;
+    inputs.push_back("sinks");
+    return std::ref(make_kernel("mlxcel_paged_decode_attention_sinks", inputs, true));
+  }().get();
+  return sinks ? with : plain;
 }
 
 }  // namespace
 
-ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
-                                const array& tables, const array& meta, const array& scale,
-                                int32_t block_size) {
+namespace {
+ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const array& tables,
+               const array& meta, const array& scale, int32_t block_size,
+               const array* sinks) {
   if (q.ndim() != 3 || k_pool.ndim() != 3 || v_pool.ndim() != 3 || tables.ndim() != 2 ||
       meta.ndim() != 2) {
     throw std::invalid_argument("[paged_decode_attention] bad ranks");
@@ -202,8 +246,14 @@ ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array
       k_pool.dtype() != q.dtype() || v_pool.dtype() != q.dtype()) {
     throw std::invalid_argument("[paged_decode_attention] inputs do not match");
   }
+  if (sinks != nullptr &&
+      (sinks->ndim() != 1 || sinks->shape(0) != heads || sinks->dtype() != mx::float32)) {
+    throw std::invalid_argument("[paged_decode_attention] sinks must be float32 [heads]");
+  }
   const int threads = 32 * kWarps;
-  auto out = kernel()({q, k_pool, v_pool, tables, meta, scale}, {q.shape()}, {q.dtype()},
+  std::vector<array> inputs = {q, k_pool, v_pool, tables, meta, scale};
+  if (sinks != nullptr) inputs.push_back(*sinks);
+  auto out = kernel(sinks != nullptr)(inputs, {q.shape()}, {q.dtype()},
                       {rows * heads * threads, 1, 1}, {threads, 1, 1},
                       {{"T", q.dtype()},
                        {"HEADS", heads},
@@ -212,6 +262,19 @@ ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array
                        {"BS", static_cast<int>(block_size)}},
                       std::nullopt, false, {});
   return std::make_unique<array>(std::move(out[0]));
+}
+}  // namespace
+
+ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
+                                const array& tables, const array& meta, const array& scale,
+                                int32_t block_size) {
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, nullptr);
+}
+
+ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const array& v_pool,
+                                      const array& tables, const array& meta, const array& scale,
+                                      int32_t block_size, const array& sinks) {
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, &sinks);
 }
 
 bool paged_attention_available() {

@@ -100,6 +100,8 @@ ArrayPtr add(const array& a, const array& b) { return wrap(mx::add(a, b)); }
 ArrayPtr subtract(const array& a, const array& b) { return wrap(mx::subtract(a, b)); }
 ArrayPtr multiply(const array& a, const array& b) { return wrap(mx::multiply(a, b)); }
 ArrayPtr divide(const array& a, const array& b) { return wrap(mx::divide(a, b)); }
+ArrayPtr minimum(const array& a, const array& b) { return wrap(mx::minimum(a, b)); }
+ArrayPtr maximum(const array& a, const array& b) { return wrap(mx::maximum(a, b)); }
 ArrayPtr sigmoid(const array& a) { return wrap(mx::sigmoid(a)); }
 ArrayPtr tanh(const array& a) { return wrap(mx::tanh(a)); }
 ArrayPtr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
@@ -194,6 +196,15 @@ ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust:
 }
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
+}
+ArrayPtr sdpa_sinks(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode,
+                    const array& sinks) {
+  return wrap(
+      mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode), {}, sinks));
+}
+ArrayPtr sdpa_masked_sinks(const array& q, const array& k, const array& v, float scale,
+                           const array& mask, const array& sinks) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask, sinks));
 }
 
 std::unique_ptr<TensorMap> load_safetensors(rust::Str path) {

@@ -34,6 +34,9 @@ pub struct AttentionSpec {
     /// The q, k and v projections are one fused `{path}.qkv_proj` (q rows,
     /// then k, then v; Phi-3), split at load.
     pub fused_qkv: bool,
+    /// A learned attention sink per query head, `{path}.sinks` `[heads]`
+    /// (gpt-oss): one more logit in each query's softmax, with no value.
+    pub sinks: bool,
 }
 
 /// Where a family normalizes queries and keys.
@@ -63,11 +66,15 @@ impl AttentionSpec {
             window: config.sliding_window,
             scale: (config.head_dim as f32).powf(-0.5),
             fused_qkv: false,
+            sinks: false,
         }
     }
 }
 use mlxcel_kv::AttentionKv;
-use mlxcel_mlx::{scaled_dot_product_attention, Array, AttentionMask, Dtype};
+use mlxcel_mlx::{
+    scaled_dot_product_attention, scaled_dot_product_attention_with_sinks, Array, AttentionMask,
+    Dtype,
+};
 
 /// Self-attention of one transformer layer.
 #[derive(Debug, Clone)]
@@ -92,6 +99,16 @@ pub struct Attention {
     /// Sliding window (Mistral-style): a query sees at most this many keys,
     /// itself included.
     window: Option<usize>,
+    /// Attention sinks `[heads]`: in the compute dtype (MLX's attention) and
+    /// as float32 (the paged kernel's input), the same values.
+    sinks: Option<Sinks>,
+}
+
+/// A layer's attention sinks, `[heads]` (this rank's heads).
+#[derive(Debug, Clone)]
+struct Sinks {
+    compute: Array,
+    float32: Array,
 }
 
 impl Attention {
@@ -107,8 +124,8 @@ impl Attention {
     ///
     /// # Errors
     /// Missing tensors; head counts that do not divide by the world size;
-    /// q/k norms over the whole projection (OLMo 2) under tensor
-    /// parallelism, which would need their own collective.
+    /// q/k norms over the whole projection (OLMo 2) or attention sinks under
+    /// tensor parallelism (not split yet); sinks that are not `[heads]`.
     pub fn load(
         ctx: &mut LoadContext<'_>,
         path: &str,
@@ -124,7 +141,27 @@ impl Attention {
                     "tensor parallelism with q/k norms over the whole projection (OLMo 2)".into(),
                 ));
             }
+            if spec.sinks {
+                return Err(ModelError::Unsupported(
+                    "tensor parallelism with attention sinks (not split across ranks yet)".into(),
+                ));
+            }
         }
+        let sinks = if spec.sinks {
+            let name = format!("{path}.sinks");
+            let compute = ctx.float(&name)?;
+            if compute.shape() != [spec.heads as i32] {
+                return Err(ModelError::Weights(format!(
+                    "{name}: shape {:?}, want [{}] (one per query head)",
+                    compute.shape(),
+                    spec.heads
+                )));
+            }
+            let float32 = compute.astype(Dtype::Float32)?;
+            Some(Sinks { compute, float32 })
+        } else {
+            None
+        };
         let norm = |ctx: &mut LoadContext<'_>, name: &str| {
             spec.qk_norm
                 .map(|n| {
@@ -177,6 +214,7 @@ impl Attention {
             scale: spec.scale,
             scale_array: Array::from_f32(&[spec.scale], &[1])?,
             window: spec.window,
+            sinks,
         })
     }
 
@@ -256,7 +294,7 @@ impl Attention {
             Some(w) => windowed_causal_mask(n, live, w, q.dtype())?,
             None => causal_mask(n, live)?,
         };
-        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
+        let o = self.sdpa(&q, &keys, &values, &mask)?;
         mark("attn.sdpa", &[&o])?;
         Ok(o.transpose(&[0, 2, 1, 3])?.reshape(&[n, h * d])?)
     }
@@ -281,15 +319,29 @@ impl Attention {
         let kernel_fits = self.head_dim % 32 == 0 && self.head_dim <= 256;
         if step.paged_kernel && kernel_fits && self.window.is_none() {
             if let Some(pool) = kv.read_paged(layer, &ids)? {
-                let o = mlxcel_mlx::paged_decode_attention(
-                    &q.reshape(&[rows as i32, h, d])?,
-                    pool.keys,
-                    pool.values,
-                    pool.tables,
-                    pool.meta,
-                    &self.scale_array,
-                    pool.block_size as i32,
-                )?;
+                let q = q.reshape(&[rows as i32, h, d])?;
+                let (scale, bs) = (&self.scale_array, pool.block_size as i32);
+                let o = match &self.sinks {
+                    None => mlxcel_mlx::paged_decode_attention(
+                        &q,
+                        pool.keys,
+                        pool.values,
+                        pool.tables,
+                        pool.meta,
+                        scale,
+                        bs,
+                    )?,
+                    Some(s) => mlxcel_mlx::paged_decode_attention_with_sinks(
+                        &q,
+                        pool.keys,
+                        pool.values,
+                        pool.tables,
+                        pool.meta,
+                        scale,
+                        bs,
+                        &s.float32,
+                    )?,
+                };
                 mark("attn.paged_kernel", &[&o])?;
                 return Ok(o.reshape(&[rows as i32, h * d])?);
             }
@@ -325,9 +377,26 @@ impl Attention {
                 m
             }
         };
-        let o = scaled_dot_product_attention(&q, &keys, &values, self.scale, &mask)?;
+        let o = self.sdpa(&q, &keys, &values, &mask)?;
         mark("attn.sdpa", &[&o])?;
         Ok(o.reshape(&[rows as i32, h * d])?)
+    }
+
+    /// MLX's fused attention of `q` over `keys`/`values` under `mask`, with
+    /// the layer's sinks when it has them.
+    fn sdpa(
+        &self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        mask: &AttentionMask,
+    ) -> Result<Array, ModelError> {
+        Ok(match &self.sinks {
+            None => scaled_dot_product_attention(q, keys, values, self.scale, mask)?,
+            Some(s) => scaled_dot_product_attention_with_sinks(
+                q, keys, values, self.scale, mask, &s.compute,
+            )?,
+        })
     }
 
     /// Every tensor of the layer.
@@ -337,6 +406,7 @@ impl Attention {
             .flat_map(Linear::arrays)
             .collect();
         v.extend(self.q_norm.iter().chain(&self.k_norm).map(|n| &n.weight));
+        v.extend(self.sinks.iter().flat_map(|s| [&s.compute, &s.float32]));
         v
     }
 }

@@ -94,6 +94,21 @@ pub enum RopeScaling {
     /// `rope_freqs` tensor holds: llama.cpp's converter writes Llama 3.1's
     /// scaling this way).
     Divisors(Vec<f32>),
+    /// YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension
+    /// of Large Language Models"; `"rope_type": "yarn"`, gpt-oss): the
+    /// frequencies above the `beta_fast` correction dimension keep their
+    /// period, those below `beta_slow` are stretched by `factor`, a linear
+    /// ramp between; queries and keys are scaled by the attention factor
+    /// `m(factor, mscale) / m(factor, mscale_all_dim)` with `m(s, a) =
+    /// 0.1 a ln s + 1` (1 when `s <= 1`). Follows mlx_lm's `YarnRoPE`.
+    Yarn {
+        factor: f32,
+        original_max_position_embeddings: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        mscale: f32,
+        mscale_all_dim: f32,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -253,6 +268,14 @@ fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, Mode
             high_freq_factor: f("high_freq_factor", 4.0),
             original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
         }),
+        "yarn" => Ok(RopeScaling::Yarn {
+            factor: f("factor", 1.0),
+            original_max_position_embeddings: f("original_max_position_embeddings", 4096.0),
+            beta_fast: f("beta_fast", 32.0),
+            beta_slow: f("beta_slow", 1.0),
+            mscale: f("mscale", 1.0),
+            mscale_all_dim: f("mscale_all_dim", 0.0),
+        }),
         "divisors" => {
             let divisors = obj
                 .get("divisors")
@@ -344,8 +367,27 @@ mod tests {
         let rope = ModelConfig::from_json_str(
             r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,
             "intermediate_size":8,"num_attention_heads":2,"rms_norm_eps":1e-5,
-            "vocab_size":10,"rope_scaling":{"type":"yarn","factor":4.0}}"#,
+            "vocab_size":10,"rope_scaling":{"type":"longrope","factor":4.0}}"#,
         );
         assert!(matches!(rope, Err(ModelError::Unsupported(_))));
+        let yarn = ModelConfig::from_json_str(
+            r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,
+            "intermediate_size":8,"num_attention_heads":2,"rms_norm_eps":1e-5,
+            "vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":32.0,
+            "beta_fast":32.0,"original_max_position_embeddings":4096}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            yarn.rope_scaling,
+            RopeScaling::Yarn {
+                factor: 32.0,
+                original_max_position_embeddings: 4096.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+                mscale_all_dim: 0.0
+            },
+            "mlx_lm's defaults for the keys not given"
+        );
     }
 }

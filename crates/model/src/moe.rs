@@ -16,9 +16,16 @@
 //! `qwen3_moe.py`, `qwen2_moe.py` and `mixtral.py`.
 //!
 //! Checkpoints store experts stacked (`{path}.switch_mlp.gate_proj.weight`,
-//! what mlx_lm writes) or one tensor per expert
-//! (`{path}.experts.{e}.gate_proj.weight`, Hugging Face's layout; Mixtral's
-//! `w1`/`w3`/`w2`): both load, the second stacked at load.
+//! what mlx_lm writes; gpt-oss's `{path}.experts.gate_proj.weight`) or one
+//! tensor per expert (`{path}.experts.{e}.gate_proj.weight`, Hugging Face's
+//! layout; Mixtral's `w1`/`w3`/`w2`): both load, the second stacked at
+//! load.
+//!
+//! gpt-oss's experts differ in three ways, each a field of [`MoeSpec`]:
+//! the router is `{path}.router` with a bias, every expert projection has
+//! a bias, and the gate and up projections combine through a clamped
+//! SwiGLU ([`ExpertGlu::ClampedSwiglu`]; mlx_lm's `models/gpt_oss.py` and
+//! `activations.py`).
 
 use crate::layers::{Activation, Linear, LoadContext, Mlp, WeightMode};
 use crate::{config::QuantSpec, ModelError};
@@ -62,6 +69,44 @@ impl ExpertNames {
     };
 }
 
+/// Where a block's router and stacked experts are, and which have biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// The router's name under the block (`gate`; gpt-oss's `router`).
+    pub router: &'static str,
+    /// The router has a bias (gpt-oss).
+    pub router_bias: bool,
+    /// The stacked experts' name under the block (`switch_mlp`, what
+    /// mlx_lm writes; gpt-oss's `experts`).
+    pub stacked: &'static str,
+    /// Every expert projection has a bias, `[experts, out]` (gpt-oss).
+    pub bias: bool,
+}
+
+impl Default for ExpertLayout {
+    /// The router `gate` and experts under `switch_mlp`, no biases.
+    fn default() -> Self {
+        ExpertLayout {
+            router: "gate",
+            router_bias: false,
+            stacked: "switch_mlp",
+            bias: false,
+        }
+    }
+}
+
+/// How an expert combines its gate and up projections.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum ExpertGlu {
+    /// `act(gate) · up`, `act` the spec's [`MoeSpec::activation`].
+    #[default]
+    Gated,
+    /// gpt-oss's clamped SwiGLU: with `g = min(gate, limit)` and `u =
+    /// clip(up, -limit, limit)`, `(u + 1) · g · σ(alpha · g)` (OpenAI's
+    /// gpt-oss reference; mlx_lm's `swiglu_oai`, alpha 1.702, limit 7).
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
 /// What a family's sparse layer is.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeSpec {
@@ -82,6 +127,10 @@ pub struct MoeSpec {
     pub shared_expert: Option<usize>,
     /// The experts' gate activation.
     pub activation: Activation,
+    /// How gate and up combine.
+    pub glu: ExpertGlu,
+    /// The names of the router and the stacked experts.
+    pub layout: ExpertLayout,
 }
 
 impl MoeSpec {
@@ -121,6 +170,8 @@ enum ExpertMatrix {
 #[derive(Debug, Clone)]
 pub struct SwitchLinear {
     matrix: ExpertMatrix,
+    /// Each expert's bias, `[experts, out]` in the compute dtype.
+    bias: Option<Array>,
     /// The output rows of each expert's matrix.
     out: usize,
     /// The input width of each expert's matrix.
@@ -128,20 +179,23 @@ pub struct SwitchLinear {
 }
 
 impl SwitchLinear {
-    /// Loads `{path}.switch_mlp.{name}` (stacked) or, when that is absent,
-    /// `{path}.experts.{e}.{per_expert}` for every expert, stacking them.
+    /// Loads `{path}.{stacked}.{name}` (stacked; `stacked` is
+    /// [`ExpertLayout::stacked`]) or, when that is absent,
+    /// `{path}.experts.{e}.{per_expert}` for every expert, stacking them;
+    /// with `bias`, the `.bias` beside each weight too.
     ///
     /// # Errors
     /// Missing tensors; an expert count other than `experts`; a
-    /// quantized tensor without quantization parameters.
+    /// quantized tensor without quantization parameters; a bias that is not
+    /// `[experts, out]`.
     fn load(
         ctx: &mut LoadContext<'_>,
         path: &str,
-        name: &str,
-        per_expert: &str,
+        (name, per_expert): (&str, &str),
+        layout: &ExpertLayout,
         experts: usize,
     ) -> Result<Self, ModelError> {
-        let stacked = format!("{path}.switch_mlp.{name}");
+        let stacked = format!("{path}.{}.{name}", layout.stacked);
         let (module, parts) = if ctx.weights.contains(&format!("{stacked}.weight")) {
             let take =
                 |ctx: &mut LoadContext<'_>, suffix: &str| -> Result<Option<Array>, ModelError> {
@@ -155,6 +209,11 @@ impl SwitchLinear {
                 take(ctx, "weight")?,
                 take(ctx, "scales")?,
                 take(ctx, "biases")?,
+                if layout.bias {
+                    Some(ctx.weights.take(&format!("{stacked}.bias"))?)
+                } else {
+                    None
+                },
             ];
             (stacked, parts)
         } else {
@@ -164,9 +223,14 @@ impl SwitchLinear {
                     "no experts: neither {stacked}.weight nor {first}.weight"
                 )));
             }
-            let mut parts: [Option<Array>; 3] = [None, None, None];
-            for (slot, suffix) in ["weight", "scales", "biases"].iter().enumerate() {
-                if *suffix != "weight" && !ctx.weights.contains(&format!("{first}.{suffix}")) {
+            let mut parts: [Option<Array>; 4] = [None, None, None, None];
+            for (slot, suffix) in ["weight", "scales", "biases", "bias"].iter().enumerate() {
+                let wanted = match *suffix {
+                    "weight" => true,
+                    "bias" => layout.bias,
+                    _ => ctx.weights.contains(&format!("{first}.{suffix}")),
+                };
+                if !wanted {
                     continue;
                 }
                 let mut each = Vec::new();
@@ -183,7 +247,7 @@ impl SwitchLinear {
             }
             (first, parts)
         };
-        let [weight, scales, biases] = parts;
+        let [weight, scales, biases, bias] = parts;
         let weight = weight.ok_or_else(|| ModelError::Weights(format!("{module}.weight")))?;
         let shape = weight.shape();
         if shape.len() != 3 || shape[0] as usize != experts {
@@ -193,6 +257,16 @@ impl SwitchLinear {
         }
         let out = shape[1] as usize;
         let mut input = shape[2] as usize;
+        let bias = match bias {
+            None => None,
+            Some(b) if b.shape() == [experts as i32, out as i32] => Some(b.astype(ctx.dtype)?),
+            Some(b) => {
+                return Err(ModelError::Weights(format!(
+                    "{module}.bias: shape {:?}, want [{experts}, {out}]",
+                    b.shape()
+                )))
+            }
+        };
         let matrix = match (scales, biases) {
             (None, _) => ExpertMatrix::Dense(weight.astype(ctx.dtype)?),
             (Some(scales), Some(biases)) => {
@@ -239,13 +313,18 @@ impl SwitchLinear {
                 )))
             }
         };
-        Ok(SwitchLinear { matrix, out, input })
+        Ok(SwitchLinear {
+            matrix,
+            bias,
+            out,
+            input,
+        })
     }
 
     /// `x` `[..., 1, in]` through the expert `indices` (uint32, broadcast
     /// against `x`'s batch axes) -> `[..., 1, out]`.
     fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
-        Ok(match &self.matrix {
+        let y = match &self.matrix {
             ExpertMatrix::Dense(w) => x.gather_mm(&w.transpose(&[0, 2, 1])?, indices, sorted)?,
             ExpertMatrix::Quantized {
                 weight,
@@ -261,11 +340,18 @@ impl SwitchLinear {
                 spec.bits,
                 sorted,
             )?,
-        })
+        };
+        let Some(bias) = &self.bias else {
+            return Ok(y);
+        };
+        // Each row's expert's bias, `[..., 1, out]` like the product.
+        let mut shape = indices.shape();
+        shape.extend([1, self.out as i32]);
+        Ok(y.add(&bias.take(indices, 0)?.reshape(&shape)?)?)
     }
 
     fn arrays(&self) -> Vec<&Array> {
-        match &self.matrix {
+        let mut v = match &self.matrix {
             ExpertMatrix::Dense(w) => vec![w],
             ExpertMatrix::Quantized {
                 weight,
@@ -273,7 +359,9 @@ impl SwitchLinear {
                 biases,
                 ..
             } => vec![weight, scales, biases],
-        }
+        };
+        v.extend(&self.bias);
+        v
     }
 }
 
@@ -310,12 +398,13 @@ pub struct SparseMoe {
     top_k: usize,
     routing: Routing,
     activation: Activation,
+    glu: ExpertGlu,
 }
 
 impl SparseMoe {
-    /// Loads the block at `path` (the router `{path}.gate`, the experts,
-    /// the shared expert `{path}.shared_expert` and its gate
-    /// `{path}.shared_expert_gate`).
+    /// Loads the block at `path` (the router `{path}.gate`, or the
+    /// layout's name, the experts, the shared expert
+    /// `{path}.shared_expert` and its gate `{path}.shared_expert_gate`).
     ///
     /// # Errors
     /// Counts [`MoeSpec::check`] refuses; missing tensors; a router or
@@ -330,17 +419,19 @@ impl SparseMoe {
                     .into(),
             ));
         }
-        let router = Linear::load(ctx, &format!("{path}.gate"), false)?;
+        let layout = spec.layout;
+        let router_path = format!("{path}.{}", layout.router);
+        let router = Linear::load(ctx, &router_path, layout.router_bias)?;
         let (router_rows, hidden) = matrix_dims(&router.weight);
         if router_rows != spec.experts {
             return Err(ModelError::Weights(format!(
-                "{path}.gate routes to {router_rows} experts, config says {}",
+                "{router_path} routes to {router_rows} experts, config says {}",
                 spec.experts
             )));
         }
         let names = spec.per_expert_names;
         let mut proj = |name: &str, per_expert: &str| {
-            SwitchLinear::load(ctx, path, name, per_expert, spec.experts)
+            SwitchLinear::load(ctx, path, (name, per_expert), &layout, spec.experts)
         };
         let gate_proj = proj("gate_proj", names.gate)?;
         let up_proj = proj("up_proj", names.up)?;
@@ -390,6 +481,7 @@ impl SparseMoe {
             top_k: spec.top_k,
             routing: spec.routing,
             activation: spec.activation,
+            glu: spec.glu,
         })
     }
 
@@ -473,12 +565,24 @@ impl SparseMoe {
     /// `indices` broadcast against its batch axes -> `[..., 1, hidden]`.
     fn experts(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
         let g = self.gate_proj.forward(x, indices, sorted)?;
-        let g = match self.activation {
-            Activation::Silu => g.silu()?,
-            Activation::GeluTanh => g.gelu_tanh()?,
-        };
         let u = self.up_proj.forward(x, indices, sorted)?;
-        self.down_proj.forward(&g.multiply(&u)?, indices, sorted)
+        let h = match self.glu {
+            ExpertGlu::Gated => match self.activation {
+                Activation::Silu => g.silu()?,
+                Activation::GeluTanh => g.gelu_tanh()?,
+            }
+            .multiply(&u)?,
+            ExpertGlu::ClampedSwiglu { alpha, limit } => {
+                let c = |v: f32| -> Result<Array, ModelError> {
+                    Ok(Array::scalar(v)?.astype(g.dtype())?)
+                };
+                let g = g.minimum(&c(limit)?)?;
+                let u = u.minimum(&c(limit)?)?.maximum(&c(-limit)?)?;
+                let glu = g.multiply(&g.multiply(&c(alpha)?)?.sigmoid()?)?;
+                u.add(&c(1.0)?)?.multiply(&glu)?
+            }
+        };
+        self.down_proj.forward(&h, indices, sorted)
     }
 
     /// Every tensor of the block.

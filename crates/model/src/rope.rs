@@ -1,6 +1,7 @@
 //! Rotary position embedding (Su et al. 2021, "RoFormer"), with the
 //! frequency scalings of `rope_scaling` (linear; Llama 3.1's, after
-//! Meta's reference `apply_scaling` and mlx_lm's `Llama3RoPE`).
+//! Meta's reference `apply_scaling` and mlx_lm's `Llama3RoPE`; YaRN, Peng
+//! et al. 2023, after mlx_lm's `YarnRoPE`).
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::ModelError;
@@ -14,8 +15,11 @@ pub struct Rope {
     base: f32,
     /// Position multiplier (1/factor for linear scaling).
     scale: f32,
-    /// Explicit inverse frequencies `[dims / 2]` (Llama 3 scaling).
+    /// Explicit periods `[dims / 2]` (Llama 3, YaRN, GGUF divisors).
     freqs: Option<Array>,
+    /// YaRN's attention factor: the rotated features are multiplied by it
+    /// before the rotation (1: no multiply).
+    input_scale: f32,
 }
 
 /// What a RoPE is: rotated features per head, base, layout and scaling.
@@ -53,6 +57,7 @@ impl Rope {
             base: spec.base,
             scale: 1.0,
             freqs: None,
+            input_scale: 1.0,
         };
         match &spec.scaling {
             RopeScaling::Divisors(divisors) => {
@@ -100,13 +105,63 @@ impl Rope {
                     .collect();
                 rope.freqs = Some(Array::from_f32(&freqs, &[half as i32])?);
             }
+            &RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old_ctx,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+            } => {
+                let (freqs, input_scale) = yarn(
+                    dims as usize,
+                    spec.base,
+                    factor,
+                    old_ctx,
+                    (beta_fast, beta_slow),
+                    (mscale, mscale_all_dim),
+                );
+                rope.freqs = Some(Array::from_f32(&freqs, &[freqs.len() as i32])?);
+                rope.input_scale = input_scale;
+            }
         }
         Ok(rope)
+    }
+
+    /// `x` with its rotated features multiplied by YaRN's attention factor
+    /// (unchanged without one).
+    fn scale_input(&self, x: &Array) -> Result<Array, ModelError> {
+        if self.input_scale == 1.0 {
+            return Ok(x.clone());
+        }
+        let factor = Array::scalar(self.input_scale)?.astype(x.dtype())?;
+        let shape = x.shape();
+        let last = *shape.last().unwrap_or(&0);
+        if last == self.dims {
+            return Ok(x.multiply(&factor)?);
+        }
+        // Partial rotary: only the first `dims` features are scaled.
+        let begin = vec![0; shape.len()];
+        let mut mid = shape.clone();
+        if let Some(m) = mid.last_mut() {
+            *m = self.dims;
+        }
+        let mut from = begin.clone();
+        if let Some(f) = from.last_mut() {
+            *f = self.dims;
+        }
+        let rotated = x.slice(&begin, &mid)?.multiply(&factor)?;
+        let rest = x.slice(&from, &shape)?;
+        Ok(mlxcel_mlx::concatenate(
+            &[&rotated, &rest],
+            shape.len() as i32 - 1,
+        )?)
     }
 
     /// Rotates `x` `[batch, heads, seq, head_dim]`; token `i` is at absolute
     /// position `offset + i`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array, ModelError> {
+        let x = &self.scale_input(x)?;
         let offset = i32::try_from(offset)
             .map_err(|_| ModelError::Unsupported(format!("position {offset} too large")))?;
         Ok(match &self.freqs {
@@ -119,6 +174,7 @@ impl Rope {
     /// position `positions[i]` (int32 `[tokens]`): the packed layout of a
     /// step whose rows sit at different positions.
     pub fn apply_at(&self, x: &Array, positions: &Array) -> Result<Array, ModelError> {
+        let x = &self.scale_input(x)?;
         Ok(match &self.freqs {
             None => x.rope_at(
                 self.dims,
@@ -131,5 +187,66 @@ impl Rope {
                 x.rope_with_freqs_at(self.dims, self.traditional, self.scale, positions, f)?
             }
         })
+    }
+}
+
+/// YaRN's periods `[dims / 2]` (as multiples of 1, MLX's `freqs`) and its
+/// attention factor, for RoPE base `base` stretched by `factor` from a
+/// context of `old_ctx` tokens; `betas` are `(beta_fast, beta_slow)` in
+/// rotations, `mscales` `(mscale, mscale_all_dim)`. Peng et al. 2023; the
+/// correction range is floored and ceiled as mlx_lm's `YarnRoPE` does.
+fn yarn(
+    dims: usize,
+    base: f32,
+    factor: f32,
+    old_ctx: f32,
+    betas: (f32, f32),
+    mscales: (f32, f32),
+) -> (Vec<f32>, f32) {
+    let correction_dim = |rotations: f32| {
+        dims as f32 * (old_ctx / (rotations * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln())
+    };
+    let low = correction_dim(betas.0).floor().max(0.0);
+    let high = correction_dim(betas.1).ceil().min(dims as f32 - 1.0);
+    let high = if low == high { high + 0.001 } else { high };
+    let attention = |s: f32, m: f32| {
+        if s <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * s.ln() + 1.0
+        }
+    };
+    let input_scale = attention(factor, mscales.0) / attention(factor, mscales.1);
+    let freqs = (0..dims / 2)
+        .map(|i| {
+            let extra = base.powf((2 * i) as f32 / dims as f32);
+            let inter = factor * extra;
+            // 1 keeps the period (fast rotations), 0 stretches it.
+            let keep = 1.0 - ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+            inter * extra / (inter * keep + extra * (1.0 - keep))
+        })
+        .collect();
+    (freqs, input_scale)
+}
+
+#[cfg(test)]
+mod yarn_tests {
+    #[test]
+    fn yarn_keeps_fast_periods_and_stretches_slow_ones() {
+        // gpt-oss: head 64, base 150000, factor 32 from 4096 tokens.
+        let (freqs, scale) = super::yarn(64, 150_000.0, 32.0, 4096.0, (32.0, 1.0), (1.0, 0.0));
+        assert_eq!(freqs.len(), 32);
+        let base = |i: usize| 150_000f32.powf((2 * i) as f32 / 64.0);
+        // Below the beta_fast correction dimension (8.09 -> 8): unchanged.
+        for (i, f) in freqs.iter().enumerate().take(8) {
+            assert!((f / base(i) - 1.0).abs() < 1e-6, "{i}");
+        }
+        // Above the beta_slow one (17.4 -> 18): stretched by the factor.
+        for (i, f) in freqs.iter().enumerate().skip(18) {
+            assert!((f / base(i) - 32.0).abs() < 1e-3, "{i}");
+        }
+        assert!(freqs[12] / base(12) > 1.0 && freqs[12] / base(12) < 32.0);
+        // 0.1 ln 32 + 1.
+        assert!((scale - 1.346_574).abs() < 1e-5, "{scale}");
     }
 }

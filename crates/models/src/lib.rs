@@ -3,7 +3,8 @@
 //!
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
 //! `granite.rs`, `phi3.rs`, `olmo2.rs`, `gemma3.rs`, and the
-//! mixture-of-experts `qwen2_moe.rs`, `qwen3_moe.rs`, `mixtral.rs`): the
+//! mixture-of-experts `qwen2_moe.rs`, `qwen3_moe.rs`, `mixtral.rs`,
+//! `gpt_oss.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
 //! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`),
 //! how it builds each layer from the shared layers of `mlxcel-model`, and
@@ -15,6 +16,7 @@
 mod checkpoint;
 pub mod decoder;
 mod gemma3;
+mod gpt_oss;
 mod granite;
 mod llama;
 mod mixtral;
@@ -64,6 +66,7 @@ pub const FAMILIES: &[&Family] = &[
     &qwen2_moe::FAMILY,
     &qwen3_moe::FAMILY,
     &mixtral::FAMILY,
+    &gpt_oss::FAMILY,
 ];
 
 /// The family serving `model_type`.

@@ -63,6 +63,8 @@ fn load(
             per_expert_names: ExpertNames::MIXTRAL,
             shared_expert: None,
             activation: Default::default(),
+            glu: Default::default(),
+            layout: Default::default(),
         },
         layers: vec![true; config.num_hidden_layers],
         path: "block_sparse_moe",

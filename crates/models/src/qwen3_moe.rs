@@ -128,6 +128,8 @@ impl QwenMoeKeys {
                 per_expert_names: ExpertNames::PROJ,
                 shared_expert,
                 activation: Default::default(),
+                glu: Default::default(),
+                layout: Default::default(),
             },
             layers: sparse_layers(
                 layers,
