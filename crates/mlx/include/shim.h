@@ -57,6 +57,8 @@ ArrayPtr subtract(const array& a, const array& b);
 ArrayPtr multiply(const array& a, const array& b);
 ArrayPtr divide(const array& a, const array& b);
 ArrayPtr minimum(const array& a, const array& b);
+ArrayPtr clamped_swiglu(const array& gate, const array& up, const array& gate_bias,
+                        const array& up_bias, float alpha, float limit);
 ArrayPtr maximum(const array& a, const array& b);
 ArrayPtr sigmoid(const array& a);
 ArrayPtr tanh(const array& a);
@@ -107,10 +109,10 @@ ArrayPtr sdpa_masked_sinks(const array& q, const array& k, const array& v, float
 // paged_attention.cc
 ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
                                 const array& tables, const array& meta, const array& scale,
-                                int32_t block_size);
+                                int32_t block_size, int32_t window);
 ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const array& v_pool,
                                       const array& tables, const array& meta, const array& scale,
-                                      int32_t block_size, const array& sinks);
+                                      int32_t block_size, int32_t window, const array& sinks);
 bool paged_attention_available();
 
 // io

@@ -37,6 +37,14 @@ pub(crate) mod bridge {
         fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn minimum(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn clamped_swiglu(
+            gate: &array,
+            up: &array,
+            gate_bias: &array,
+            up_bias: &array,
+            alpha: f32,
+            limit: f32,
+        ) -> Result<UniquePtr<array>>;
         fn maximum(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn sigmoid(a: &array) -> Result<UniquePtr<array>>;
         fn tanh(a: &array) -> Result<UniquePtr<array>>;
@@ -188,6 +196,7 @@ pub(crate) mod bridge {
             meta: &array,
             scale: &array,
             block_size: i32,
+            window: i32,
         ) -> Result<UniquePtr<array>>;
         #[allow(clippy::too_many_arguments)]
         fn paged_decode_attention_sinks(
@@ -198,6 +207,7 @@ pub(crate) mod bridge {
             meta: &array,
             scale: &array,
             block_size: i32,
+            window: i32,
             sinks: &array,
         ) -> Result<UniquePtr<array>>;
         fn paged_attention_available() -> Result<bool>;

@@ -72,6 +72,37 @@ pub fn scaled_dot_product_attention(
     }
 }
 
+/// gpt-oss's clamped SwiGLU of an expert's gate and up projections (same
+/// shape and dtype), each plus its bias when `biases` are given (same
+/// shape): with `g = min(gate, limit)` and `u = clip(up, -limit, limit)`,
+/// `(u + 1) · g · σ(alpha · g)` (OpenAI's gpt-oss reference; mlx_lm's
+/// `swiglu_oai`). One fused kernel on a GPU (MLX's `compile`, shapeless),
+/// plain ops on the CPU.
+pub fn clamped_swiglu(
+    gate: &Array,
+    up: &Array,
+    biases: Option<(&Array, &Array)>,
+    alpha: f32,
+    limit: f32,
+) -> Result<Array> {
+    let zero;
+    let (bg, bu) = match biases {
+        Some(b) => b,
+        None => {
+            zero = Array::scalar(0.0)?.astype(gate.dtype())?;
+            (&zero, &zero)
+        }
+    };
+    Array::wrap(bridge::clamped_swiglu(
+        gate.raw(),
+        up.raw(),
+        bg.raw(),
+        bu.raw(),
+        alpha,
+        limit,
+    ))
+}
+
 /// [`scaled_dot_product_attention`] with attention sinks (gpt-oss; Xiao et
 /// al. 2023, "Efficient Streaming Language Models with Attention Sinks"):
 /// `sinks` float `[heads]` is one more logit per head in each query's
@@ -557,7 +588,9 @@ impl Array {
 /// `[rows, 2]`: the offset of the row's first live key inside its first
 /// block, and its live key count (at least 1); `scale` float32 `[1]`. Live key
 /// `t` of a row is at slot `tables[row][(offset + t) / block_size] *
-/// block_size + (offset + t) % block_size`. Returns `[rows, heads, head_dim]`.
+/// block_size + (offset + t) % block_size`. With a sliding `window` (in
+/// keys), each row attends to its last `window` live keys only. Returns
+/// `[rows, heads, head_dim]`.
 ///
 /// # Errors
 /// Mismatched shapes or dtypes, `head_dim` not a multiple of 32 (or above
@@ -570,6 +603,7 @@ pub fn paged_decode_attention(
     meta: &Array,
     scale: &Array,
     block_size: i32,
+    window: Option<usize>,
 ) -> Result<Array> {
     Array::wrap(bridge::paged_decode_attention(
         q.raw(),
@@ -579,6 +613,7 @@ pub fn paged_decode_attention(
         meta.raw(),
         scale.raw(),
         block_size,
+        window_arg(window)?,
     ))
 }
 
@@ -597,6 +632,7 @@ pub fn paged_decode_attention_with_sinks(
     meta: &Array,
     scale: &Array,
     block_size: i32,
+    window: Option<usize>,
     sinks: &Array,
 ) -> Result<Array> {
     Array::wrap(bridge::paged_decode_attention_sinks(
@@ -607,8 +643,18 @@ pub fn paged_decode_attention_with_sinks(
         meta.raw(),
         scale.raw(),
         block_size,
+        window_arg(window)?,
         sinks.raw(),
     ))
+}
+
+/// The paged kernel's `WINDOW`: the window in keys, 0 for none.
+fn window_arg(window: Option<usize>) -> Result<i32> {
+    i32::try_from(window.unwrap_or(0)).map_err(|_| {
+        Error(format!(
+            "attention window {window:?} does not fit the kernel"
+        ))
+    })
 }
 
 /// Whether [`paged_decode_attention`] has a kernel on this machine: MLX's

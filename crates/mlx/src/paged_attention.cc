@@ -29,7 +29,8 @@
 // Output:
 //   o       [rows, heads, head_dim]
 // Live key t of a row sits at slot tables[row][(offset + t) / BS] * BS +
-// (offset + t) % BS.
+// (offset + t) % BS. With a sliding window (template WINDOW > 0, in keys), a
+// row attends to its last WINDOW live keys only (0: all).
 #include "mlxcel-mlx/include/shim.h"
 
 #if defined(__APPLE__)
@@ -64,6 +65,7 @@ const char* kMetalSource = R"(
   int max_blocks = tables_shape[1];
   int first = meta[row * 2];
   int len = meta[row * 2 + 1];
+  if (WINDOW > 0 && len > WINDOW) { first += len - WINDOW; len = WINDOW; }
   float sc = scale[0];
   float qv[PER];
   size_t qbase = (size_t(row) * HEADS + head) * D + lane * PER;
@@ -124,8 +126,9 @@ const char* kCudaSource = R"(
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int max_blocks = tables_shape[1];
-  const int first = meta[row * 2];
-  const int len = meta[row * 2 + 1];
+  int first = meta[row * 2];
+  int len = meta[row * 2 + 1];
+  if (WINDOW > 0 && len > WINDOW) { first += len - WINDOW; len = WINDOW; }
   const float sc = scale[0];
   float qv[PER];
   const size_t qbase = ((size_t)row * HEADS + head) * D + lane * PER;
@@ -231,7 +234,7 @@ const mx::fast::CustomKernelFunction& kernel(bool sinks) {
 
 namespace {
 ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const array& tables,
-               const array& meta, const array& scale, int32_t block_size,
+               const array& meta, const array& scale, int32_t block_size, int32_t window,
                const array* sinks) {
   if (q.ndim() != 3 || k_pool.ndim() != 3 || v_pool.ndim() != 3 || tables.ndim() != 2 ||
       meta.ndim() != 2) {
@@ -242,7 +245,7 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
   if (dim % 32 != 0 || dim > 256 || kv_heads == 0 || heads % kv_heads != 0 ||
       k_pool.shape(2) != dim || v_pool.shape(2) != dim || tables.shape(0) != rows ||
       meta.shape(0) != rows || meta.shape(1) != 2 || tables.dtype() != mx::int32 ||
-      meta.dtype() != mx::int32 || scale.dtype() != mx::float32 || block_size < 1 ||
+      meta.dtype() != mx::int32 || scale.dtype() != mx::float32 || block_size < 1 || window < 0 ||
       k_pool.dtype() != q.dtype() || v_pool.dtype() != q.dtype()) {
     throw std::invalid_argument("[paged_decode_attention] inputs do not match");
   }
@@ -259,7 +262,8 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
                        {"HEADS", heads},
                        {"KV_HEADS", kv_heads},
                        {"D", dim},
-                       {"BS", static_cast<int>(block_size)}},
+                       {"BS", static_cast<int>(block_size)},
+                       {"WINDOW", static_cast<int>(window)}},
                       std::nullopt, false, {});
   return std::make_unique<array>(std::move(out[0]));
 }
@@ -267,14 +271,14 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
 
 ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
                                 const array& tables, const array& meta, const array& scale,
-                                int32_t block_size) {
-  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, nullptr);
+                                int32_t block_size, int32_t window) {
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, nullptr);
 }
 
 ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const array& v_pool,
                                       const array& tables, const array& meta, const array& scale,
-                                      int32_t block_size, const array& sinks) {
-  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, &sinks);
+                                      int32_t block_size, int32_t window, const array& sinks) {
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, &sinks);
 }
 
 bool paged_attention_available() {

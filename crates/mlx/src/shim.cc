@@ -101,6 +101,32 @@ ArrayPtr subtract(const array& a, const array& b) { return wrap(mx::subtract(a, 
 ArrayPtr multiply(const array& a, const array& b) { return wrap(mx::multiply(a, b)); }
 ArrayPtr divide(const array& a, const array& b) { return wrap(mx::divide(a, b)); }
 ArrayPtr minimum(const array& a, const array& b) { return wrap(mx::minimum(a, b)); }
+
+namespace {
+// gpt-oss's clamped SwiGLU; inputs: gate, up, their biases, alpha, limit, 1
+// (the scalars in the compute dtype).
+std::vector<array> clamped_swiglu_graph(const std::vector<array>& in) {
+  const auto& limit = in[5];
+  auto g = mx::minimum(mx::add(in[0], in[2]), limit);
+  auto u = mx::clip(mx::add(in[1], in[3]), mx::negative(limit), limit);
+  auto glu = mx::multiply(g, mx::sigmoid(mx::multiply(in[4], g)));
+  return {mx::multiply(mx::add(u, in[6]), glu)};
+}
+}  // namespace
+
+ArrayPtr clamped_swiglu(const array& gate, const array& up, const array& gate_bias,
+                        const array& up_bias, float alpha, float limit) {
+  const auto t = gate.dtype();
+  std::vector<array> in = {gate, up, gate_bias, up_bias, mx::array(alpha, t), mx::array(limit, t),
+                           mx::array(1.0f, t)};
+  // One fused kernel on a GPU (as mlx_lm compiles it); plain ops on the
+  // CPU, where MLX's compiled kernels would need a compiler at run time.
+  if (mx::default_device().type == mx::Device::gpu) {
+    static const auto fused = mx::compile(clamped_swiglu_graph, /*shapeless=*/true);
+    return wrap(fused(in)[0]);
+  }
+  return wrap(clamped_swiglu_graph(in)[0]);
+}
 ArrayPtr maximum(const array& a, const array& b) { return wrap(mx::maximum(a, b)); }
 ArrayPtr sigmoid(const array& a) { return wrap(mx::sigmoid(a)); }
 ArrayPtr tanh(const array& a) { return wrap(mx::tanh(a)); }

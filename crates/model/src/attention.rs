@@ -198,6 +198,14 @@ impl Attention {
             k_proj.shard_if(ShardAxis::Output, tp)?,
             v_proj.shard_if(ShardAxis::Output, tp)?,
         );
+        let mut rope = Rope::new(&spec.rope)?;
+        // YaRN's factor on queries and keys is its square on the scores
+        // when whole heads rotate.
+        let scale = if spec.rope.dims == spec.head_dim {
+            spec.scale * rope.take_input_scale().powi(2)
+        } else {
+            spec.scale
+        };
         Ok(Attention {
             q_proj,
             k_proj,
@@ -207,12 +215,12 @@ impl Attention {
             q_norm: norm(ctx, "q_norm")?,
             k_norm: norm(ctx, "k_norm")?,
             qk_norm_per_head: spec.qk_norm.is_some_and(|n| n.per_head),
-            rope: Rope::new(&spec.rope)?,
+            rope,
             heads: (spec.heads / ranks) as i32,
             kv_heads: (spec.kv_heads / ranks) as i32,
             head_dim: spec.head_dim as i32,
-            scale: spec.scale,
-            scale_array: Array::from_f32(&[spec.scale], &[1])?,
+            scale,
+            scale_array: Array::from_f32(&[scale], &[1])?,
             window: spec.window,
             sinks,
         })
@@ -317,7 +325,9 @@ impl Attention {
         let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
         // The kernel splits head_dim over a warp's 32 lanes (up to 256).
         let kernel_fits = self.head_dim % 32 == 0 && self.head_dim <= 256;
-        if step.paged_kernel && kernel_fits && self.window.is_none() {
+        // Windowed layers too: the kernel attends to each row's last
+        // `window` live keys.
+        if step.paged_kernel && kernel_fits {
             if let Some(pool) = kv.read_paged(layer, &ids)? {
                 let q = q.reshape(&[rows as i32, h, d])?;
                 let (scale, bs) = (&self.scale_array, pool.block_size as i32);
@@ -330,6 +340,7 @@ impl Attention {
                         pool.meta,
                         scale,
                         bs,
+                        self.window,
                     )?,
                     Some(s) => mlxcel_mlx::paged_decode_attention_with_sinks(
                         &q,
@@ -339,6 +350,7 @@ impl Attention {
                         pool.meta,
                         scale,
                         bs,
+                        self.window,
                         &s.float32,
                     )?,
                 };

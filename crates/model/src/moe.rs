@@ -166,12 +166,11 @@ enum ExpertMatrix {
     },
 }
 
-/// One projection of every expert (mlx_lm's `SwitchLinear`).
+/// One projection of every expert (mlx_lm's `SwitchLinear`, without its
+/// bias: [`SparseMoe`] adds the three projections' biases from one table).
 #[derive(Debug, Clone)]
 pub struct SwitchLinear {
     matrix: ExpertMatrix,
-    /// Each expert's bias, `[experts, out]` in the compute dtype.
-    bias: Option<Array>,
     /// The output rows of each expert's matrix.
     out: usize,
     /// The input width of each expert's matrix.
@@ -182,7 +181,8 @@ impl SwitchLinear {
     /// Loads `{path}.{stacked}.{name}` (stacked; `stacked` is
     /// [`ExpertLayout::stacked`]) or, when that is absent,
     /// `{path}.experts.{e}.{per_expert}` for every expert, stacking them;
-    /// with `bias`, the `.bias` beside each weight too.
+    /// with `bias`, the `.bias` beside each weight too, returned beside
+    /// the projection (`[experts, out]`, compute dtype).
     ///
     /// # Errors
     /// Missing tensors; an expert count other than `experts`; a
@@ -194,7 +194,7 @@ impl SwitchLinear {
         (name, per_expert): (&str, &str),
         layout: &ExpertLayout,
         experts: usize,
-    ) -> Result<Self, ModelError> {
+    ) -> Result<(Self, Option<Array>), ModelError> {
         let stacked = format!("{path}.{}.{name}", layout.stacked);
         let (module, parts) = if ctx.weights.contains(&format!("{stacked}.weight")) {
             let take =
@@ -313,18 +313,13 @@ impl SwitchLinear {
                 )))
             }
         };
-        Ok(SwitchLinear {
-            matrix,
-            bias,
-            out,
-            input,
-        })
+        Ok((SwitchLinear { matrix, out, input }, bias))
     }
 
     /// `x` `[..., 1, in]` through the expert `indices` (uint32, broadcast
     /// against `x`'s batch axes) -> `[..., 1, out]`.
     fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
-        let y = match &self.matrix {
+        Ok(match &self.matrix {
             ExpertMatrix::Dense(w) => x.gather_mm(&w.transpose(&[0, 2, 1])?, indices, sorted)?,
             ExpertMatrix::Quantized {
                 weight,
@@ -340,18 +335,11 @@ impl SwitchLinear {
                 spec.bits,
                 sorted,
             )?,
-        };
-        let Some(bias) = &self.bias else {
-            return Ok(y);
-        };
-        // Each row's expert's bias, `[..., 1, out]` like the product.
-        let mut shape = indices.shape();
-        shape.extend([1, self.out as i32]);
-        Ok(y.add(&bias.take(indices, 0)?.reshape(&shape)?)?)
+        })
     }
 
     fn arrays(&self) -> Vec<&Array> {
-        let mut v = match &self.matrix {
+        match &self.matrix {
             ExpertMatrix::Dense(w) => vec![w],
             ExpertMatrix::Quantized {
                 weight,
@@ -359,9 +347,7 @@ impl SwitchLinear {
                 biases,
                 ..
             } => vec![weight, scales, biases],
-        };
-        v.extend(&self.bias);
-        v
+        }
     }
 }
 
@@ -393,6 +379,10 @@ pub struct SparseMoe {
     gate_proj: SwitchLinear,
     up_proj: SwitchLinear,
     down_proj: SwitchLinear,
+    /// The experts' biases (gpt-oss), gate's, up's and down's side by side:
+    /// `[experts, 2 · expert_hidden + hidden]`, one gather a step for all
+    /// three.
+    biases: Option<Array>,
     /// The shared expert and its `[hidden] -> [1]` sigmoid gate.
     shared: Option<(Mlp, Linear)>,
     top_k: usize,
@@ -433,9 +423,13 @@ impl SparseMoe {
         let mut proj = |name: &str, per_expert: &str| {
             SwitchLinear::load(ctx, path, (name, per_expert), &layout, spec.experts)
         };
-        let gate_proj = proj("gate_proj", names.gate)?;
-        let up_proj = proj("up_proj", names.up)?;
-        let down_proj = proj("down_proj", names.down)?;
+        let (gate_proj, gate_bias) = proj("gate_proj", names.gate)?;
+        let (up_proj, up_bias) = proj("up_proj", names.up)?;
+        let (down_proj, down_bias) = proj("down_proj", names.down)?;
+        let biases = match (gate_bias, up_bias, down_bias) {
+            (Some(g), Some(u), Some(d)) => Some(mlxcel_mlx::concatenate(&[&g, &u, &d], 1)?),
+            _ => None,
+        };
         for (name, rows) in [("gate", gate_proj.out), ("up", up_proj.out)] {
             if rows != spec.expert_hidden {
                 return Err(ModelError::Weights(format!(
@@ -477,6 +471,7 @@ impl SparseMoe {
             gate_proj,
             up_proj,
             down_proj,
+            biases,
             shared,
             top_k: spec.top_k,
             routing: spec.routing,
@@ -566,23 +561,52 @@ impl SparseMoe {
     fn experts(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
         let g = self.gate_proj.forward(x, indices, sorted)?;
         let u = self.up_proj.forward(x, indices, sorted)?;
-        let h = match self.glu {
-            ExpertGlu::Gated => match self.activation {
-                Activation::Silu => g.silu()?,
-                Activation::GeluTanh => g.gelu_tanh()?,
-            }
-            .multiply(&u)?,
-            ExpertGlu::ClampedSwiglu { alpha, limit } => {
-                let c = |v: f32| -> Result<Array, ModelError> {
-                    Ok(Array::scalar(v)?.astype(g.dtype())?)
+        // Each row's expert's biases, `[..., 1, width]` like the products:
+        // one gather, three views.
+        let biases = match &self.biases {
+            None => None,
+            Some(table) => {
+                let (inner, hidden) = (self.gate_proj.out as i32, self.down_proj.out as i32);
+                let mut shape = indices.shape();
+                shape.extend([1, 2 * inner + hidden]);
+                let rows = table.take(indices, 0)?.reshape(&shape)?;
+                let part = |from: i32, to: i32| -> Result<Array, ModelError> {
+                    let mut begin = vec![0; shape.len()];
+                    let mut end = shape.clone();
+                    if let (Some(b), Some(e)) = (begin.last_mut(), end.last_mut()) {
+                        (*b, *e) = (from, to);
+                    }
+                    Ok(rows.slice(&begin, &end)?)
                 };
-                let g = g.minimum(&c(limit)?)?;
-                let u = u.minimum(&c(limit)?)?.maximum(&c(-limit)?)?;
-                let glu = g.multiply(&g.multiply(&c(alpha)?)?.sigmoid()?)?;
-                u.add(&c(1.0)?)?.multiply(&glu)?
+                Some([
+                    part(0, inner)?,
+                    part(inner, 2 * inner)?,
+                    part(2 * inner, 2 * inner + hidden)?,
+                ])
             }
         };
-        self.down_proj.forward(&h, indices, sorted)
+        let h = match self.glu {
+            ExpertGlu::Gated => {
+                let (g, u) = match &biases {
+                    Some([bg, bu, _]) => (g.add(bg)?, u.add(bu)?),
+                    None => (g, u),
+                };
+                match self.activation {
+                    Activation::Silu => g.silu()?,
+                    Activation::GeluTanh => g.gelu_tanh()?,
+                }
+                .multiply(&u)?
+            }
+            ExpertGlu::ClampedSwiglu { alpha, limit } => {
+                let b = biases.as_ref().map(|[bg, bu, _]| (bg, bu));
+                mlxcel_mlx::clamped_swiglu(&g, &u, b, alpha, limit)?
+            }
+        };
+        let y = self.down_proj.forward(&h, indices, sorted)?;
+        Ok(match &biases {
+            Some([_, _, bd]) => y.add(bd)?,
+            None => y,
+        })
     }
 
     /// Every tensor of the block.
@@ -591,6 +615,7 @@ impl SparseMoe {
         for p in [&self.gate_proj, &self.up_proj, &self.down_proj] {
             v.extend(p.arrays());
         }
+        v.extend(&self.biases);
         if let Some((mlp, gate)) = &self.shared {
             for l in [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj, gate] {
                 v.extend(l.arrays());

@@ -128,6 +128,14 @@ impl Rope {
         Ok(rope)
     }
 
+    /// YaRN's attention factor (1 without YaRN), which this RoPE then no
+    /// longer applies: a caller that rotates whole heads of both queries
+    /// and keys applies its square to the attention scores instead (one
+    /// scalar instead of two multiplies a layer).
+    pub fn take_input_scale(&mut self) -> f32 {
+        std::mem::replace(&mut self.input_scale, 1.0)
+    }
+
     /// `x` with its rotated features multiplied by YaRN's attention factor
     /// (unchanged without one).
     fn scale_input(&self, x: &Array) -> Result<Array, ModelError> {
