@@ -164,7 +164,7 @@ impl Job {
         let filter = match &self.tool_calls {
             ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
             ToolCallOutput::Parsed(format) => {
-                OutputFilter::with_format(&self.request.stop, &names(), *format)
+                OutputFilter::with_format(&self.request.stop, &self.request.tools, *format)
             }
             ToolCallOutput::Forced(prefix) => {
                 OutputFilter::forced(&self.request.stop, &names(), prefix)

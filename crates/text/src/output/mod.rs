@@ -11,8 +11,8 @@
 //!   stop string ends the choice, and neither it nor anything after it is
 //!   sent (OpenAI's `stop`). The search runs over everything not yet sent,
 //!   so a stop string split across any number of tokens is found.
-//! - **Tool calls** ([`tool_calls`]: a [`ToolCallParser`], today the
-//!   Hermes / Qwen2.5 format:
+//! - **Tool calls** ([`tool_calls`]: a [`ToolCallParser`] of the model's
+//!   format, [`ToolCallFormat`]; by default the Hermes / Qwen2.5 format
 //!   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`).
 //!   Calls of offered functions become [`OutputPiece::CallStart`] and
 //!   [`OutputPiece::CallArguments`] fragments, streamed as generated; a
@@ -24,6 +24,8 @@
 //!   prefix ([`OutputFilter::forced`]), so the call is built from the
 //!   generated arguments and no wrapper text is ever sent, even when the
 //!   choice is cut short.
+
+use mlxcel_engine_api::ToolDefinition;
 
 use crate::reasoning::{ReasoningSplitter, ReplyPart};
 
@@ -137,13 +139,19 @@ impl OutputFilter {
     /// extracting calls of the functions named in `tool_names` (a call of
     /// any other name stays text: it is not a call the client can answer).
     pub fn new(stop: &[String], tool_names: &[String]) -> Self {
-        Self::with_parser(stop, tool_names, HermesParser::new)
+        Self::with_parser(stop, tool_names, |names| Box::new(HermesParser::new(names)))
     }
 
-    /// [`OutputFilter::new`] reading calls in `format` (the model's own,
-    /// [`ToolCallFormat::from_template`]).
-    pub fn with_format(stop: &[String], tool_names: &[String], format: ToolCallFormat) -> Self {
-        Self::with_parser(stop, tool_names, |names| format.parser(names))
+    /// A filter ending at any of `stop` that reads calls of `tools` in
+    /// `format` (the model's own, [`ToolCallFormat::from_template`]). The
+    /// tools' names decide what is a call; the XML format also reads their
+    /// parameter schemas (which values are JSON rather than strings).
+    pub fn with_format(stop: &[String], tools: &[ToolDefinition], format: ToolCallFormat) -> Self {
+        Self {
+            stop: StopStrings::new(stop),
+            tool_calls: (!tools.is_empty()).then(|| format.parser(tools)),
+            reasoning: None,
+        }
     }
 
     /// The same filter, after `splitter` has taken the reasoning out: only
@@ -159,21 +167,20 @@ impl OutputFilter {
     /// choice cut before the function name was complete) is dropped.
     pub fn forced(stop: &[String], tool_names: &[String], prefix: &str) -> Self {
         Self::with_parser(stop, tool_names, |names| {
-            HermesParser::forced(names, prefix)
+            Box::new(HermesParser::forced(names, prefix))
         })
     }
 
     /// A filter whose tool-call parser `parser` builds for `tool_names`
     /// (none when `tool_names` is empty).
-    fn with_parser<P: ToolCallParser + 'static>(
+    fn with_parser(
         stop: &[String],
         tool_names: &[String],
-        parser: impl FnOnce(&[String]) -> P,
+        parser: impl FnOnce(&[String]) -> Box<dyn ToolCallParser>,
     ) -> Self {
         Self {
             stop: StopStrings::new(stop),
-            tool_calls: (!tool_names.is_empty())
-                .then(|| Box::new(parser(tool_names)) as Box<dyn ToolCallParser>),
+            tool_calls: (!tool_names.is_empty()).then(|| parser(tool_names)),
             reasoning: None,
         }
     }

@@ -73,6 +73,18 @@ fn tools(names: &[&str]) -> Vec<String> {
     names.iter().map(|n| n.to_string()).collect()
 }
 
+/// Offered functions named `names`, without parameters.
+fn definitions(names: &[&str]) -> Vec<ToolDefinition> {
+    names
+        .iter()
+        .map(|n| ToolDefinition {
+            name: n.to_string(),
+            description: None,
+            parameters: serde_json::json!({"type": "object"}),
+        })
+        .collect()
+}
+
 /// Stop strings and calls are looked for in the answer only: inside
 /// the reasoning they are text.
 #[test]
@@ -353,9 +365,9 @@ fn a_required_reply_cut_between_calls_sends_no_wrapper_text() {
 /// Every split of `text` into pieces of 1 to 7 characters, through a
 /// filter reading calls of `names` in `format`.
 fn each_split(format: ToolCallFormat, names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
-    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    let tools = definitions(names);
     for n in 1..=7 {
-        let mut filter = OutputFilter::with_format(&[], &names, format);
+        let mut filter = OutputFilter::with_format(&[], &tools, format);
         check(&run_chunked(&mut filter, text, n), n);
     }
 }
@@ -483,4 +495,218 @@ fn mistral_json_replies_that_are_not_calls_are_text() {
     );
     let v11 = "[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}";
     assert_eq!(ToolCallFormat::from_template(v11), ToolCallFormat::Hermes);
+}
+
+// --- Qwen3-Coder's XML calls -----------------------------------------------
+
+/// `text` through a filter reading `tools` in `format`: whole, cut once at
+/// every character boundary, and in pieces of 1 to 7 characters; `check`
+/// sees every outcome, and every outcome equals the whole one.
+fn each_cut(format: ToolCallFormat, tools: &[ToolDefinition], text: &str, check: impl Fn(&Sent)) {
+    let summary = |s: &Sent| {
+        let calls: Vec<(String, String)> = s
+            .calls
+            .iter()
+            .map(|c| (c.name.clone(), c.arguments.clone()))
+            .collect();
+        (s.text.clone(), s.reasoning.clone(), calls)
+    };
+    let whole = run(&mut OutputFilter::with_format(&[], tools, format), &[text]);
+    check(&whole);
+    let want = summary(&whole);
+    for cut in (1..text.len()).filter(|&i| text.is_char_boundary(i)) {
+        let mut filter = OutputFilter::with_format(&[], tools, format);
+        let sent = run(&mut filter, &[&text[..cut], &text[cut..]]);
+        assert_eq!(summary(&sent), want, "cut at {cut}: {text:?}");
+    }
+    for n in 1..=7 {
+        let mut filter = OutputFilter::with_format(&[], tools, format);
+        let sent = run_chunked(&mut filter, text, n);
+        assert_eq!(summary(&sent), want, "pieces of {n}: {text:?}");
+    }
+}
+
+/// `get_weather(city: string, days: integer, units: ["string", "null"],
+/// options: object)` and `now()`.
+fn weather_tools() -> Vec<ToolDefinition> {
+    let mut tools = definitions(&["get_weather", "now"]);
+    tools[0].parameters = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "units": {"type": ["string", "null"]},
+            "options": {"type": "object"},
+        },
+    });
+    tools
+}
+
+#[test]
+fn the_qwen3_coder_template_picks_the_xml_format() {
+    let coder = "{%- if tools %}<tools>...</tools>{%- endif %}<tool_call>\n<function=\
+                 {{ tool_call.name }}>\n<parameter={{ args_name }}>\n{{ args_value }}\n\
+                 </parameter>\n</function>\n</tool_call>";
+    assert_eq!(
+        ToolCallFormat::from_template(coder),
+        ToolCallFormat::Qwen3CoderXml
+    );
+}
+
+#[test]
+fn qwen3_coder_calls_read_values_as_the_schema_says() {
+    let reply = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n\
+                 New \"York\"\n</parameter>\n<parameter=days>\n3\n</parameter>\n\
+                 <parameter=units>\n42\n</parameter>\n<parameter=options>\n\
+                 {\"hourly\": true, \"n\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n\
+                 <tool_call>\n<function=now>\n</function>\n</tool_call>";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.text, "Let me check.\n");
+            let names: Vec<&str> = sent.calls.iter().map(|c| c.name.as_str()).collect();
+            assert_eq!(names, ["get_weather", "now"]);
+            assert_eq!(
+                sent.calls[0].arguments,
+                "{\"city\": \"New \\\"York\\\"\", \"days\": 3, \"units\": \"42\", \
+             \"options\": {\"hourly\": true, \"n\": [1, 2]}}"
+            );
+            let parsed: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).unwrap();
+            assert_eq!(parsed["days"], 3);
+            assert_eq!(parsed["units"], "42");
+            assert_eq!(sent.calls[1].arguments, "{}");
+        },
+    );
+}
+
+#[test]
+fn qwen3_coder_typed_values_that_are_not_json_stay_strings() {
+    let reply = "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n\
+                 <parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.text, "");
+            // `extra` is not in the schema: a string.
+            assert_eq!(
+                sent.calls[0].arguments,
+                "{\"days\": \"three\", \"extra\": \"7\"}"
+            );
+        },
+    );
+}
+
+/// A value that holds the format's own markup (code writing XML calls):
+/// only `</parameter>` followed by `<parameter=` or `</function>` ends it.
+#[test]
+fn qwen3_coder_markup_inside_a_value_is_value_text() {
+    let code = "if x:\n    s = \"<parameter=x>\\n</function>\"\n</parameter> is not the end\n\
+                <tool_call></tool_call>\n";
+    let reply = format!(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n{code}\n</parameter>\n\
+         </function>\n</tool_call>"
+    );
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        &reply,
+        |sent| {
+            assert_eq!(sent.text, "");
+            assert_eq!(sent.calls.len(), 1);
+            let parsed: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).unwrap();
+            assert_eq!(parsed, serde_json::json!({ "city": code }));
+        },
+    );
+}
+
+#[test]
+fn qwen3_coder_string_values_stream_as_generated() {
+    let tools = weather_tools();
+    let mut f = OutputFilter::with_format(&[], &tools, ToolCallFormat::Qwen3CoderXml);
+    let mut sent = Sent::default();
+    sent.take(f.push("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"));
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Pa");
+    sent.take(f.push("ris\n</param"));
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Paris");
+    sent.take(f.push("eter>\n<parameter=days>\n1"));
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Paris\", \"days\": ");
+    sent.take(f.push("2\n</parameter>\n</function>"));
+    assert_eq!(
+        sent.calls[0].arguments,
+        "{\"city\": \"Paris\", \"days\": 12}"
+    );
+    sent.take(f.finish());
+    assert_eq!(sent.text, "");
+}
+
+#[test]
+fn qwen3_coder_markup_that_is_not_a_call_is_text() {
+    for reply in [
+        // A function that was not offered.
+        "<tool_call>\n<function=nope>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+        // Not the XML format after the tag.
+        "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>",
+        // A name cut by a line break.
+        "<tool_call>\n<function=now\n</function>\n</tool_call>",
+        // Cut inside the function tag.
+        "Hi <tool_call>\n<function=no",
+        "<tool_ca",
+    ] {
+        each_cut(
+            ToolCallFormat::Qwen3CoderXml,
+            &weather_tools(),
+            reply,
+            |sent| {
+                assert!(sent.calls.is_empty(), "{reply:?}");
+                assert_eq!(sent.text, reply);
+            },
+        );
+    }
+}
+
+#[test]
+fn qwen3_coder_broken_markup_after_a_call_starts_ends_it() {
+    // After the committed call, stray text where a parameter or the
+    // function's end belongs closes the arguments; it and what follows
+    // are text.
+    let reply = "<tool_call>\n<function=get_weather>\noops</function>\n</tool_call> ok";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.calls.len(), 1);
+            assert_eq!(sent.calls[0].arguments, "{}");
+            assert_eq!(sent.text, "oops</function>\n</tool_call> ok");
+        },
+    );
+    let reply = "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n\
+                 <parameter=city\n</function>";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.calls.len(), 1);
+            assert_eq!(sent.calls[0].arguments, "{\"days\": 2}");
+            assert_eq!(sent.text, "<parameter=city\n</function>");
+        },
+    );
+    // Cut inside a value (max_tokens): the arguments as far as they came.
+    let cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        cut,
+        |sent| {
+            assert_eq!(sent.calls.len(), 1);
+            assert_eq!(sent.calls[0].arguments, "{\"city\": \"Par");
+            assert_eq!(sent.text, "");
+        },
+    );
 }
