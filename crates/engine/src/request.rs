@@ -21,7 +21,7 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
-use mlxcel_text::output::forced_call_prefix;
+use mlxcel_text::output::{forced_call_prefix, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 use mlxcel_text::{Text, TextError};
 
@@ -165,21 +165,26 @@ impl RequestBuilder {
         }
         self.check_token_ids(&prompt)?;
         request.max_tokens = self.max_tokens(prompt.len(), n, request.max_tokens)?;
+        let format = self
+            .text
+            .template
+            .as_ref()
+            .map(|t| t.tool_call_format())
+            .unwrap_or_default();
+        // A harmony reply (gpt-oss) carries its reasoning on a channel of
+        // its own: the harmony reader splits it, with or without tools.
+        let harmony = chat && format == ToolCallFormat::Harmony;
         // Constrained output (a schema, a forced call) is all content.
-        let reasoning = (chat && limits.split_reasoning && constrained.is_none()).then(|| {
-            let tail = &prompt[prompt.len().saturating_sub(8)..];
-            let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
-            ReasoningSplitter::prompt_opens_block(&tail)
-        });
+        let reasoning =
+            (chat && limits.split_reasoning && constrained.is_none() && !harmony).then(|| {
+                let tail = &prompt[prompt.len().saturating_sub(8)..];
+                let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
+                ReasoningSplitter::prompt_opens_block(&tail)
+            });
         let tool_calls = match reply {
             Some(prefix) => ToolCallOutput::Forced(prefix),
-            None if !tools.is_empty() => ToolCallOutput::Parsed(
-                self.text
-                    .template
-                    .as_ref()
-                    .map(|t| t.tool_call_format())
-                    .unwrap_or_default(),
-            ),
+            None if !tools.is_empty() => ToolCallOutput::Parsed(format),
+            None if harmony => ToolCallOutput::Harmony,
             None => ToolCallOutput::Off,
         };
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();

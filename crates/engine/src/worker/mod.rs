@@ -54,6 +54,9 @@ pub(crate) enum ToolCallOutput {
     /// Calls of the offered functions are parsed out of free text, in the
     /// format of the model's chat template.
     Parsed(mlxcel_text::output::ToolCallFormat),
+    /// A harmony reply (gpt-oss) without tools: its channels are read
+    /// (reasoning, content) from its text and special tokens.
+    Harmony,
     /// A forced reply whose start, this prefix
     /// ([`mlxcel_text::output::forced_call_prefix`]), ends the prompt.
     Forced(String),

@@ -7,7 +7,7 @@ use std::time::Instant;
 use mlxcel_kv::KvSequence;
 use mlxcel_text::constraint::ConstrainedDecoder;
 use mlxcel_text::detokenizer::IncrementalDetokenizer;
-use mlxcel_text::output::OutputFilter;
+use mlxcel_text::output::{OutputFilter, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 
 use super::{Job, ToolCallOutput};
@@ -163,6 +163,9 @@ impl Job {
             || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
         let filter = match &self.tool_calls {
             ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
+            ToolCallOutput::Harmony => {
+                OutputFilter::with_format(&self.request.stop, &[], ToolCallFormat::Harmony)
+            }
             ToolCallOutput::Parsed(format) => {
                 OutputFilter::with_format(&self.request.stop, &self.request.tools, *format)
             }

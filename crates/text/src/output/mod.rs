@@ -28,10 +28,13 @@
 use mlxcel_engine_api::ToolDefinition;
 
 use crate::reasoning::{ReasoningSplitter, ReplyPart};
+use crate::tokenizer::TextTokenizer;
 
+pub mod harmony;
 mod stop;
 pub mod tool_calls;
 
+use harmony::HarmonyReader;
 use stop::StopStrings;
 pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
@@ -132,6 +135,9 @@ pub struct OutputFilter {
     tool_calls: Option<Box<dyn ToolCallParser>>,
     /// Splits reasoning off before everything else (reasoning models).
     reasoning: Option<ReasoningSplitter>,
+    /// Reads a harmony reply (gpt-oss) before everything else: its
+    /// reasoning, its calls; its content goes on through the stop strings.
+    harmony: Option<HarmonyReader>,
 }
 
 impl OutputFilter {
@@ -146,12 +152,72 @@ impl OutputFilter {
     /// `format` (the model's own, [`ToolCallFormat::from_template`]). The
     /// tools' names decide what is a call; the XML format also reads their
     /// parameter schemas (which values are JSON rather than strings).
+    ///
+    /// Harmony ([`ToolCallFormat::Harmony`]) is read whether or not tools
+    /// are offered (it carries the reasoning too), from the text and the
+    /// special tokens ([`OutputFilter::push_special`]).
     pub fn with_format(stop: &[String], tools: &[ToolDefinition], format: ToolCallFormat) -> Self {
+        let harmony = (format == ToolCallFormat::Harmony).then(|| HarmonyReader::new(tools));
         Self {
             stop: StopStrings::new(stop),
-            tool_calls: (!tools.is_empty()).then(|| format.parser(tools)),
+            tool_calls: if tools.is_empty() {
+                None
+            } else {
+                format.parser(tools)
+            },
             reasoning: None,
+            harmony,
         }
+    }
+
+    /// Whether this filter reads special tokens ([`OutputFilter::push_special`]):
+    /// true for a harmony reply, whose markers are special tokens.
+    pub fn reads_special_tokens(&self) -> bool {
+        self.harmony.is_some()
+    }
+
+    /// Feeds generated token `id` to [`OutputFilter::push_special`] when it
+    /// is a special token of `tokenizer` and this filter reads them (call
+    /// it after the token's text went through [`OutputFilter::push`]; the
+    /// detokenizer gives a special token no text). Nothing otherwise.
+    pub fn push_special_token(&mut self, tokenizer: &TextTokenizer, id: u32) -> Filtered {
+        if !self.reads_special_tokens() || !tokenizer.is_special_token(id) {
+            return Filtered::default();
+        }
+        match tokenizer.id_to_token(id) {
+            Some(token) => self.push_special(&token),
+            None => Filtered::default(),
+        }
+    }
+
+    /// Feeds a generated special token, `token` its text (such as
+    /// `<|channel|>`), after the text before it went through
+    /// [`OutputFilter::push`]. Only a harmony filter reads them; others
+    /// skip them, as the detokenizer does.
+    pub fn push_special(&mut self, token: &str) -> Filtered {
+        if self.stop.stopped() {
+            return Filtered::default();
+        }
+        match self.harmony.as_mut().map(|h| h.marker(token)) {
+            Some(pieces) => self.route_harmony(pieces),
+            None => Filtered::default(),
+        }
+    }
+
+    /// A harmony reader's pieces: content through the stop strings, the
+    /// rest as is.
+    fn route_harmony(&mut self, pieces: Vec<OutputPiece>) -> Filtered {
+        let mut out = Filtered::default();
+        for piece in pieces {
+            if self.stop.stopped() {
+                break;
+            }
+            match piece {
+                OutputPiece::Text(t) => out.extend(self.push_content(&t)),
+                piece => out.push(piece),
+            }
+        }
+        out
     }
 
     /// The same filter, after `splitter` has taken the reasoning out: only
@@ -182,18 +248,23 @@ impl OutputFilter {
             stop: StopStrings::new(stop),
             tool_calls: (!tool_names.is_empty()).then(|| parser(tool_names)),
             reasoning: None,
+            harmony: None,
         }
     }
 
     /// Tool calls found so far.
     pub fn tool_calls(&self) -> usize {
         self.tool_calls.as_ref().map_or(0, |p| p.calls())
+            + self.harmony.as_ref().map_or(0, HarmonyReader::calls)
     }
 
     /// Feeds newly decoded text. After a stop, further text is ignored.
     pub fn push(&mut self, text: &str) -> Filtered {
         if self.stop.stopped() {
             return Filtered::default();
+        }
+        if let Some(pieces) = self.harmony.as_mut().map(|h| h.push(text)) {
+            return self.route_harmony(pieces);
         }
         match self.reasoning.as_mut().map(|r| r.push(text)) {
             Some(parts) => self.route(parts),
@@ -232,6 +303,11 @@ impl OutputFilter {
             Some(parts) if !self.stop.stopped() => self.route(parts),
             _ => Filtered::default(),
         };
+        if let Some(pieces) = self.harmony.as_mut().map(HarmonyReader::finish) {
+            if !self.stop.stopped() {
+                out.extend(self.route_harmony(pieces));
+            }
+        }
         let rest = self.stop.finish();
         out.extend(self.parse(&rest, true));
         out

@@ -710,3 +710,242 @@ fn qwen3_coder_broken_markup_after_a_call_starts_ends_it() {
         },
     );
 }
+
+// --- gpt-oss harmony ----------------------------------------------------------
+
+/// A generated token run: ordinary text, or one special token.
+#[derive(Clone, Copy)]
+enum Tok<'a> {
+    Text(&'a str),
+    Special(&'a str),
+}
+
+/// The reply `toks` through a harmony filter for `tools`: text whole, then
+/// each text run cut at every character boundary, then every text run in
+/// pieces of 1 to 5 characters; every outcome equals the whole one, which
+/// `check` sees.
+fn harmony_each_cut(
+    tools: &[ToolDefinition],
+    stop: &[String],
+    toks: &[Tok],
+    check: impl Fn(&Sent),
+) {
+    let feed = |cut: &dyn Fn(usize, &str) -> Vec<String>| {
+        let mut f = OutputFilter::with_format(stop, tools, ToolCallFormat::Harmony);
+        assert!(f.reads_special_tokens());
+        let mut sent = Sent::default();
+        for (i, tok) in toks.iter().enumerate() {
+            match tok {
+                Tok::Text(t) => {
+                    for piece in cut(i, t) {
+                        sent.take(f.push(&piece));
+                    }
+                }
+                Tok::Special(s) => sent.take(f.push_special(s)),
+            }
+        }
+        sent.take(f.finish());
+        sent
+    };
+    let summary = |s: &Sent| {
+        let calls: Vec<(String, String)> = s
+            .calls
+            .iter()
+            .map(|c| (c.name.clone(), c.arguments.clone()))
+            .collect();
+        (s.text.clone(), s.reasoning.clone(), calls, s.stopped)
+    };
+    let whole = feed(&|_, t| vec![t.to_owned()]);
+    check(&whole);
+    let want = summary(&whole);
+    for (at, tok) in toks.iter().enumerate() {
+        let Tok::Text(text) = tok else { continue };
+        for c in (1..text.len()).filter(|&c| text.is_char_boundary(c)) {
+            let sent = feed(&|i, t| {
+                if i == at {
+                    vec![t[..c].to_owned(), t[c..].to_owned()]
+                } else {
+                    vec![t.to_owned()]
+                }
+            });
+            assert_eq!(summary(&sent), want, "run {at} cut at {c}");
+        }
+    }
+    for n in 1..=5 {
+        let sent = feed(&|_, t| chunks(t, n));
+        assert_eq!(summary(&sent), want, "pieces of {n}");
+    }
+}
+
+#[test]
+fn harmony_channels_become_reasoning_content_and_calls() {
+    use Tok::{Special as S, Text as T};
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("Need the weather in Paris."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("commentary"),
+        S("<|message|>"),
+        T("Checking now."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("commentary to=functions.get_weather "),
+        S("<|constrain|>"),
+        T("json"),
+        S("<|message|>"),
+        T("{\"city\": \"Paris <|call|>\", \"days\": 2}"),
+    ];
+    harmony_each_cut(&weather_tools(), &[], &reply, |sent| {
+        assert_eq!(sent.reasoning, "Need the weather in Paris.");
+        assert_eq!(sent.text, "Checking now.");
+        assert_eq!(sent.calls.len(), 1);
+        assert_eq!(sent.calls[0].name, "get_weather");
+        assert_eq!(
+            sent.calls[0].arguments,
+            "{\"city\": \"Paris <|call|>\", \"days\": 2}"
+        );
+    });
+    // The recipient before the channel; an answer on the final channel.
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("Call it."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant to=functions.now"),
+        S("<|channel|>"),
+        T("commentary json"),
+        S("<|message|>"),
+        T("{}"),
+        S("<|call|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("final"),
+        S("<|message|>"),
+        T("It is noon."),
+    ];
+    harmony_each_cut(&weather_tools(), &[], &reply, |sent| {
+        assert_eq!(sent.reasoning, "Call it.");
+        assert_eq!(sent.text, "It is noon.");
+        let calls: Vec<(&str, &str)> = sent
+            .calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(calls, [("now", "{}")]);
+    });
+}
+
+#[test]
+fn harmony_calls_of_functions_not_offered_are_text() {
+    use Tok::{Special as S, Text as T};
+    let reply = [
+        S("<|channel|>"),
+        T("commentary to=functions.delete_all "),
+        S("<|constrain|>"),
+        T("json"),
+        S("<|message|>"),
+        T("{\"x\": 1}"),
+        S("<|call|>"),
+    ];
+    harmony_each_cut(&weather_tools(), &[], &reply, |sent| {
+        assert!(sent.calls.is_empty());
+        assert_eq!(
+            sent.text,
+            "<|channel|>commentary to=functions.delete_all <|constrain|>json<|message|>{\"x\": 1}<|call|>"
+        );
+    });
+}
+
+/// The markers are special tokens: the same characters as ordinary text
+/// (a model quoting them) are text, and without tools a harmony reply
+/// still has its reasoning split off.
+#[test]
+fn harmony_marker_text_in_ordinary_tokens_is_text() {
+    use Tok::{Special as S, Text as T};
+    let quoted = "Write <|channel|>final<|message|>x<|return|> to answer; <|start|>assistant to=functions.now";
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("They ask about <|end|> markers."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("final"),
+        S("<|message|>"),
+        T(quoted),
+        S("<|return|>"),
+    ];
+    for tools in [weather_tools(), Vec::new()] {
+        harmony_each_cut(&tools, &[], &reply, |sent| {
+            assert_eq!(sent.reasoning, "They ask about <|end|> markers.");
+            assert_eq!(sent.text, quoted);
+            assert!(sent.calls.is_empty());
+        });
+    }
+    // A reply without markers (held to a grammar) is content.
+    harmony_each_cut(&[], &[], &[T("{\"a\": 1}")], |sent| {
+        assert_eq!(
+            (sent.text.as_str(), sent.reasoning.as_str()),
+            ("{\"a\": 1}", "")
+        );
+    });
+}
+
+#[test]
+fn harmony_stop_strings_apply_to_content_only() {
+    use Tok::{Special as S, Text as T};
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("END is not a stop here."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("final"),
+        S("<|message|>"),
+        T("Done. END more"),
+        S("<|return|>"),
+    ];
+    harmony_each_cut(&[], &["END".into()], &reply, |sent| {
+        assert_eq!(sent.reasoning, "END is not a stop here.");
+        assert_eq!(sent.text, "Done. ");
+        assert!(sent.stopped);
+    });
+    // Cut inside a header: the header is dropped.
+    let cut = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("Hm."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assist"),
+    ];
+    harmony_each_cut(&[], &[], &cut, |sent| {
+        assert_eq!((sent.text.as_str(), sent.reasoning.as_str()), ("", "Hm."));
+    });
+}
+
+#[test]
+fn the_gpt_oss_template_picks_harmony() {
+    let gpt_oss = "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}\
+                   <|channel|>final<|message|>{{ content }}<|end|><tool_call>";
+    assert_eq!(
+        ToolCallFormat::from_template(gpt_oss),
+        ToolCallFormat::Harmony
+    );
+}

@@ -37,10 +37,16 @@ pub enum ToolCallFormat {
     /// </function>\n</tool_call>` (Qwen3-Coder's chat template; values read
     /// as the tools' parameter schemas say, [`qwen3_coder`]).
     Qwen3CoderXml,
+    /// OpenAI's harmony format (gpt-oss): messages on channels, calls as
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`.
+    /// Read by [`crate::output::harmony::HarmonyReader`] from text and
+    /// special tokens, with the reasoning; not a [`ToolCallParser`].
+    Harmony,
 }
 
 impl ToolCallFormat {
-    /// The format the chat template `source` teaches: Qwen3-Coder's XML
+    /// The format the chat template `source` teaches: harmony when it
+    /// writes `<|channel|>` (gpt-oss); Qwen3-Coder's XML
     /// when it writes `<function=` and `<parameter=` (checked first: that
     /// template writes `<tool_call>` too); Hermes when it writes
     /// `<tool_call>`; Llama 3's JSON when it is a Llama 3 template
@@ -48,7 +54,9 @@ impl ToolCallFormat {
     /// Mistral's v3 list when it writes `[TOOL_CALLS]` and not `[ARGS]`
     /// (the v11 format, not read yet); else Hermes.
     pub fn from_template(source: &str) -> Self {
-        if source.contains("<function=") && source.contains("<parameter=") {
+        if source.contains("<|channel|>") {
+            ToolCallFormat::Harmony
+        } else if source.contains("<function=") && source.contains("<parameter=") {
             ToolCallFormat::Qwen3CoderXml
         } else if source.contains("<tool_call>") {
             ToolCallFormat::Hermes
@@ -62,15 +70,17 @@ impl ToolCallFormat {
     }
 
     /// A parser of this format for calls of `tools` (the XML format reads
-    /// their parameter schemas; the others only their names).
-    pub fn parser(self, tools: &[ToolDefinition]) -> Box<dyn ToolCallParser> {
+    /// their parameter schemas; the others only their names); `None` for
+    /// harmony, which is not read from text alone.
+    pub fn parser(self, tools: &[ToolDefinition]) -> Option<Box<dyn ToolCallParser>> {
         let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-        match self {
+        Some(match self {
             ToolCallFormat::Hermes => Box::new(HermesParser::new(&names)),
             ToolCallFormat::Llama3Json => Box::new(HermesParser::llama3_json(&names)),
             ToolCallFormat::MistralJson => Box::new(HermesParser::mistral_json(&names)),
             ToolCallFormat::Qwen3CoderXml => Box::new(Qwen3CoderParser::with_tools(tools)),
-        }
+            ToolCallFormat::Harmony => return None,
+        })
     }
 }
 
