@@ -21,7 +21,7 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
-use mlxcel_text::output::{forced_call_prefix, ToolCallFormat};
+use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 use mlxcel_text::{Text, TextError};
 
@@ -136,7 +136,13 @@ impl RequestBuilder {
         } else {
             &[]
         };
-        let constrained = constraint_of(&request, tools)?;
+        let format = self
+            .text
+            .template
+            .as_ref()
+            .map(|t| t.tool_call_format())
+            .unwrap_or_default();
+        let constrained = constraint_of(&request, tools, format)?;
         let constraints = match (&constrained, &self.text.grammar) {
             (Some(c), Some(tokens)) => (0..n)
                 .map(|_| ConstrainedDecoder::new(tokens, &c.grammar))
@@ -165,12 +171,6 @@ impl RequestBuilder {
         }
         self.check_token_ids(&prompt)?;
         request.max_tokens = self.max_tokens(prompt.len(), n, request.max_tokens)?;
-        let format = self
-            .text
-            .template
-            .as_ref()
-            .map(|t| t.tool_call_format())
-            .unwrap_or_default();
         // A harmony reply (gpt-oss) carries its reasoning on a channel of
         // its own: the harmony reader splits it, with or without tools.
         let harmony = chat && format == ToolCallFormat::Harmony;
@@ -182,7 +182,7 @@ impl RequestBuilder {
                 ReasoningSplitter::prompt_opens_block(&tail)
             });
         let tool_calls = match reply {
-            Some(prefix) => ToolCallOutput::Forced(prefix),
+            Some(prefix) => ToolCallOutput::Forced { format, prefix },
             None if !tools.is_empty() => ToolCallOutput::Parsed(format),
             None if harmony => ToolCallOutput::Harmony,
             None => ToolCallOutput::Off,
@@ -318,9 +318,10 @@ impl RequestBuilder {
 
 /// The grammar a request's output must follow: a required or named tool
 /// call over `tools` (then the reply's start goes in the prompt,
-/// [`forced_call_prefix`]: the model generates only the rest of the call,
-/// for a named function only its arguments, and the output filter builds
-/// the call from it), or its `response_format`.
+/// [`forced_call_prefix`], or harmony's for a `format` of
+/// [`ToolCallFormat::Harmony`]: the model generates only the rest of the
+/// call, for a named function only its arguments, and the output filter
+/// builds the call from it), or its `response_format`.
 ///
 /// # Errors
 /// A forced call together with a `response_format` (one output, one
@@ -330,7 +331,9 @@ impl RequestBuilder {
 fn constraint_of(
     request: &GenerationRequest,
     tools: &[ToolDefinition],
+    format: ToolCallFormat,
 ) -> Result<Option<Constrained>, SubmitError> {
+    let harmony = format == ToolCallFormat::Harmony;
     let field = RequestField::ToolChoice;
     let forced = !tools.is_empty()
         && matches!(
@@ -344,6 +347,15 @@ fn constraint_of(
         ));
     }
     let (grammar, only) = match &request.tool_choice {
+        ToolChoice::Required if !tools.is_empty() && harmony => (
+            Grammar::HarmonyCall {
+                tools: tools
+                    .iter()
+                    .map(|t| (t.name.clone(), t.parameters.clone()))
+                    .collect(),
+            },
+            None,
+        ),
         ToolChoice::Required if !tools.is_empty() => (
             Grammar::ToolCalls {
                 tools: tools
@@ -375,6 +387,10 @@ fn constraint_of(
     Ok(Some(Constrained {
         grammar,
         field,
-        reply: Some(forced_call_prefix(only.map(String::as_str))),
+        reply: Some(if harmony {
+            harmony::forced_call_prefix(only.map(String::as_str))
+        } else {
+            forced_call_prefix(only.map(String::as_str))
+        }),
     }))
 }

@@ -76,6 +76,9 @@ struct TokInner {
     /// Whether `<tool_call>` and `</tool_call>` are single special tokens
     /// (Qwen): tool-call grammars then name the tokens, not their text.
     tool_tags_special: bool,
+    /// Whether harmony's `<|constrain|>` and `<|message|>` are special
+    /// tokens (gpt-oss): harmony grammars then name the tokens.
+    harmony_special: bool,
 }
 
 impl GrammarTokenizer {
@@ -128,6 +131,8 @@ impl GrammarTokenizer {
         let trie = env.tok_trie();
         let tool_tags_special = trie.get_special_token("<tool_call>").is_some()
             && trie.get_special_token("</tool_call>").is_some();
+        let harmony_special = trie.get_special_token("<|constrain|>").is_some()
+            && trie.get_special_token("<|message|>").is_some();
         let mut factory = ParserFactory::new_simple(&env).map_err(tok_err)?;
         factory.quiet();
         Ok(Self {
@@ -136,6 +141,7 @@ impl GrammarTokenizer {
                 token_bytes,
                 vocab_size,
                 tool_tags_special,
+                harmony_special,
             }),
         })
     }
@@ -224,13 +230,24 @@ pub enum Grammar {
         /// At most one call (`parallel_tool_calls: false`).
         single: bool,
     },
+    /// One tool call in OpenAI's harmony format (gpt-oss,
+    /// `tool_choice: "required"`), continuing a reply that already holds
+    /// `<|channel|>commentary to=functions.` (the engine puts it in the
+    /// prompt, [`crate::output::harmony::forced_call_prefix`]): a
+    /// function's name, ` <|constrain|>json<|message|>`, then arguments
+    /// valid against its parameters schema. The markers are the
+    /// tokenizer's special tokens when it has them.
+    HarmonyCall {
+        /// `(name, parameters JSON Schema)` of each function.
+        tools: Vec<(String, Json)>,
+    },
 }
 
 impl Grammar {
     /// Compiles the grammar without a tokenizer, to reject a bad schema early
     /// (at the HTTP edge). Errors: [`ConstraintError::InvalidGrammar`].
     pub fn validate(&self) -> Result<(), ConstraintError> {
-        let init = GrammarInit::Serialized(self.to_llg(false)?);
+        let init = GrammarInit::Serialized(self.to_llg(false, false)?);
         match init.validate(None, ParserLimits::default()).into_error() {
             Some(e) => Err(ConstraintError::InvalidGrammar(e)),
             None => Ok(()),
@@ -238,8 +255,14 @@ impl Grammar {
     }
 
     /// The llguidance grammar; `special_tags`: name `<tool_call>` and
-    /// `</tool_call>` as special tokens rather than as text.
-    fn to_llg(&self, special_tags: bool) -> Result<TopLevelGrammar, ConstraintError> {
+    /// `</tool_call>` as special tokens rather than as text;
+    /// `harmony_special`: the same for harmony's `<|constrain|>` and
+    /// `<|message|>`.
+    fn to_llg(
+        &self,
+        special_tags: bool,
+        harmony_special: bool,
+    ) -> Result<TopLevelGrammar, ConstraintError> {
         match self {
             Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(with_layout(
                 json!({"type": "object"}),
@@ -250,6 +273,10 @@ impl Grammar {
             Grammar::ToolCalls { tools, single } => Ok(TopLevelGrammar::from_lark(
                 tool_calls_lark(tools, *single, special_tags)?,
             )),
+            Grammar::HarmonyCall { tools } => Ok(TopLevelGrammar::from_lark(harmony_call_lark(
+                tools,
+                harmony_special,
+            )?)),
         }
     }
 }
@@ -370,6 +397,34 @@ fn tool_calls_lark(
     Ok(lark)
 }
 
+/// A Lark grammar (llguidance dialect) for one harmony call after
+/// `<|channel|>commentary to=functions.` (see [`Grammar::HarmonyCall`]).
+fn harmony_call_lark(tools: &[(String, Json)], special: bool) -> Result<String, ConstraintError> {
+    if tools.is_empty() {
+        return Err(ConstraintError::InvalidGrammar(
+            "tool calls required but no tools given".into(),
+        ));
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let (constrain, message) = if special {
+        ("<|constrain|>".to_owned(), "<|message|>".to_owned())
+    } else {
+        (lit("<|constrain|>"), lit("<|message|>"))
+    };
+    let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+    let mut lark = format!("start: {}\n", alts.join(" | "));
+    for (i, (name, params)) in tools.iter().enumerate() {
+        let schema = with_layout(params.clone())?;
+        let schema = serde_json::to_string(&schema)
+            .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
+        lark.push_str(&format!(
+            "call_{i}: {} {constrain} \"json\" {message} %json {schema}\n",
+            lit(&format!("{name} "))
+        ));
+    }
+    Ok(lark)
+}
+
 /// The grammar state of one request. `Send`: built by the front end, moved
 /// to the engine thread.
 pub struct ConstrainedDecoder {
@@ -383,7 +438,7 @@ impl ConstrainedDecoder {
     /// Errors: [`ConstraintError::InvalidGrammar`] with llguidance's message
     /// when the grammar or schema does not compile (front ends answer 400).
     pub fn new(tok: &GrammarTokenizer, grammar: &Grammar) -> Result<Self, ConstraintError> {
-        let top = grammar.to_llg(tok.inner.tool_tags_special)?;
+        let top = grammar.to_llg(tok.inner.tool_tags_special, tok.inner.harmony_special)?;
         let parser = tok
             .inner
             .factory

@@ -632,3 +632,120 @@ fn special_token_text_in_forced_strings_is_spelled_as_text() {
         assert_eq!(calls, vec![("echo".to_string(), json!({"text": value}))]);
     }
 }
+
+/// The calls a harmony reply to `tool_choice: "required"` makes, read
+/// token by token (special tokens apart, as the engine reads them) by the
+/// forced harmony filter: `(name, arguments)` each, and any text.
+fn harmony_calls(text_tok: &TextTokenizer, ids: &[u32]) -> (Vec<(String, Value)>, String) {
+    use mlxcel_engine_api::ToolDefinition;
+    use mlxcel_text::detokenizer::IncrementalDetokenizer;
+    use mlxcel_text::output::{harmony, ToolCallFormat};
+    let tools: Vec<ToolDefinition> = ["get_weather", "get_time"]
+        .iter()
+        .map(|n| ToolDefinition {
+            name: n.to_string(),
+            description: None,
+            parameters: json!({"type": "object"}),
+        })
+        .collect();
+    let prefix = harmony::forced_call_prefix(None);
+    let mut filter = OutputFilter::forced_in(ToolCallFormat::Harmony, &[], &tools, &prefix);
+    let mut detok = IncrementalDetokenizer::new();
+    let mut pieces = Vec::new();
+    for &id in ids {
+        let text = detok.push(text_tok, id).unwrap();
+        pieces.extend(filter.push(&text).pieces);
+        pieces.extend(filter.push_special_token(text_tok, id).pieces);
+    }
+    pieces.extend(filter.push(&detok.flush(text_tok).unwrap()).pieces);
+    pieces.extend(filter.finish().pieces);
+    let mut calls: Vec<(String, String)> = Vec::new();
+    let mut other = String::new();
+    for piece in pieces {
+        match piece {
+            OutputPiece::CallStart { name, .. } => calls.push((name, String::new())),
+            OutputPiece::CallArguments(a) => calls.last_mut().unwrap().1.push_str(&a),
+            OutputPiece::Text(t) | OutputPiece::Reasoning(t) => other.push_str(&t),
+        }
+    }
+    let calls = calls
+        .into_iter()
+        .map(|(name, args)| {
+            let args = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            (name, args)
+        })
+        .collect();
+    (calls, other)
+}
+
+/// A required call in harmony: the grammar writes a name, the markers (as
+/// the tokenizer's special tokens when it has them, else as text) and
+/// arguments valid against the function's schema; the forced harmony
+/// filter reads it back as that one call.
+#[test]
+fn harmony_required_calls_follow_the_schema() {
+    let grammar = Grammar::HarmonyCall {
+        tools: vec![
+            ("get_weather".into(), weather_schema()),
+            ("get_time".into(), time_schema()),
+        ],
+    };
+    // The SmolLM2 tokenizer with gpt-oss's markers added as special tokens.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("constraint-harmony");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = model_dir();
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let markers = ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"];
+    for (i, marker) in markers.iter().enumerate() {
+        tokenizer["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({
+                "id": 49152 + i, "content": marker, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+    }
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    ] {
+        if src.join(f).is_file() {
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
+        }
+    }
+    let (harmony_text, harmony_gt) = load(&dir, 0);
+    let (plain_text, plain_gt) = load(&model_dir(), 0);
+    let mut names = std::collections::HashSet::new();
+    for (text_tok, gt, special) in [
+        (&harmony_text, &harmony_gt, true),
+        (&plain_text, &plain_gt, false),
+    ] {
+        for seed in 0..6 {
+            let w = walk(gt, &grammar, seed, 0.0);
+            let constrain = w.text.find("<|constrain|>json<|message|>");
+            assert!(constrain.is_some(), "{}", w.text);
+            // The markers are one special token each, or none of them.
+            assert_eq!(w.ids.contains(&49153), special, "{}", w.text);
+            if !special {
+                // Spelled as text, the markers are text to the filter too
+                // (gpt-oss's tokenizer has them as special tokens).
+                continue;
+            }
+            let (calls, other) = harmony_calls(text_tok, &w.ids);
+            assert_eq!(other, "", "{}", w.text);
+            assert_eq!(calls.len(), 1, "{}", w.text);
+            let (name, args) = &calls[0];
+            match name.as_str() {
+                "get_weather" => check_weather_args(args),
+                "get_time" => assert!(args["zone"].is_string(), "{args}"),
+                other => panic!("called {other}"),
+            }
+            names.insert(name.clone());
+        }
+    }
+    assert!(!names.is_empty());
+}

@@ -57,9 +57,13 @@ pub(crate) enum ToolCallOutput {
     /// A harmony reply (gpt-oss) without tools: its channels are read
     /// (reasoning, content) from its text and special tokens.
     Harmony,
-    /// A forced reply whose start, this prefix
-    /// ([`mlxcel_text::output::forced_call_prefix`]), ends the prompt.
-    Forced(String),
+    /// A forced reply whose start, `prefix` (the forced prefix of
+    /// `format`: [`mlxcel_text::output::forced_call_prefix`], or harmony's),
+    /// ends the prompt.
+    Forced {
+        format: mlxcel_text::output::ToolCallFormat,
+        prefix: String,
+    },
 }
 
 /// What the handle sends the engine thread.

@@ -159,8 +159,6 @@ impl Sequence {
 impl Job {
     /// A fresh output filter for one of its choices.
     pub(super) fn output_filter(&self) -> OutputFilter {
-        let names =
-            || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
         let filter = match &self.tool_calls {
             ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
             ToolCallOutput::Harmony => {
@@ -169,8 +167,8 @@ impl Job {
             ToolCallOutput::Parsed(format) => {
                 OutputFilter::with_format(&self.request.stop, &self.request.tools, *format)
             }
-            ToolCallOutput::Forced(prefix) => {
-                OutputFilter::forced(&self.request.stop, &names(), prefix)
+            ToolCallOutput::Forced { format, prefix } => {
+                OutputFilter::forced_in(*format, &self.request.stop, &self.request.tools, prefix)
             }
         };
         match self.reasoning {

@@ -58,6 +58,25 @@ pub const CALL: &str = "<|call|>";
 /// Ends the final message, and generation.
 pub const RETURN: &str = "<|return|>";
 
+/// The harmony markers, each one special token.
+const MARKERS: [&str; 7] = [START, CHANNEL, CONSTRAIN, MESSAGE, END, CALL, RETURN];
+
+/// The start of a forced reply in harmony, put after the prompt's
+/// `<|start|>assistant`: `<|channel|>commentary to=functions.NAME
+/// <|constrain|>json<|message|>` for a call to `name` (`tool_choice`
+/// naming a function: the model writes only the arguments), or
+/// `<|channel|>commentary to=functions.` for a call to any function
+/// (`tool_choice: "required"`: the model writes the name on,
+/// [`crate::constraint::Grammar::HarmonyCall`]).
+pub fn forced_call_prefix(name: Option<&str>) -> String {
+    match name {
+        Some(name) => {
+            format!("{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}")
+        }
+        None => format!("{CHANNEL}commentary to=functions."),
+    }
+}
+
 /// What a message's text is.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Kind {
@@ -91,6 +110,9 @@ pub struct HarmonyReader {
     tool_names: Vec<String>,
     state: State,
     calls: usize,
+    /// Pieces decided while seeding a forced reply (a named call's start),
+    /// sent with the first output.
+    pending: Vec<OutputPiece>,
 }
 
 impl HarmonyReader {
@@ -100,7 +122,36 @@ impl HarmonyReader {
             tool_names: tools.iter().map(|t| t.name.clone()).collect(),
             state: State::Idle,
             calls: 0,
+            pending: Vec::new(),
         }
+    }
+
+    /// The reader of a forced reply whose first text, `prefix` (from
+    /// [`forced_call_prefix`]), is in the prompt rather than generated:
+    /// the generated tokens continue it.
+    pub fn forced(tools: &[ToolDefinition], prefix: &str) -> Self {
+        let mut reader = Self::new(tools);
+        let mut rest = prefix;
+        while !rest.is_empty() {
+            let next = MARKERS
+                .iter()
+                .filter_map(|m| rest.find(m).map(|at| (at, *m)))
+                .min();
+            let (text, marker) = match next {
+                Some((at, marker)) => (&rest[..at], Some(marker)),
+                None => (rest, None),
+            };
+            // Seeding sends nothing: the call starts once its name is known,
+            // which is after the prefix for a required call.
+            let mut seeded = reader.push(text);
+            rest = &rest[text.len()..];
+            if let Some(marker) = marker {
+                seeded.extend(reader.marker(marker));
+                rest = &rest[marker.len()..];
+            }
+            reader.pending.extend(seeded);
+        }
+        reader
     }
 
     /// Tool calls read so far.
@@ -111,6 +162,13 @@ impl HarmonyReader {
     /// Reads ordinary text (no markers): it continues the open header or
     /// message. [`OutputPiece::Text`] out is content.
     pub fn push(&mut self, text: &str) -> Vec<OutputPiece> {
+        let mut out = std::mem::take(&mut self.pending);
+        out.extend(self.read(text));
+        out
+    }
+
+    /// [`Self::push`] without what seeding left.
+    fn read(&mut self, text: &str) -> Vec<OutputPiece> {
         if text.is_empty() {
             return Vec::new();
         }
@@ -132,6 +190,13 @@ impl HarmonyReader {
     /// Reads one special token, `marker` (its text, such as `<|channel|>`);
     /// special tokens that are not harmony markers are skipped.
     pub fn marker(&mut self, marker: &str) -> Vec<OutputPiece> {
+        let mut out = std::mem::take(&mut self.pending);
+        out.extend(self.read_marker(marker));
+        out
+    }
+
+    /// [`Self::marker`] without what seeding left.
+    fn read_marker(&mut self, marker: &str) -> Vec<OutputPiece> {
         let state = std::mem::replace(&mut self.state, State::Idle);
         match (state, marker) {
             (State::Header { raw, role, channel }, MESSAGE) => self.open(raw, &role, channel),
@@ -221,6 +286,6 @@ impl HarmonyReader {
     /// open is dropped.
     pub fn finish(&mut self) -> Vec<OutputPiece> {
         self.state = State::Idle;
-        Vec::new()
+        std::mem::take(&mut self.pending)
     }
 }

@@ -237,6 +237,28 @@ impl OutputFilter {
         })
     }
 
+    /// [`OutputFilter::forced`] for a reply in `format`, whose `prefix`
+    /// comes from that format's forced prefix: harmony's
+    /// ([`harmony::forced_call_prefix`]) for [`ToolCallFormat::Harmony`],
+    /// [`forced_call_prefix`] for the others.
+    pub fn forced_in(
+        format: ToolCallFormat,
+        stop: &[String],
+        tools: &[ToolDefinition],
+        prefix: &str,
+    ) -> Self {
+        if format != ToolCallFormat::Harmony {
+            let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
+            return Self::forced(stop, &names, prefix);
+        }
+        Self {
+            stop: StopStrings::new(stop),
+            tool_calls: None,
+            reasoning: None,
+            harmony: Some(HarmonyReader::forced(tools, prefix)),
+        }
+    }
+
     /// A filter whose tool-call parser `parser` builds for `tool_names`
     /// (none when `tool_names` is empty).
     fn with_parser(

@@ -949,3 +949,57 @@ fn the_gpt_oss_template_picks_harmony() {
         ToolCallFormat::Harmony
     );
 }
+
+/// A forced harmony reply: the prefix in the prompt, the generated rest
+/// (special tokens apart) makes the call, named or required.
+#[test]
+fn forced_harmony_replies_make_the_call() {
+    use Tok::{Special as S, Text as T};
+    let tools = weather_tools();
+    let run_forced = |prefix: &str, toks: &[Tok]| {
+        let mut f = OutputFilter::forced_in(ToolCallFormat::Harmony, &[], &tools, prefix);
+        let mut sent = Sent::default();
+        for tok in toks {
+            match tok {
+                T(t) => sent.take(f.push(t)),
+                S(s) => sent.take(f.push_special(s)),
+            }
+        }
+        sent.take(f.finish());
+        sent
+    };
+    let named = harmony::forced_call_prefix(Some("get_weather"));
+    assert_eq!(
+        named,
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    );
+    let sent = run_forced(&named, &[T("{\"city\": "), T("\"Oslo\"}")]);
+    assert_eq!(sent.text, "");
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.calls[0].name, "get_weather");
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Oslo\"}");
+    // The call starts at the first output even when nothing was generated.
+    let sent = run_forced(&named, &[]);
+    assert_eq!(sent.calls.len(), 1);
+
+    let required = harmony::forced_call_prefix(None);
+    let reply = [
+        T("no"),
+        T("w "),
+        S("<|constrain|>"),
+        T("json"),
+        S("<|message|>"),
+        T("{}"),
+    ];
+    let sent = run_forced(&required, &reply);
+    assert_eq!(sent.text, "");
+    let calls: Vec<(&str, &str)> = sent
+        .calls
+        .iter()
+        .map(|c| (c.name.as_str(), c.arguments.as_str()))
+        .collect();
+    assert_eq!(calls, [("now", "{}")]);
+    // Cut inside the name: no call, no text.
+    let sent = run_forced(&required, &[T("get_wea")]);
+    assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 0));
+}
