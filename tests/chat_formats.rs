@@ -1,5 +1,6 @@
-//! Chat formats end to end over HTTP: a forced tool call in gpt-oss's
-//! harmony format, on the real SmolLM2-135M-Instruct weights.
+//! Chat formats end to end over HTTP, on the real SmolLM2-135M-Instruct
+//! weights: forced tool calls in gpt-oss's harmony format and in
+//! Qwen3-Coder's XML format.
 //!
 //! There is no gpt-oss tokenizer offline, so the test model is SmolLM2 with
 //! seven of its unused special tokens (`<repo_name>` .. `<issue_comment>`,
@@ -104,6 +105,16 @@ fn the_call(v: &Value) -> (String, Value, String) {
     )
 }
 
+/// The generated text of a whole answer, from its logprobs' tokens.
+fn generated(v: &Value) -> String {
+    v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("logprobs: {v}"))
+        .iter()
+        .map(|t| t["token"].as_str().expect("token"))
+        .collect()
+}
+
 /// The call of a streamed answer: (name, arguments as streamed), and no
 /// content.
 fn streamed_call(port: u16, body: &Value) -> (String, String) {
@@ -155,12 +166,117 @@ fn forced_calls_on_a_harmony_model_are_harmony_calls() {
     assert_eq!(streamed_call(server.port, &named), (name, raw));
 
     let required = json!({"messages": user, "tools": weather_tools(), "max_tokens": 60,
-        "temperature": 0, "tool_choice": "required"});
+        "temperature": 0, "tool_choice": "required", "logprobs": true});
     let v = post_json(server.port, "/v1/chat/completions", &required);
     assert_eq!(v.status, 200, "{}", String::from_utf8_lossy(&v.body));
-    let (name, args, raw) = the_call(&v.json());
+    let v = v.json();
+    let (name, args, raw) = the_call(&v);
+    // After `<|channel|>commentary to=functions.`, the model wrote the
+    // name and the markers (special tokens 5 and 6).
+    assert_eq!(
+        generated(&v),
+        format!("{name} <|constrain|>json<|message|>{raw}"),
+        "{v}"
+    );
     match name.as_str() {
         "get_weather" => assert!(args["city"].is_string(), "{args}"),
+        "get_time" => assert!(args["zone"].is_string(), "{args}"),
+        other => panic!("called {other}"),
+    }
+    assert_eq!(streamed_call(server.port, &required), (name, raw));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A reduced Qwen3-Coder template (ChatML, tools described, calls taught in
+/// the XML format): the server reads calls in that format from it.
+const QWEN3_CODER_TEMPLATE: &str = "{%- if tools %}<|im_start|>system
+You may call these functions:
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+Call one as:
+<tool_call>
+<function=NAME>
+<parameter=ARG>
+VALUE
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}";
+
+/// A named and a required `tool_choice` on a Qwen3-Coder template: the
+/// reply continues `<tool_call>\n<function=` in the XML format under its
+/// grammar, and comes back as calls whose arguments are typed by the
+/// schema (`days` a JSON integer, `city` a string), the same streamed or
+/// not.
+#[test]
+fn forced_calls_on_a_qwen3_coder_template_are_xml_calls() {
+    let dir = std::env::temp_dir().join(format!("mlxcel-qwen3-coder-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let template = dir.join("qwen3_coder.jinja");
+    std::fs::write(&template, QWEN3_CODER_TEMPLATE).expect("template");
+    let server = start(
+        &model_dir(),
+        "smollm2",
+        &["--chat-template", template.to_str().expect("utf-8")],
+        |_| {},
+    );
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters":
+            {"type": "object", "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+             "required": ["city", "days"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters":
+            {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+             "required": ["zone"]}}},
+    ]);
+    let user = json!([{"role": "user", "content": "What is the weather in Paris for 3 days?"}]);
+    let check_weather = |args: &Value| {
+        let city = args["city"].as_str().expect("city is a string");
+        assert!((1..=12).contains(&city.chars().count()), "{args}");
+        let days = args["days"].as_i64().expect("days is a JSON integer");
+        assert!((1..=7).contains(&days), "{args}");
+    };
+
+    let named = json!({"messages": user, "tools": tools, "max_tokens": 60, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "logprobs": true});
+    let v = post_json(server.port, "/v1/chat/completions", &named);
+    assert_eq!(v.status, 200, "{}", String::from_utf8_lossy(&v.body));
+    let v = v.json();
+    let (name, args, raw) = the_call(&v);
+    assert_eq!(name, "get_weather");
+    check_weather(&args);
+    // What the model wrote, after the prefix `<tool_call>\n<function=get_weather>\n`.
+    let text = generated(&v);
+    let days = args["days"].as_i64().expect("days");
+    assert!(
+        text.starts_with("<parameter=city>\n")
+            && text.contains(&format!("<parameter=days>\n{days}\n</parameter>\n"))
+            && text.ends_with("</function>\n</tool_call>"),
+        "{text:?}"
+    );
+    assert_eq!(streamed_call(server.port, &named), (name, raw));
+
+    let required = json!({"messages": user, "tools": tools, "max_tokens": 80, "temperature": 0,
+        "tool_choice": "required", "parallel_tool_calls": false, "logprobs": true});
+    let v = post_json(server.port, "/v1/chat/completions", &required);
+    assert_eq!(v.status, 200, "{}", String::from_utf8_lossy(&v.body));
+    let v = v.json();
+    let (name, args, raw) = the_call(&v);
+    // After `<tool_call>\n<function=`, the model wrote the name.
+    assert!(
+        generated(&v).starts_with(&format!("{name}>\n<parameter=")),
+        "{v}"
+    );
+    match name.as_str() {
+        "get_weather" => check_weather(&args),
         "get_time" => assert!(args["zone"].is_string(), "{args}"),
         other => panic!("called {other}"),
     }

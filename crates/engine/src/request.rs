@@ -21,6 +21,7 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
+use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
 use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 use mlxcel_text::{Text, TextError};
@@ -318,8 +319,9 @@ impl RequestBuilder {
 
 /// The grammar a request's output must follow: a required or named tool
 /// call over `tools` (then the reply's start goes in the prompt,
-/// [`forced_call_prefix`], or harmony's for a `format` of
-/// [`ToolCallFormat::Harmony`]: the model generates only the rest of the
+/// [`forced_call_prefix`], or the model's own for a `format` of
+/// [`ToolCallFormat::Harmony`] or [`ToolCallFormat::Qwen3CoderXml`],
+/// with a grammar of that format: the model generates only the rest of the
 /// call, for a named function only its arguments, and the output filter
 /// builds the call from it), or its `response_format`.
 ///
@@ -346,22 +348,28 @@ fn constraint_of(
             "a required tool call cannot be combined with response_format".into(),
         ));
     }
+    let schemas = || -> Vec<(String, serde_json::Value)> {
+        tools
+            .iter()
+            .map(|t| (t.name.clone(), t.parameters.clone()))
+            .collect()
+    };
+    let xml = format == ToolCallFormat::Qwen3CoderXml;
     let (grammar, only) = match &request.tool_choice {
-        ToolChoice::Required if !tools.is_empty() && harmony => (
-            Grammar::HarmonyCall {
-                tools: tools
-                    .iter()
-                    .map(|t| (t.name.clone(), t.parameters.clone()))
-                    .collect(),
+        ToolChoice::Required if !tools.is_empty() && harmony => {
+            (Grammar::HarmonyCall { tools: schemas() }, None)
+        }
+        ToolChoice::Required if !tools.is_empty() && xml => (
+            Grammar::XmlCalls {
+                tools: schemas(),
+                named: false,
+                single: !request.parallel_tool_calls,
             },
             None,
         ),
         ToolChoice::Required if !tools.is_empty() => (
             Grammar::ToolCalls {
-                tools: tools
-                    .iter()
-                    .map(|t| (t.name.clone(), t.parameters.clone()))
-                    .collect(),
+                tools: schemas(),
                 single: !request.parallel_tool_calls,
             },
             None,
@@ -371,7 +379,16 @@ fn constraint_of(
                 .iter()
                 .find(|t| &t.name == name)
                 .ok_or_else(|| invalid(field, format!("no tool named `{name}` to call")))?;
-            (Grammar::JsonSchema(tool.parameters.clone()), Some(name))
+            let grammar = if xml {
+                Grammar::XmlCalls {
+                    tools: vec![(tool.name.clone(), tool.parameters.clone())],
+                    named: true,
+                    single: true,
+                }
+            } else {
+                Grammar::JsonSchema(tool.parameters.clone())
+            };
+            (grammar, Some(name))
         }
         _ => {
             return Ok(request.response_format.as_ref().map(|f| Constrained {
@@ -387,10 +404,10 @@ fn constraint_of(
     Ok(Some(Constrained {
         grammar,
         field,
-        reply: Some(if harmony {
-            harmony::forced_call_prefix(only.map(String::as_str))
-        } else {
-            forced_call_prefix(only.map(String::as_str))
+        reply: Some(match format {
+            ToolCallFormat::Harmony => harmony::forced_call_prefix(only.map(String::as_str)),
+            ToolCallFormat::Qwen3CoderXml => xml_forced_call_prefix(only.map(String::as_str)),
+            _ => forced_call_prefix(only.map(String::as_str)),
         }),
     }))
 }

@@ -241,6 +241,29 @@ pub enum Grammar {
         /// `(name, parameters JSON Schema)` of each function.
         tools: Vec<(String, Json)>,
     },
+    /// Tool calls in Qwen3-Coder's XML format, continuing a reply that
+    /// already holds `<tool_call>\n<function=` (`tool_choice: "required"`:
+    /// a function's name, `>\n`, then its parameters) or
+    /// `<tool_call>\n<function=NAME>\n` (a named function, `named`: its
+    /// parameters only); the engine puts it in the prompt
+    /// ([`crate::output::tool_calls::qwen3_coder::xml_forced_call_prefix`]).
+    /// Parameters come in the schema's `properties` order, the required
+    /// ones always, each as `<parameter=KEY>\nVALUE\n</parameter>\n`: a
+    /// value whose schema has a non-string type is JSON valid against it,
+    /// a string enum one of its values, any other string text without
+    /// `</parameter>` within its `minLength` and `maxLength` (its other
+    /// string constraints, such as `pattern`, are not enforced).
+    /// A call ends with `</function>\n</tool_call>`; a required reply may
+    /// call again (`\n<tool_call>\n<function=`) unless `single`.
+    XmlCalls {
+        /// `(name, parameters JSON Schema)` of each function (one, when
+        /// `named`).
+        tools: Vec<(String, Json)>,
+        /// The prefix names the function: only its parameters follow.
+        named: bool,
+        /// At most one call (`parallel_tool_calls: false`).
+        single: bool,
+    },
 }
 
 impl Grammar {
@@ -276,6 +299,13 @@ impl Grammar {
             Grammar::HarmonyCall { tools } => Ok(TopLevelGrammar::from_lark(harmony_call_lark(
                 tools,
                 harmony_special,
+            )?)),
+            Grammar::XmlCalls {
+                tools,
+                named,
+                single,
+            } => Ok(TopLevelGrammar::from_lark(xml_calls_lark(
+                tools, *named, *single,
             )?)),
         }
     }
@@ -421,6 +451,100 @@ fn harmony_call_lark(tools: &[(String, Json)], special: bool) -> Result<String, 
             "call_{i}: {} {constrain} \"json\" {message} %json {schema}\n",
             lit(&format!("{name} "))
         ));
+    }
+    Ok(lark)
+}
+
+/// A Lark grammar (llguidance dialect) for Qwen3-Coder XML calls (see
+/// [`Grammar::XmlCalls`]).
+fn xml_calls_lark(
+    tools: &[(String, Json)],
+    named: bool,
+    single: bool,
+) -> Result<String, ConstraintError> {
+    if tools.is_empty() || (named && tools.len() != 1) {
+        return Err(ConstraintError::InvalidGrammar(
+            "XML tool calls need one named tool or at least one tool".into(),
+        ));
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let close = lit("</function>\n</tool_call>");
+    // Text without `</parameter>`: one lexeme with its closing tag, so the
+    // first `</parameter>` is the value's end.
+    let mut lark = String::from("NO_CLOSE: ~/(?s:.*)<\\/parameter>(?s:.*)/\n");
+    if named {
+        lark.push_str(&format!("start: params_0 {close}\n"));
+    } else {
+        lark.push_str(if single {
+            "start: call\n"
+        } else {
+            "start: call (next call)*\n"
+        });
+        lark.push_str(&format!("next: {}\n", lit("\n<tool_call>\n<function=")));
+        let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+        lark.push_str(&format!("call: {}\n", alts.join(" | ")));
+        for (i, (name, _)) in tools.iter().enumerate() {
+            lark.push_str(&format!(
+                "call_{i}: {} params_{i} {close}\n",
+                lit(&format!("{name}>\n"))
+            ));
+        }
+    }
+    for (i, (_, params)) in tools.iter().enumerate() {
+        let properties = params
+            .get("properties")
+            .and_then(Json::as_object)
+            .cloned()
+            .unwrap_or_default();
+        let required: Vec<&str> = params
+            .get("required")
+            .and_then(Json::as_array)
+            .map(|r| r.iter().filter_map(Json::as_str).collect())
+            .unwrap_or_default();
+        let mut items = Vec::new();
+        for (j, (key, schema)) in properties.iter().enumerate() {
+            let open = format!("<parameter={key}>\n");
+            let end = "\n</parameter>\n";
+            let rule = format!("p_{i}_{j}");
+            let body = if crate::output::tool_calls::qwen3_coder::typed_schema(schema) {
+                let schema = serde_json::to_string(&with_layout(schema.clone())?)
+                    .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
+                format!("{} %json {schema} {}", lit(&open), lit(end))
+            } else if let Some(values) = schema.get("enum").and_then(Json::as_array) {
+                let values: Vec<String> = values
+                    .iter()
+                    .filter_map(Json::as_str)
+                    .map(|v| lit(&format!("{open}{v}{end}")))
+                    .collect();
+                if values.is_empty() {
+                    return Err(ConstraintError::InvalidGrammar(format!(
+                        "parameter `{key}`: an enum without strings"
+                    )));
+                }
+                values.join(" | ")
+            } else {
+                // `minLength` and `maxLength` bound the text (in characters).
+                let bound = |k: &str| schema.get(k).and_then(Json::as_u64);
+                let length = match (bound("minLength").unwrap_or(0), bound("maxLength")) {
+                    (min, Some(max)) => format!("{{{min},{max}}}"),
+                    (min, None) => format!("{{{min},}}"),
+                };
+                let terminal = format!("P_{i}_{j}");
+                lark.push_str(&format!(
+                    "{terminal}: {} (/(?s:.{length})/ & NO_CLOSE) {}\n",
+                    lit(&open),
+                    lit(end)
+                ));
+                terminal
+            };
+            lark.push_str(&format!("{rule}: {body}\n"));
+            items.push(if required.contains(&key.as_str()) {
+                rule
+            } else {
+                format!("{rule}?")
+            });
+        }
+        lark.push_str(&format!("params_{i}: {}\n", items.join(" ")));
     }
     Ok(lark)
 }

@@ -40,7 +40,7 @@ pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 pub use tool_calls::ToolCallFormat;
-use tool_calls::{HermesParser, ToolCallParser};
+use tool_calls::{HermesParser, Qwen3CoderParser, ToolCallParser};
 
 /// One piece of a choice's visible output.
 #[derive(Debug, Clone, PartialEq)]
@@ -240,22 +240,31 @@ impl OutputFilter {
     /// [`OutputFilter::forced`] for a reply in `format`, whose `prefix`
     /// comes from that format's forced prefix: harmony's
     /// ([`harmony::forced_call_prefix`]) for [`ToolCallFormat::Harmony`],
-    /// [`forced_call_prefix`] for the others.
+    /// the XML one ([`tool_calls::qwen3_coder::xml_forced_call_prefix`]) for
+    /// [`ToolCallFormat::Qwen3CoderXml`], [`forced_call_prefix`] for the
+    /// others.
     pub fn forced_in(
         format: ToolCallFormat,
         stop: &[String],
         tools: &[ToolDefinition],
         prefix: &str,
     ) -> Self {
-        if format != ToolCallFormat::Harmony {
-            let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-            return Self::forced(stop, &names, prefix);
-        }
+        let (tool_calls, harmony): (Option<Box<dyn ToolCallParser>>, _) = match format {
+            ToolCallFormat::Harmony => (None, Some(HarmonyReader::forced(tools, prefix))),
+            ToolCallFormat::Qwen3CoderXml => (
+                Some(Box::new(Qwen3CoderParser::forced_with_tools(tools, prefix))),
+                None,
+            ),
+            _ => {
+                let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
+                return Self::forced(stop, &names, prefix);
+            }
+        };
         Self {
             stop: StopStrings::new(stop),
-            tool_calls: None,
+            tool_calls,
             reasoning: None,
-            harmony: Some(HarmonyReader::forced(tools, prefix)),
+            harmony,
         }
     }
 

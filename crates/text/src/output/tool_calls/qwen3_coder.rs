@@ -61,10 +61,16 @@ pub const PARAMETER_OPEN: &str = "<parameter=";
 /// Closes a parameter (see the module docs for when it ends a value).
 pub const PARAMETER_CLOSE: &str = "</parameter>";
 
-/// The start of a forced reply in this format: `<tool_call>\n<function=NAME>\n`
-/// for a call to `name` (the model then writes the parameters).
-pub fn xml_forced_call_prefix(name: &str) -> String {
-    format!("{XML_CALL_OPEN}\n{FUNCTION_OPEN}{name}>\n")
+/// The start of a forced reply in this format, put after the prompt's
+/// generation prompt: `<tool_call>\n<function=NAME>\n` for a call to
+/// `name` (`tool_choice` naming a function: the model then writes the
+/// parameters), or `<tool_call>\n<function=` for a call to any function
+/// (`tool_choice: "required"`: the model writes the name on).
+pub fn xml_forced_call_prefix(name: Option<&str>) -> String {
+    match name {
+        Some(name) => format!("{XML_CALL_OPEN}\n{FUNCTION_OPEN}{name}>\n"),
+        None => format!("{XML_CALL_OPEN}\n{FUNCTION_OPEN}"),
+    }
 }
 
 /// An offered function: its name and the parameters whose values are read
@@ -78,7 +84,7 @@ struct Function {
 /// Whether a parameter's JSON schema gives it a type other than string:
 /// `"type": "integer"` or `["integer", "null"]` is typed, `"string"`,
 /// `["string", "null"]` or no `type` at all is a string.
-fn typed_schema(schema: &serde_json::Value) -> bool {
+pub(crate) fn typed_schema(schema: &serde_json::Value) -> bool {
     const TYPED: [&str; 6] = ["number", "integer", "boolean", "object", "array", "null"];
     match schema.get("type") {
         Some(serde_json::Value::String(t)) => TYPED.contains(&t.as_str()),
@@ -184,6 +190,16 @@ impl Qwen3CoderParser {
                 })
                 .collect(),
         )
+    }
+
+    /// The parser of a forced reply to `tools` whose first text, `prefix`
+    /// (from [`xml_forced_call_prefix`]), is in the prompt rather than
+    /// generated: text outside calls is never sent.
+    pub fn forced_with_tools(tools: &[ToolDefinition], prefix: &str) -> Self {
+        let mut parser = Self::with_tools(tools);
+        parser.forced = true;
+        parser.held = prefix.to_owned();
+        parser
     }
 
     fn from_functions(functions: Vec<Function>) -> Self {
