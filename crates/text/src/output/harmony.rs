@@ -141,8 +141,9 @@ impl HarmonyReader {
                 Some((at, marker)) => (&rest[..at], Some(marker)),
                 None => (rest, None),
             };
-            // Seeding sends nothing: the call starts once its name is known,
-            // which is after the prefix for a required call.
+            // What seeding decides (a named call's start; a required call
+            // starts only once its generated name is read) waits in
+            // `pending` and goes out with the first output.
             let mut seeded = reader.push(text);
             rest = &rest[text.len()..];
             if let Some(marker) = marker {
