@@ -21,7 +21,8 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
-use mlxcel_text::output::forced_call_prefix;
+use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
+use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 use mlxcel_text::{Text, TextError};
 
@@ -136,7 +137,13 @@ impl RequestBuilder {
         } else {
             &[]
         };
-        let constrained = constraint_of(&request, tools)?;
+        let format = self
+            .text
+            .template
+            .as_ref()
+            .map(|t| t.tool_call_format())
+            .unwrap_or_default();
+        let constrained = constraint_of(&request, tools, format)?;
         let constraints = match (&constrained, &self.text.grammar) {
             (Some(c), Some(tokens)) => (0..n)
                 .map(|_| ConstrainedDecoder::new(tokens, &c.grammar))
@@ -165,21 +172,20 @@ impl RequestBuilder {
         }
         self.check_token_ids(&prompt)?;
         request.max_tokens = self.max_tokens(prompt.len(), n, request.max_tokens)?;
+        // A harmony reply (gpt-oss) carries its reasoning on a channel of
+        // its own: the harmony reader splits it, with or without tools.
+        let harmony = chat && format == ToolCallFormat::Harmony;
         // Constrained output (a schema, a forced call) is all content.
-        let reasoning = (chat && limits.split_reasoning && constrained.is_none()).then(|| {
-            let tail = &prompt[prompt.len().saturating_sub(8)..];
-            let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
-            ReasoningSplitter::prompt_opens_block(&tail)
-        });
+        let reasoning =
+            (chat && limits.split_reasoning && constrained.is_none() && !harmony).then(|| {
+                let tail = &prompt[prompt.len().saturating_sub(8)..];
+                let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
+                ReasoningSplitter::prompt_opens_block(&tail)
+            });
         let tool_calls = match reply {
-            Some(prefix) => ToolCallOutput::Forced(prefix),
-            None if !tools.is_empty() => ToolCallOutput::Parsed(
-                self.text
-                    .template
-                    .as_ref()
-                    .map(|t| t.tool_call_format())
-                    .unwrap_or_default(),
-            ),
+            Some(prefix) => ToolCallOutput::Forced { format, prefix },
+            None if !tools.is_empty() => ToolCallOutput::Parsed(format),
+            None if harmony => ToolCallOutput::Harmony,
             None => ToolCallOutput::Off,
         };
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
@@ -313,9 +319,11 @@ impl RequestBuilder {
 
 /// The grammar a request's output must follow: a required or named tool
 /// call over `tools` (then the reply's start goes in the prompt,
-/// [`forced_call_prefix`]: the model generates only the rest of the call,
-/// for a named function only its arguments, and the output filter builds
-/// the call from it), or its `response_format`.
+/// [`forced_call_prefix`], or the model's own for a `format` of
+/// [`ToolCallFormat::Harmony`] or [`ToolCallFormat::Qwen3CoderXml`],
+/// with a grammar of that format: the model generates only the rest of the
+/// call, for a named function only its arguments, and the output filter
+/// builds the call from it), or its `response_format`.
 ///
 /// # Errors
 /// A forced call together with a `response_format` (one output, one
@@ -325,7 +333,9 @@ impl RequestBuilder {
 fn constraint_of(
     request: &GenerationRequest,
     tools: &[ToolDefinition],
+    format: ToolCallFormat,
 ) -> Result<Option<Constrained>, SubmitError> {
+    let harmony = format == ToolCallFormat::Harmony;
     let field = RequestField::ToolChoice;
     let forced = !tools.is_empty()
         && matches!(
@@ -338,13 +348,28 @@ fn constraint_of(
             "a required tool call cannot be combined with response_format".into(),
         ));
     }
+    let schemas = || -> Vec<(String, serde_json::Value)> {
+        tools
+            .iter()
+            .map(|t| (t.name.clone(), t.parameters.clone()))
+            .collect()
+    };
+    let xml = format == ToolCallFormat::Qwen3CoderXml;
     let (grammar, only) = match &request.tool_choice {
+        ToolChoice::Required if !tools.is_empty() && harmony => {
+            (Grammar::HarmonyCall { tools: schemas() }, None)
+        }
+        ToolChoice::Required if !tools.is_empty() && xml => (
+            Grammar::XmlCalls {
+                tools: schemas(),
+                named: false,
+                single: !request.parallel_tool_calls,
+            },
+            None,
+        ),
         ToolChoice::Required if !tools.is_empty() => (
             Grammar::ToolCalls {
-                tools: tools
-                    .iter()
-                    .map(|t| (t.name.clone(), t.parameters.clone()))
-                    .collect(),
+                tools: schemas(),
                 single: !request.parallel_tool_calls,
             },
             None,
@@ -354,7 +379,16 @@ fn constraint_of(
                 .iter()
                 .find(|t| &t.name == name)
                 .ok_or_else(|| invalid(field, format!("no tool named `{name}` to call")))?;
-            (Grammar::JsonSchema(tool.parameters.clone()), Some(name))
+            let grammar = if xml {
+                Grammar::XmlCalls {
+                    tools: vec![(tool.name.clone(), tool.parameters.clone())],
+                    named: true,
+                    single: true,
+                }
+            } else {
+                Grammar::JsonSchema(tool.parameters.clone())
+            };
+            (grammar, Some(name))
         }
         _ => {
             return Ok(request.response_format.as_ref().map(|f| Constrained {
@@ -370,6 +404,10 @@ fn constraint_of(
     Ok(Some(Constrained {
         grammar,
         field,
-        reply: Some(forced_call_prefix(only.map(String::as_str))),
+        reply: Some(match format {
+            ToolCallFormat::Harmony => harmony::forced_call_prefix(only.map(String::as_str)),
+            ToolCallFormat::Qwen3CoderXml => xml_forced_call_prefix(only.map(String::as_str)),
+            _ => forced_call_prefix(only.map(String::as_str)),
+        }),
     }))
 }

@@ -76,6 +76,9 @@ struct TokInner {
     /// Whether `<tool_call>` and `</tool_call>` are single special tokens
     /// (Qwen): tool-call grammars then name the tokens, not their text.
     tool_tags_special: bool,
+    /// Whether harmony's `<|constrain|>` and `<|message|>` are special
+    /// tokens (gpt-oss): harmony grammars then name the tokens.
+    harmony_special: bool,
 }
 
 impl GrammarTokenizer {
@@ -128,6 +131,8 @@ impl GrammarTokenizer {
         let trie = env.tok_trie();
         let tool_tags_special = trie.get_special_token("<tool_call>").is_some()
             && trie.get_special_token("</tool_call>").is_some();
+        let harmony_special = trie.get_special_token("<|constrain|>").is_some()
+            && trie.get_special_token("<|message|>").is_some();
         let mut factory = ParserFactory::new_simple(&env).map_err(tok_err)?;
         factory.quiet();
         Ok(Self {
@@ -136,6 +141,7 @@ impl GrammarTokenizer {
                 token_bytes,
                 vocab_size,
                 tool_tags_special,
+                harmony_special,
             }),
         })
     }
@@ -224,13 +230,47 @@ pub enum Grammar {
         /// At most one call (`parallel_tool_calls: false`).
         single: bool,
     },
+    /// One tool call in OpenAI's harmony format (gpt-oss,
+    /// `tool_choice: "required"`), continuing a reply that already holds
+    /// `<|channel|>commentary to=functions.` (the engine puts it in the
+    /// prompt, [`crate::output::harmony::forced_call_prefix`]): a
+    /// function's name, ` <|constrain|>json<|message|>`, then arguments
+    /// valid against its parameters schema. The markers are the
+    /// tokenizer's special tokens when it has them.
+    HarmonyCall {
+        /// `(name, parameters JSON Schema)` of each function.
+        tools: Vec<(String, Json)>,
+    },
+    /// Tool calls in Qwen3-Coder's XML format, continuing a reply that
+    /// already holds `<tool_call>\n<function=` (`tool_choice: "required"`:
+    /// a function's name, `>\n`, then its parameters) or
+    /// `<tool_call>\n<function=NAME>\n` (a named function, `named`: its
+    /// parameters only); the engine puts it in the prompt
+    /// ([`crate::output::tool_calls::qwen3_coder::xml_forced_call_prefix`]).
+    /// Parameters come in the schema's `properties` order, the required
+    /// ones always, each as `<parameter=KEY>\nVALUE\n</parameter>\n`: a
+    /// value whose schema has a non-string type is JSON valid against it,
+    /// a string enum one of its values, any other string text without
+    /// `</parameter>` within its `minLength` and `maxLength` (its other
+    /// string constraints, such as `pattern`, are not enforced).
+    /// A call ends with `</function>\n</tool_call>`; a required reply may
+    /// call again (`\n<tool_call>\n<function=`) unless `single`.
+    XmlCalls {
+        /// `(name, parameters JSON Schema)` of each function (one, when
+        /// `named`).
+        tools: Vec<(String, Json)>,
+        /// The prefix names the function: only its parameters follow.
+        named: bool,
+        /// At most one call (`parallel_tool_calls: false`).
+        single: bool,
+    },
 }
 
 impl Grammar {
     /// Compiles the grammar without a tokenizer, to reject a bad schema early
     /// (at the HTTP edge). Errors: [`ConstraintError::InvalidGrammar`].
     pub fn validate(&self) -> Result<(), ConstraintError> {
-        let init = GrammarInit::Serialized(self.to_llg(false)?);
+        let init = GrammarInit::Serialized(self.to_llg(false, false)?);
         match init.validate(None, ParserLimits::default()).into_error() {
             Some(e) => Err(ConstraintError::InvalidGrammar(e)),
             None => Ok(()),
@@ -238,8 +278,14 @@ impl Grammar {
     }
 
     /// The llguidance grammar; `special_tags`: name `<tool_call>` and
-    /// `</tool_call>` as special tokens rather than as text.
-    fn to_llg(&self, special_tags: bool) -> Result<TopLevelGrammar, ConstraintError> {
+    /// `</tool_call>` as special tokens rather than as text;
+    /// `harmony_special`: the same for harmony's `<|constrain|>` and
+    /// `<|message|>`.
+    fn to_llg(
+        &self,
+        special_tags: bool,
+        harmony_special: bool,
+    ) -> Result<TopLevelGrammar, ConstraintError> {
         match self {
             Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(with_layout(
                 json!({"type": "object"}),
@@ -250,6 +296,17 @@ impl Grammar {
             Grammar::ToolCalls { tools, single } => Ok(TopLevelGrammar::from_lark(
                 tool_calls_lark(tools, *single, special_tags)?,
             )),
+            Grammar::HarmonyCall { tools } => Ok(TopLevelGrammar::from_lark(harmony_call_lark(
+                tools,
+                harmony_special,
+            )?)),
+            Grammar::XmlCalls {
+                tools,
+                named,
+                single,
+            } => Ok(TopLevelGrammar::from_lark(xml_calls_lark(
+                tools, *named, *single,
+            )?)),
         }
     }
 }
@@ -370,6 +427,128 @@ fn tool_calls_lark(
     Ok(lark)
 }
 
+/// A Lark grammar (llguidance dialect) for one harmony call after
+/// `<|channel|>commentary to=functions.` (see [`Grammar::HarmonyCall`]).
+fn harmony_call_lark(tools: &[(String, Json)], special: bool) -> Result<String, ConstraintError> {
+    if tools.is_empty() {
+        return Err(ConstraintError::InvalidGrammar(
+            "tool calls required but no tools given".into(),
+        ));
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let (constrain, message) = if special {
+        ("<|constrain|>".to_owned(), "<|message|>".to_owned())
+    } else {
+        (lit("<|constrain|>"), lit("<|message|>"))
+    };
+    let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+    let mut lark = format!("start: {}\n", alts.join(" | "));
+    for (i, (name, params)) in tools.iter().enumerate() {
+        let schema = with_layout(params.clone())?;
+        let schema = serde_json::to_string(&schema)
+            .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
+        lark.push_str(&format!(
+            "call_{i}: {} {constrain} \"json\" {message} %json {schema}\n",
+            lit(&format!("{name} "))
+        ));
+    }
+    Ok(lark)
+}
+
+/// A Lark grammar (llguidance dialect) for Qwen3-Coder XML calls (see
+/// [`Grammar::XmlCalls`]).
+fn xml_calls_lark(
+    tools: &[(String, Json)],
+    named: bool,
+    single: bool,
+) -> Result<String, ConstraintError> {
+    if tools.is_empty() || (named && tools.len() != 1) {
+        return Err(ConstraintError::InvalidGrammar(
+            "XML tool calls need one named tool or at least one tool".into(),
+        ));
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let close = lit("</function>\n</tool_call>");
+    // Text without `</parameter>`: one lexeme with its closing tag, so the
+    // first `</parameter>` is the value's end.
+    let mut lark = String::from("NO_CLOSE: ~/(?s:.*)<\\/parameter>(?s:.*)/\n");
+    if named {
+        lark.push_str(&format!("start: params_0 {close}\n"));
+    } else {
+        lark.push_str(if single {
+            "start: call\n"
+        } else {
+            "start: call (next call)*\n"
+        });
+        lark.push_str(&format!("next: {}\n", lit("\n<tool_call>\n<function=")));
+        let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+        lark.push_str(&format!("call: {}\n", alts.join(" | ")));
+        for (i, (name, _)) in tools.iter().enumerate() {
+            lark.push_str(&format!(
+                "call_{i}: {} params_{i} {close}\n",
+                lit(&format!("{name}>\n"))
+            ));
+        }
+    }
+    for (i, (_, params)) in tools.iter().enumerate() {
+        let properties = params
+            .get("properties")
+            .and_then(Json::as_object)
+            .cloned()
+            .unwrap_or_default();
+        let required: Vec<&str> = params
+            .get("required")
+            .and_then(Json::as_array)
+            .map(|r| r.iter().filter_map(Json::as_str).collect())
+            .unwrap_or_default();
+        let mut items = Vec::new();
+        for (j, (key, schema)) in properties.iter().enumerate() {
+            let open = format!("<parameter={key}>\n");
+            let end = "\n</parameter>\n";
+            let rule = format!("p_{i}_{j}");
+            let body = if crate::output::tool_calls::qwen3_coder::typed_schema(schema) {
+                let schema = serde_json::to_string(&with_layout(schema.clone())?)
+                    .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
+                format!("{} %json {schema} {}", lit(&open), lit(end))
+            } else if let Some(values) = schema.get("enum").and_then(Json::as_array) {
+                let values: Vec<String> = values
+                    .iter()
+                    .filter_map(Json::as_str)
+                    .map(|v| lit(&format!("{open}{v}{end}")))
+                    .collect();
+                if values.is_empty() {
+                    return Err(ConstraintError::InvalidGrammar(format!(
+                        "parameter `{key}`: an enum without strings"
+                    )));
+                }
+                values.join(" | ")
+            } else {
+                // `minLength` and `maxLength` bound the text (in characters).
+                let bound = |k: &str| schema.get(k).and_then(Json::as_u64);
+                let length = match (bound("minLength").unwrap_or(0), bound("maxLength")) {
+                    (min, Some(max)) => format!("{{{min},{max}}}"),
+                    (min, None) => format!("{{{min},}}"),
+                };
+                let terminal = format!("P_{i}_{j}");
+                lark.push_str(&format!(
+                    "{terminal}: {} (/(?s:.{length})/ & NO_CLOSE) {}\n",
+                    lit(&open),
+                    lit(end)
+                ));
+                terminal
+            };
+            lark.push_str(&format!("{rule}: {body}\n"));
+            items.push(if required.contains(&key.as_str()) {
+                rule
+            } else {
+                format!("{rule}?")
+            });
+        }
+        lark.push_str(&format!("params_{i}: {}\n", items.join(" ")));
+    }
+    Ok(lark)
+}
+
 /// The grammar state of one request. `Send`: built by the front end, moved
 /// to the engine thread.
 pub struct ConstrainedDecoder {
@@ -383,7 +562,7 @@ impl ConstrainedDecoder {
     /// Errors: [`ConstraintError::InvalidGrammar`] with llguidance's message
     /// when the grammar or schema does not compile (front ends answer 400).
     pub fn new(tok: &GrammarTokenizer, grammar: &Grammar) -> Result<Self, ConstraintError> {
-        let top = grammar.to_llg(tok.inner.tool_tags_special)?;
+        let top = grammar.to_llg(tok.inner.tool_tags_special, tok.inner.harmony_special)?;
         let parser = tok
             .inner
             .factory

@@ -632,3 +632,238 @@ fn special_token_text_in_forced_strings_is_spelled_as_text() {
         assert_eq!(calls, vec![("echo".to_string(), json!({"text": value}))]);
     }
 }
+
+/// The calls a harmony reply to `tool_choice: "required"` makes, read
+/// token by token (special tokens apart, as the engine reads them) by the
+/// forced harmony filter: `(name, arguments)` each, and any text.
+fn harmony_calls(text_tok: &TextTokenizer, ids: &[u32]) -> (Vec<(String, Value)>, String) {
+    use mlxcel_engine_api::ToolDefinition;
+    use mlxcel_text::detokenizer::IncrementalDetokenizer;
+    use mlxcel_text::output::{harmony, ToolCallFormat};
+    let tools: Vec<ToolDefinition> = ["get_weather", "get_time"]
+        .iter()
+        .map(|n| ToolDefinition {
+            name: n.to_string(),
+            description: None,
+            parameters: json!({"type": "object"}),
+        })
+        .collect();
+    let prefix = harmony::forced_call_prefix(None);
+    let mut filter = OutputFilter::forced_in(ToolCallFormat::Harmony, &[], &tools, &prefix);
+    let mut detok = IncrementalDetokenizer::new();
+    let mut pieces = Vec::new();
+    for &id in ids {
+        let text = detok.push(text_tok, id).unwrap();
+        pieces.extend(filter.push(&text).pieces);
+        pieces.extend(filter.push_special_token(text_tok, id).pieces);
+    }
+    pieces.extend(filter.push(&detok.flush(text_tok).unwrap()).pieces);
+    pieces.extend(filter.finish().pieces);
+    let mut calls: Vec<(String, String)> = Vec::new();
+    let mut other = String::new();
+    for piece in pieces {
+        match piece {
+            OutputPiece::CallStart { name, .. } => calls.push((name, String::new())),
+            OutputPiece::CallArguments(a) => calls.last_mut().unwrap().1.push_str(&a),
+            OutputPiece::Text(t) | OutputPiece::Reasoning(t) => other.push_str(&t),
+        }
+    }
+    let calls = calls
+        .into_iter()
+        .map(|(name, args)| {
+            let args = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            (name, args)
+        })
+        .collect();
+    (calls, other)
+}
+
+/// A required call in harmony: the grammar writes a name, the markers (as
+/// the tokenizer's special tokens when it has them, else as text) and
+/// arguments valid against the function's schema; the forced harmony
+/// filter reads it back as that one call.
+#[test]
+fn harmony_required_calls_follow_the_schema() {
+    let grammar = Grammar::HarmonyCall {
+        tools: vec![
+            ("get_weather".into(), weather_schema()),
+            ("get_time".into(), time_schema()),
+        ],
+    };
+    // The SmolLM2 tokenizer with gpt-oss's markers added as special tokens.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("constraint-harmony");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = model_dir();
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let markers = ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"];
+    for (i, marker) in markers.iter().enumerate() {
+        tokenizer["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({
+                "id": 49152 + i, "content": marker, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+    }
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    ] {
+        if src.join(f).is_file() {
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
+        }
+    }
+    let (harmony_text, harmony_gt) = load(&dir, 0);
+    let (plain_text, plain_gt) = load(&model_dir(), 0);
+    let mut names = std::collections::HashSet::new();
+    for (text_tok, gt, special) in [
+        (&harmony_text, &harmony_gt, true),
+        (&plain_text, &plain_gt, false),
+    ] {
+        for seed in 0..6 {
+            let w = walk(gt, &grammar, seed, 0.0);
+            let constrain = w.text.find("<|constrain|>json<|message|>");
+            assert!(constrain.is_some(), "{}", w.text);
+            // The markers are one special token each, or none of them.
+            assert_eq!(w.ids.contains(&49153), special, "{}", w.text);
+            if !special {
+                // Spelled as text, the markers are text to the filter too
+                // (gpt-oss's tokenizer has them as special tokens).
+                continue;
+            }
+            let (calls, other) = harmony_calls(text_tok, &w.ids);
+            assert_eq!(other, "", "{}", w.text);
+            assert_eq!(calls.len(), 1, "{}", w.text);
+            let (name, args) = &calls[0];
+            match name.as_str() {
+                "get_weather" => check_weather_args(args),
+                "get_time" => assert!(args["zone"].is_string(), "{args}"),
+                other => panic!("called {other}"),
+            }
+            names.insert(name.clone());
+        }
+    }
+    assert!(!names.is_empty());
+}
+
+/// `get_weather`'s schema with a typed (integer) and an optional
+/// parameter, for the XML format.
+fn xml_weather_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 20},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "note": {"type": "string", "maxLength": 10}
+        },
+        "required": ["city", "days", "unit"],
+    })
+}
+
+/// The calls of a forced XML reply whose generated part is `text`, read by
+/// the forced XML filter after `prefix`: `(name, arguments)` each, and any
+/// text.
+fn xml_calls(text: &str, prefix: &str, tools: &[(&str, Value)]) -> (Vec<(String, Value)>, String) {
+    use mlxcel_engine_api::ToolDefinition;
+    use mlxcel_text::output::ToolCallFormat;
+    let tools: Vec<ToolDefinition> = tools
+        .iter()
+        .map(|(n, p)| ToolDefinition {
+            name: n.to_string(),
+            description: None,
+            parameters: p.clone(),
+        })
+        .collect();
+    let mut filter = OutputFilter::forced_in(ToolCallFormat::Qwen3CoderXml, &[], &tools, prefix);
+    let mut out = filter.push(text);
+    out.extend(filter.finish());
+    let mut calls: Vec<(String, String)> = Vec::new();
+    let mut other = String::new();
+    for piece in out.pieces {
+        match piece {
+            OutputPiece::CallStart { name, .. } => calls.push((name, String::new())),
+            OutputPiece::CallArguments(a) => calls.last_mut().unwrap().1.push_str(&a),
+            OutputPiece::Text(t) | OutputPiece::Reasoning(t) => other.push_str(&t),
+        }
+    }
+    let calls = calls
+        .into_iter()
+        .map(|(name, args)| {
+            let args = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            (name, args)
+        })
+        .collect();
+    (calls, other)
+}
+
+/// Forced XML calls (Qwen3-Coder): the grammar writes parameters in the
+/// format, typed ones as JSON valid for their schema, and the forced XML
+/// filter reads them back as calls whose arguments match the schema.
+#[test]
+fn xml_forced_calls_follow_the_schema() {
+    use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
+    let (_, gt) = load(&model_dir(), PAD_ROWS);
+    let check = |args: &Value| {
+        let obj = args.as_object().expect("object");
+        let city = obj["city"].as_str().expect("city is a string");
+        assert!((1..=20).contains(&city.chars().count()), "{args}");
+        let note = obj
+            .get("note")
+            .map_or(Some(""), Value::as_str)
+            .expect("note");
+        assert!(note.chars().count() <= 10, "{args}");
+        let days = obj["days"].as_i64().expect("days is an integer");
+        assert!((1..=9).contains(&days), "{args}");
+        assert!(["celsius", "fahrenheit"].contains(&obj["unit"].as_str().unwrap()));
+        assert!(obj
+            .keys()
+            .all(|k| ["city", "days", "unit", "note"].contains(&k.as_str())));
+    };
+    let named = Grammar::XmlCalls {
+        tools: vec![("get_weather".into(), xml_weather_schema())],
+        named: true,
+        single: true,
+    };
+    let prefix = xml_forced_call_prefix(Some("get_weather"));
+    for seed in 0..6 {
+        let w = walk(&gt, &named, seed, 0.0);
+        let (calls, other) = xml_calls(&w.text, &prefix, &[("get_weather", xml_weather_schema())]);
+        assert_eq!(other, "", "{}", w.text);
+        assert_eq!(calls.len(), 1, "{}", w.text);
+        check(&calls[0].1);
+    }
+    let tools = [
+        ("get_weather", xml_weather_schema()),
+        ("get_time", time_schema()),
+    ];
+    let required = Grammar::XmlCalls {
+        tools: tools
+            .iter()
+            .map(|(n, p)| (n.to_string(), p.clone()))
+            .collect(),
+        named: false,
+        single: false,
+    };
+    let prefix = xml_forced_call_prefix(None);
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..12 {
+        let w = walk(&gt, &required, seed, 0.0);
+        let (calls, other) = xml_calls(&w.text, &prefix, &tools);
+        assert_eq!(other, "", "{}", w.text);
+        assert!(!calls.is_empty(), "{}", w.text);
+        for (name, args) in &calls {
+            match name.as_str() {
+                "get_weather" => check(args),
+                "get_time" => assert!(args["zone"].is_string(), "{args}"),
+                other => panic!("called {other}"),
+            }
+            seen.insert(name.clone());
+        }
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+}

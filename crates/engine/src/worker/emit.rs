@@ -147,6 +147,11 @@ impl Worker<'_> {
             piece.push_str(&s.detok.flush(tokenizer)?);
         }
         let mut out = s.filter.push(&piece);
+        // A harmony reply's markers are special tokens: its filter reads
+        // them apart from the text (the detokenizer skips them).
+        if !is_eos && !out.stopped {
+            out.extend(s.filter.push_special_token(tokenizer, token));
+        }
         if out.stopped {
             finish = Some(FinishReason::Stop);
         } else if finish.is_some() {

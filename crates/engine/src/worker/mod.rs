@@ -54,9 +54,16 @@ pub(crate) enum ToolCallOutput {
     /// Calls of the offered functions are parsed out of free text, in the
     /// format of the model's chat template.
     Parsed(mlxcel_text::output::ToolCallFormat),
-    /// A forced reply whose start, this prefix
-    /// ([`mlxcel_text::output::forced_call_prefix`]), ends the prompt.
-    Forced(String),
+    /// A harmony reply (gpt-oss) without tools: its channels are read
+    /// (reasoning, content) from its text and special tokens.
+    Harmony,
+    /// A forced reply whose start, `prefix` (the forced prefix of
+    /// `format`: [`mlxcel_text::output::forced_call_prefix`], or harmony's),
+    /// ends the prompt.
+    Forced {
+        format: mlxcel_text::output::ToolCallFormat,
+        prefix: String,
+    },
 }
 
 /// What the handle sends the engine thread.

@@ -7,7 +7,7 @@ use std::time::Instant;
 use mlxcel_kv::KvSequence;
 use mlxcel_text::constraint::ConstrainedDecoder;
 use mlxcel_text::detokenizer::IncrementalDetokenizer;
-use mlxcel_text::output::OutputFilter;
+use mlxcel_text::output::{OutputFilter, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 
 use super::{Job, ToolCallOutput};
@@ -159,15 +159,16 @@ impl Sequence {
 impl Job {
     /// A fresh output filter for one of its choices.
     pub(super) fn output_filter(&self) -> OutputFilter {
-        let names =
-            || -> Vec<String> { self.request.tools.iter().map(|t| t.name.clone()).collect() };
         let filter = match &self.tool_calls {
             ToolCallOutput::Off => OutputFilter::new(&self.request.stop, &[]),
-            ToolCallOutput::Parsed(format) => {
-                OutputFilter::with_format(&self.request.stop, &names(), *format)
+            ToolCallOutput::Harmony => {
+                OutputFilter::with_format(&self.request.stop, &[], ToolCallFormat::Harmony)
             }
-            ToolCallOutput::Forced(prefix) => {
-                OutputFilter::forced(&self.request.stop, &names(), prefix)
+            ToolCallOutput::Parsed(format) => {
+                OutputFilter::with_format(&self.request.stop, &self.request.tools, *format)
+            }
+            ToolCallOutput::Forced { format, prefix } => {
+                OutputFilter::forced_in(*format, &self.request.stop, &self.request.tools, prefix)
             }
         };
         match self.reasoning {

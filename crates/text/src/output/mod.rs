@@ -11,8 +11,8 @@
 //!   stop string ends the choice, and neither it nor anything after it is
 //!   sent (OpenAI's `stop`). The search runs over everything not yet sent,
 //!   so a stop string split across any number of tokens is found.
-//! - **Tool calls** ([`tool_calls`]: a [`ToolCallParser`], today the
-//!   Hermes / Qwen2.5 format:
+//! - **Tool calls** ([`tool_calls`]: a [`ToolCallParser`] of the model's
+//!   format, [`ToolCallFormat`]; by default the Hermes / Qwen2.5 format
 //!   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`).
 //!   Calls of offered functions become [`OutputPiece::CallStart`] and
 //!   [`OutputPiece::CallArguments`] fragments, streamed as generated; a
@@ -25,17 +25,22 @@
 //!   generated arguments and no wrapper text is ever sent, even when the
 //!   choice is cut short.
 
-use crate::reasoning::{ReasoningSplitter, ReplyPart};
+use mlxcel_engine_api::ToolDefinition;
 
+use crate::reasoning::{ReasoningSplitter, ReplyPart};
+use crate::tokenizer::TextTokenizer;
+
+pub mod harmony;
 mod stop;
 pub mod tool_calls;
 
+use harmony::HarmonyReader;
 use stop::StopStrings;
 pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 pub use tool_calls::ToolCallFormat;
-use tool_calls::{HermesParser, ToolCallParser};
+use tool_calls::{HermesParser, Qwen3CoderParser, ToolCallParser};
 
 /// One piece of a choice's visible output.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,6 +135,9 @@ pub struct OutputFilter {
     tool_calls: Option<Box<dyn ToolCallParser>>,
     /// Splits reasoning off before everything else (reasoning models).
     reasoning: Option<ReasoningSplitter>,
+    /// Reads a harmony reply (gpt-oss) before everything else: its
+    /// reasoning, its calls; its content goes on through the stop strings.
+    harmony: Option<HarmonyReader>,
 }
 
 impl OutputFilter {
@@ -137,13 +145,79 @@ impl OutputFilter {
     /// extracting calls of the functions named in `tool_names` (a call of
     /// any other name stays text: it is not a call the client can answer).
     pub fn new(stop: &[String], tool_names: &[String]) -> Self {
-        Self::with_parser(stop, tool_names, HermesParser::new)
+        Self::with_parser(stop, tool_names, |names| Box::new(HermesParser::new(names)))
     }
 
-    /// [`OutputFilter::new`] reading calls in `format` (the model's own,
-    /// [`ToolCallFormat::from_template`]).
-    pub fn with_format(stop: &[String], tool_names: &[String], format: ToolCallFormat) -> Self {
-        Self::with_parser(stop, tool_names, |names| format.parser(names))
+    /// A filter ending at any of `stop` that reads calls of `tools` in
+    /// `format` (the model's own, [`ToolCallFormat::from_template`]). The
+    /// tools' names decide what is a call; the XML format also reads their
+    /// parameter schemas (which values are JSON rather than strings).
+    ///
+    /// Harmony ([`ToolCallFormat::Harmony`]) is read whether or not tools
+    /// are offered (it carries the reasoning too), from the text and the
+    /// special tokens ([`OutputFilter::push_special`]).
+    pub fn with_format(stop: &[String], tools: &[ToolDefinition], format: ToolCallFormat) -> Self {
+        let harmony = (format == ToolCallFormat::Harmony).then(|| HarmonyReader::new(tools));
+        Self {
+            stop: StopStrings::new(stop),
+            tool_calls: if tools.is_empty() {
+                None
+            } else {
+                format.parser(tools)
+            },
+            reasoning: None,
+            harmony,
+        }
+    }
+
+    /// Whether this filter reads special tokens ([`OutputFilter::push_special`]):
+    /// true for a harmony reply, whose markers are special tokens.
+    pub fn reads_special_tokens(&self) -> bool {
+        self.harmony.is_some()
+    }
+
+    /// Feeds generated token `id` to [`OutputFilter::push_special`] when it
+    /// is a special token of `tokenizer` and this filter reads them (call
+    /// it after the token's text went through [`OutputFilter::push`]; the
+    /// detokenizer gives a special token no text). Nothing otherwise.
+    pub fn push_special_token(&mut self, tokenizer: &TextTokenizer, id: u32) -> Filtered {
+        if !self.reads_special_tokens() || !tokenizer.is_special_token(id) {
+            return Filtered::default();
+        }
+        match tokenizer.id_to_token(id) {
+            Some(token) => self.push_special(&token),
+            None => Filtered::default(),
+        }
+    }
+
+    /// Feeds a generated special token, `token` its text (such as
+    /// `<|channel|>`), after the text before it went through
+    /// [`OutputFilter::push`]. Only a harmony filter reads them; others
+    /// skip them, as the detokenizer does.
+    pub fn push_special(&mut self, token: &str) -> Filtered {
+        if self.stop.stopped() {
+            return Filtered::default();
+        }
+        match self.harmony.as_mut().map(|h| h.marker(token)) {
+            Some(pieces) => self.route_harmony(pieces),
+            None => Filtered::default(),
+        }
+    }
+
+    /// A harmony reader's pieces: content through the stop strings, the
+    /// rest as is.
+    fn route_harmony(&mut self, pieces: Vec<OutputPiece>) -> Filtered {
+        let mut out = Filtered::default();
+        for piece in pieces {
+            if self.stop.stopped() {
+                break;
+            }
+            match piece {
+                OutputPiece::Text(t) => out.extend(self.push_content(&t)),
+                piece => out.push(piece),
+            }
+        }
+        out
     }
 
     /// The same filter, after `splitter` has taken the reasoning out: only
@@ -159,34 +233,69 @@ impl OutputFilter {
     /// choice cut before the function name was complete) is dropped.
     pub fn forced(stop: &[String], tool_names: &[String], prefix: &str) -> Self {
         Self::with_parser(stop, tool_names, |names| {
-            HermesParser::forced(names, prefix)
+            Box::new(HermesParser::forced(names, prefix))
         })
+    }
+
+    /// [`OutputFilter::forced`] for a reply in `format`, whose `prefix`
+    /// comes from that format's forced prefix: harmony's
+    /// ([`harmony::forced_call_prefix`]) for [`ToolCallFormat::Harmony`],
+    /// the XML one ([`tool_calls::qwen3_coder::xml_forced_call_prefix`]) for
+    /// [`ToolCallFormat::Qwen3CoderXml`], [`forced_call_prefix`] for the
+    /// others.
+    pub fn forced_in(
+        format: ToolCallFormat,
+        stop: &[String],
+        tools: &[ToolDefinition],
+        prefix: &str,
+    ) -> Self {
+        let (tool_calls, harmony): (Option<Box<dyn ToolCallParser>>, _) = match format {
+            ToolCallFormat::Harmony => (None, Some(HarmonyReader::forced(tools, prefix))),
+            ToolCallFormat::Qwen3CoderXml => (
+                Some(Box::new(Qwen3CoderParser::forced_with_tools(tools, prefix))),
+                None,
+            ),
+            _ => {
+                let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
+                return Self::forced(stop, &names, prefix);
+            }
+        };
+        Self {
+            stop: StopStrings::new(stop),
+            tool_calls,
+            reasoning: None,
+            harmony,
+        }
     }
 
     /// A filter whose tool-call parser `parser` builds for `tool_names`
     /// (none when `tool_names` is empty).
-    fn with_parser<P: ToolCallParser + 'static>(
+    fn with_parser(
         stop: &[String],
         tool_names: &[String],
-        parser: impl FnOnce(&[String]) -> P,
+        parser: impl FnOnce(&[String]) -> Box<dyn ToolCallParser>,
     ) -> Self {
         Self {
             stop: StopStrings::new(stop),
-            tool_calls: (!tool_names.is_empty())
-                .then(|| Box::new(parser(tool_names)) as Box<dyn ToolCallParser>),
+            tool_calls: (!tool_names.is_empty()).then(|| parser(tool_names)),
             reasoning: None,
+            harmony: None,
         }
     }
 
     /// Tool calls found so far.
     pub fn tool_calls(&self) -> usize {
         self.tool_calls.as_ref().map_or(0, |p| p.calls())
+            + self.harmony.as_ref().map_or(0, HarmonyReader::calls)
     }
 
     /// Feeds newly decoded text. After a stop, further text is ignored.
     pub fn push(&mut self, text: &str) -> Filtered {
         if self.stop.stopped() {
             return Filtered::default();
+        }
+        if let Some(pieces) = self.harmony.as_mut().map(|h| h.push(text)) {
+            return self.route_harmony(pieces);
         }
         match self.reasoning.as_mut().map(|r| r.push(text)) {
             Some(parts) => self.route(parts),
@@ -225,6 +334,11 @@ impl OutputFilter {
             Some(parts) if !self.stop.stopped() => self.route(parts),
             _ => Filtered::default(),
         };
+        if let Some(pieces) = self.harmony.as_mut().map(HarmonyReader::finish) {
+            if !self.stop.stopped() {
+                out.extend(self.route_harmony(pieces));
+            }
+        }
         let rest = self.stop.finish();
         out.extend(self.parse(&rest, true));
         out

@@ -73,6 +73,18 @@ fn tools(names: &[&str]) -> Vec<String> {
     names.iter().map(|n| n.to_string()).collect()
 }
 
+/// Offered functions named `names`, without parameters.
+fn definitions(names: &[&str]) -> Vec<ToolDefinition> {
+    names
+        .iter()
+        .map(|n| ToolDefinition {
+            name: n.to_string(),
+            description: None,
+            parameters: serde_json::json!({"type": "object"}),
+        })
+        .collect()
+}
+
 /// Stop strings and calls are looked for in the answer only: inside
 /// the reasoning they are text.
 #[test]
@@ -353,9 +365,9 @@ fn a_required_reply_cut_between_calls_sends_no_wrapper_text() {
 /// Every split of `text` into pieces of 1 to 7 characters, through a
 /// filter reading calls of `names` in `format`.
 fn each_split(format: ToolCallFormat, names: &[&str], text: &str, check: impl Fn(&Sent, usize)) {
-    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    let tools = definitions(names);
     for n in 1..=7 {
-        let mut filter = OutputFilter::with_format(&[], &names, format);
+        let mut filter = OutputFilter::with_format(&[], &tools, format);
         check(&run_chunked(&mut filter, text, n), n);
     }
 }
@@ -483,4 +495,511 @@ fn mistral_json_replies_that_are_not_calls_are_text() {
     );
     let v11 = "[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}";
     assert_eq!(ToolCallFormat::from_template(v11), ToolCallFormat::Hermes);
+}
+
+// --- Qwen3-Coder's XML calls -----------------------------------------------
+
+/// `text` through a filter reading `tools` in `format`: whole, cut once at
+/// every character boundary, and in pieces of 1 to 7 characters; `check`
+/// sees every outcome, and every outcome equals the whole one.
+fn each_cut(format: ToolCallFormat, tools: &[ToolDefinition], text: &str, check: impl Fn(&Sent)) {
+    let summary = |s: &Sent| {
+        let calls: Vec<(String, String)> = s
+            .calls
+            .iter()
+            .map(|c| (c.name.clone(), c.arguments.clone()))
+            .collect();
+        (s.text.clone(), s.reasoning.clone(), calls)
+    };
+    let whole = run(&mut OutputFilter::with_format(&[], tools, format), &[text]);
+    check(&whole);
+    let want = summary(&whole);
+    for cut in (1..text.len()).filter(|&i| text.is_char_boundary(i)) {
+        let mut filter = OutputFilter::with_format(&[], tools, format);
+        let sent = run(&mut filter, &[&text[..cut], &text[cut..]]);
+        assert_eq!(summary(&sent), want, "cut at {cut}: {text:?}");
+    }
+    for n in 1..=7 {
+        let mut filter = OutputFilter::with_format(&[], tools, format);
+        let sent = run_chunked(&mut filter, text, n);
+        assert_eq!(summary(&sent), want, "pieces of {n}: {text:?}");
+    }
+}
+
+/// `get_weather(city: string, days: integer, units: ["string", "null"],
+/// options: object)` and `now()`.
+fn weather_tools() -> Vec<ToolDefinition> {
+    let mut tools = definitions(&["get_weather", "now"]);
+    tools[0].parameters = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "units": {"type": ["string", "null"]},
+            "options": {"type": "object"},
+        },
+    });
+    tools
+}
+
+#[test]
+fn the_qwen3_coder_template_picks_the_xml_format() {
+    let coder = "{%- if tools %}<tools>...</tools>{%- endif %}<tool_call>\n<function=\
+                 {{ tool_call.name }}>\n<parameter={{ args_name }}>\n{{ args_value }}\n\
+                 </parameter>\n</function>\n</tool_call>";
+    assert_eq!(
+        ToolCallFormat::from_template(coder),
+        ToolCallFormat::Qwen3CoderXml
+    );
+}
+
+#[test]
+fn qwen3_coder_calls_read_values_as_the_schema_says() {
+    let reply = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n\
+                 New \"York\"\n</parameter>\n<parameter=days>\n3\n</parameter>\n\
+                 <parameter=units>\n42\n</parameter>\n<parameter=options>\n\
+                 {\"hourly\": true, \"n\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n\
+                 <tool_call>\n<function=now>\n</function>\n</tool_call>";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.text, "Let me check.\n");
+            let names: Vec<&str> = sent.calls.iter().map(|c| c.name.as_str()).collect();
+            assert_eq!(names, ["get_weather", "now"]);
+            assert_eq!(
+                sent.calls[0].arguments,
+                "{\"city\": \"New \\\"York\\\"\", \"days\": 3, \"units\": \"42\", \
+             \"options\": {\"hourly\": true, \"n\": [1, 2]}}"
+            );
+            let parsed: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).unwrap();
+            assert_eq!(parsed["days"], 3);
+            assert_eq!(parsed["units"], "42");
+            assert_eq!(sent.calls[1].arguments, "{}");
+        },
+    );
+}
+
+#[test]
+fn qwen3_coder_typed_values_that_are_not_json_stay_strings() {
+    let reply = "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n\
+                 <parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.text, "");
+            // `extra` is not in the schema: a string.
+            assert_eq!(
+                sent.calls[0].arguments,
+                "{\"days\": \"three\", \"extra\": \"7\"}"
+            );
+        },
+    );
+}
+
+/// A value that holds the format's own markup (code writing XML calls):
+/// only `</parameter>` followed by `<parameter=` or `</function>` ends it.
+#[test]
+fn qwen3_coder_markup_inside_a_value_is_value_text() {
+    let code = "if x:\n    s = \"<parameter=x>\\n</function>\"\n</parameter> is not the end\n\
+                <tool_call></tool_call>\n";
+    let reply = format!(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n{code}\n</parameter>\n\
+         </function>\n</tool_call>"
+    );
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        &reply,
+        |sent| {
+            assert_eq!(sent.text, "");
+            assert_eq!(sent.calls.len(), 1);
+            let parsed: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).unwrap();
+            assert_eq!(parsed, serde_json::json!({ "city": code }));
+        },
+    );
+}
+
+#[test]
+fn qwen3_coder_string_values_stream_as_generated() {
+    let tools = weather_tools();
+    let mut f = OutputFilter::with_format(&[], &tools, ToolCallFormat::Qwen3CoderXml);
+    let mut sent = Sent::default();
+    sent.take(f.push("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"));
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Pa");
+    sent.take(f.push("ris\n</param"));
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Paris");
+    sent.take(f.push("eter>\n<parameter=days>\n1"));
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Paris\", \"days\": ");
+    sent.take(f.push("2\n</parameter>\n</function>"));
+    assert_eq!(
+        sent.calls[0].arguments,
+        "{\"city\": \"Paris\", \"days\": 12}"
+    );
+    sent.take(f.finish());
+    assert_eq!(sent.text, "");
+}
+
+#[test]
+fn qwen3_coder_markup_that_is_not_a_call_is_text() {
+    for reply in [
+        // A function that was not offered.
+        "<tool_call>\n<function=nope>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+        // Not the XML format after the tag.
+        "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>",
+        // A name cut by a line break.
+        "<tool_call>\n<function=now\n</function>\n</tool_call>",
+        // Cut inside the function tag.
+        "Hi <tool_call>\n<function=no",
+        "<tool_ca",
+    ] {
+        each_cut(
+            ToolCallFormat::Qwen3CoderXml,
+            &weather_tools(),
+            reply,
+            |sent| {
+                assert!(sent.calls.is_empty(), "{reply:?}");
+                assert_eq!(sent.text, reply);
+            },
+        );
+    }
+}
+
+#[test]
+fn qwen3_coder_broken_markup_after_a_call_starts_ends_it() {
+    // After the committed call, stray text where a parameter or the
+    // function's end belongs closes the arguments; it and what follows
+    // are text.
+    let reply = "<tool_call>\n<function=get_weather>\noops</function>\n</tool_call> ok";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.calls.len(), 1);
+            assert_eq!(sent.calls[0].arguments, "{}");
+            assert_eq!(sent.text, "oops</function>\n</tool_call> ok");
+        },
+    );
+    let reply = "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n\
+                 <parameter=city\n</function>";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        reply,
+        |sent| {
+            assert_eq!(sent.calls.len(), 1);
+            assert_eq!(sent.calls[0].arguments, "{\"days\": 2}");
+            assert_eq!(sent.text, "<parameter=city\n</function>");
+        },
+    );
+    // Cut inside a value (max_tokens): the arguments as far as they came.
+    let cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar";
+    each_cut(
+        ToolCallFormat::Qwen3CoderXml,
+        &weather_tools(),
+        cut,
+        |sent| {
+            assert_eq!(sent.calls.len(), 1);
+            assert_eq!(sent.calls[0].arguments, "{\"city\": \"Par");
+            assert_eq!(sent.text, "");
+        },
+    );
+}
+
+// --- gpt-oss harmony ----------------------------------------------------------
+
+/// A generated token run: ordinary text, or one special token.
+#[derive(Clone, Copy)]
+enum Tok<'a> {
+    Text(&'a str),
+    Special(&'a str),
+}
+
+/// The reply `toks` through a harmony filter for `tools`: text whole, then
+/// each text run cut at every character boundary, then every text run in
+/// pieces of 1 to 5 characters; every outcome equals the whole one, which
+/// `check` sees.
+fn harmony_each_cut(
+    tools: &[ToolDefinition],
+    stop: &[String],
+    toks: &[Tok],
+    check: impl Fn(&Sent),
+) {
+    let feed = |cut: &dyn Fn(usize, &str) -> Vec<String>| {
+        let mut f = OutputFilter::with_format(stop, tools, ToolCallFormat::Harmony);
+        assert!(f.reads_special_tokens());
+        let mut sent = Sent::default();
+        for (i, tok) in toks.iter().enumerate() {
+            match tok {
+                Tok::Text(t) => {
+                    for piece in cut(i, t) {
+                        sent.take(f.push(&piece));
+                    }
+                }
+                Tok::Special(s) => sent.take(f.push_special(s)),
+            }
+        }
+        sent.take(f.finish());
+        sent
+    };
+    let summary = |s: &Sent| {
+        let calls: Vec<(String, String)> = s
+            .calls
+            .iter()
+            .map(|c| (c.name.clone(), c.arguments.clone()))
+            .collect();
+        (s.text.clone(), s.reasoning.clone(), calls, s.stopped)
+    };
+    let whole = feed(&|_, t| vec![t.to_owned()]);
+    check(&whole);
+    let want = summary(&whole);
+    for (at, tok) in toks.iter().enumerate() {
+        let Tok::Text(text) = tok else { continue };
+        for c in (1..text.len()).filter(|&c| text.is_char_boundary(c)) {
+            let sent = feed(&|i, t| {
+                if i == at {
+                    vec![t[..c].to_owned(), t[c..].to_owned()]
+                } else {
+                    vec![t.to_owned()]
+                }
+            });
+            assert_eq!(summary(&sent), want, "run {at} cut at {c}");
+        }
+    }
+    for n in 1..=5 {
+        let sent = feed(&|_, t| chunks(t, n));
+        assert_eq!(summary(&sent), want, "pieces of {n}");
+    }
+}
+
+#[test]
+fn harmony_channels_become_reasoning_content_and_calls() {
+    use Tok::{Special as S, Text as T};
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("Need the weather in Paris."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("commentary"),
+        S("<|message|>"),
+        T("Checking now."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("commentary to=functions.get_weather "),
+        S("<|constrain|>"),
+        T("json"),
+        S("<|message|>"),
+        T("{\"city\": \"Paris <|call|>\", \"days\": 2}"),
+    ];
+    harmony_each_cut(&weather_tools(), &[], &reply, |sent| {
+        assert_eq!(sent.reasoning, "Need the weather in Paris.");
+        assert_eq!(sent.text, "Checking now.");
+        assert_eq!(sent.calls.len(), 1);
+        assert_eq!(sent.calls[0].name, "get_weather");
+        assert_eq!(
+            sent.calls[0].arguments,
+            "{\"city\": \"Paris <|call|>\", \"days\": 2}"
+        );
+    });
+    // The recipient before the channel; an answer on the final channel.
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("Call it."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant to=functions.now"),
+        S("<|channel|>"),
+        T("commentary json"),
+        S("<|message|>"),
+        T("{}"),
+        S("<|call|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("final"),
+        S("<|message|>"),
+        T("It is noon."),
+    ];
+    harmony_each_cut(&weather_tools(), &[], &reply, |sent| {
+        assert_eq!(sent.reasoning, "Call it.");
+        assert_eq!(sent.text, "It is noon.");
+        let calls: Vec<(&str, &str)> = sent
+            .calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(calls, [("now", "{}")]);
+    });
+}
+
+#[test]
+fn harmony_calls_of_functions_not_offered_are_text() {
+    use Tok::{Special as S, Text as T};
+    let reply = [
+        S("<|channel|>"),
+        T("commentary to=functions.delete_all "),
+        S("<|constrain|>"),
+        T("json"),
+        S("<|message|>"),
+        T("{\"x\": 1}"),
+        S("<|call|>"),
+    ];
+    harmony_each_cut(&weather_tools(), &[], &reply, |sent| {
+        assert!(sent.calls.is_empty());
+        assert_eq!(
+            sent.text,
+            "<|channel|>commentary to=functions.delete_all <|constrain|>json<|message|>{\"x\": 1}<|call|>"
+        );
+    });
+}
+
+/// The markers are special tokens: the same characters as ordinary text
+/// (a model quoting them) are text, and without tools a harmony reply
+/// still has its reasoning split off.
+#[test]
+fn harmony_marker_text_in_ordinary_tokens_is_text() {
+    use Tok::{Special as S, Text as T};
+    let quoted = "Write <|channel|>final<|message|>x<|return|> to answer; <|start|>assistant to=functions.now";
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("They ask about <|end|> markers."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("final"),
+        S("<|message|>"),
+        T(quoted),
+        S("<|return|>"),
+    ];
+    for tools in [weather_tools(), Vec::new()] {
+        harmony_each_cut(&tools, &[], &reply, |sent| {
+            assert_eq!(sent.reasoning, "They ask about <|end|> markers.");
+            assert_eq!(sent.text, quoted);
+            assert!(sent.calls.is_empty());
+        });
+    }
+    // A reply without markers (held to a grammar) is content.
+    harmony_each_cut(&[], &[], &[T("{\"a\": 1}")], |sent| {
+        assert_eq!(
+            (sent.text.as_str(), sent.reasoning.as_str()),
+            ("{\"a\": 1}", "")
+        );
+    });
+}
+
+#[test]
+fn harmony_stop_strings_apply_to_content_only() {
+    use Tok::{Special as S, Text as T};
+    let reply = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("END is not a stop here."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assistant"),
+        S("<|channel|>"),
+        T("final"),
+        S("<|message|>"),
+        T("Done. END more"),
+        S("<|return|>"),
+    ];
+    harmony_each_cut(&[], &["END".into()], &reply, |sent| {
+        assert_eq!(sent.reasoning, "END is not a stop here.");
+        assert_eq!(sent.text, "Done. ");
+        assert!(sent.stopped);
+    });
+    // Cut inside a header: the header is dropped.
+    let cut = [
+        S("<|channel|>"),
+        T("analysis"),
+        S("<|message|>"),
+        T("Hm."),
+        S("<|end|>"),
+        S("<|start|>"),
+        T("assist"),
+    ];
+    harmony_each_cut(&[], &[], &cut, |sent| {
+        assert_eq!((sent.text.as_str(), sent.reasoning.as_str()), ("", "Hm."));
+    });
+}
+
+#[test]
+fn the_gpt_oss_template_picks_harmony() {
+    let gpt_oss = "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}\
+                   <|channel|>final<|message|>{{ content }}<|end|><tool_call>";
+    assert_eq!(
+        ToolCallFormat::from_template(gpt_oss),
+        ToolCallFormat::Harmony
+    );
+}
+
+/// A forced harmony reply: the prefix in the prompt, the generated rest
+/// (special tokens apart) makes the call, named or required.
+#[test]
+fn forced_harmony_replies_make_the_call() {
+    use Tok::{Special as S, Text as T};
+    let tools = weather_tools();
+    let run_forced = |prefix: &str, toks: &[Tok]| {
+        let mut f = OutputFilter::forced_in(ToolCallFormat::Harmony, &[], &tools, prefix);
+        let mut sent = Sent::default();
+        for tok in toks {
+            match tok {
+                T(t) => sent.take(f.push(t)),
+                S(s) => sent.take(f.push_special(s)),
+            }
+        }
+        sent.take(f.finish());
+        sent
+    };
+    let named = harmony::forced_call_prefix(Some("get_weather"));
+    assert_eq!(
+        named,
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    );
+    let sent = run_forced(&named, &[T("{\"city\": "), T("\"Oslo\"}")]);
+    assert_eq!(sent.text, "");
+    assert_eq!(sent.calls.len(), 1);
+    assert_eq!(sent.calls[0].name, "get_weather");
+    assert_eq!(sent.calls[0].arguments, "{\"city\": \"Oslo\"}");
+    // The call starts at the first output even when nothing was generated.
+    let sent = run_forced(&named, &[]);
+    assert_eq!(sent.calls.len(), 1);
+
+    let required = harmony::forced_call_prefix(None);
+    let reply = [
+        T("no"),
+        T("w "),
+        S("<|constrain|>"),
+        T("json"),
+        S("<|message|>"),
+        T("{}"),
+    ];
+    let sent = run_forced(&required, &reply);
+    assert_eq!(sent.text, "");
+    let calls: Vec<(&str, &str)> = sent
+        .calls
+        .iter()
+        .map(|c| (c.name.as_str(), c.arguments.as_str()))
+        .collect();
+    assert_eq!(calls, [("now", "{}")]);
+    // Cut inside the name: no call, no text.
+    let sent = run_forced(&required, &[T("get_wea")]);
+    assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 0));
 }

@@ -5,13 +5,18 @@
 //! name), fragments of the call's arguments. Each model family's format is
 //! one parser ([`ToolCallFormat`], picked from the chat template): the
 //! Hermes / Qwen `<tool_call>` JSON format, Llama 3.1-3.3's bare JSON
-//! calls and Mistral's v3 JSON list ([`hermes`]).
+//! calls and Mistral's v3 JSON list ([`hermes`]); Qwen3-Coder's XML calls
+//! ([`qwen3_coder`]).
+
+use mlxcel_engine_api::ToolDefinition;
 
 use super::OutputPiece;
 
 pub mod hermes;
+pub mod qwen3_coder;
 
 pub use hermes::HermesParser;
+pub use qwen3_coder::Qwen3CoderParser;
 
 /// The tool-call format a model writes, as its chat template shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,16 +33,32 @@ pub enum ToolCallFormat {
     /// after the `[TOOL_CALLS]` special token (Mistral's v3 tokenizers:
     /// Mistral 7B v0.3, Nemo).
     MistralJson,
+    /// `<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n
+    /// </function>\n</tool_call>` (Qwen3-Coder's chat template; values read
+    /// as the tools' parameter schemas say, [`qwen3_coder`]).
+    Qwen3CoderXml,
+    /// OpenAI's harmony format (gpt-oss): messages on channels, calls as
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`.
+    /// Read by [`crate::output::harmony::HarmonyReader`] from text and
+    /// special tokens, with the reasoning; not a [`ToolCallParser`].
+    Harmony,
 }
 
 impl ToolCallFormat {
-    /// The format the chat template `source` teaches: Hermes when it
-    /// writes `<tool_call>`; Llama 3's JSON when it is a Llama 3 template
+    /// The format the chat template `source` teaches: harmony when it
+    /// writes `<|channel|>` (gpt-oss); Qwen3-Coder's XML
+    /// when it writes `<function=` and `<parameter=` (checked first: that
+    /// template writes `<tool_call>` too); Hermes when it writes
+    /// `<tool_call>`; Llama 3's JSON when it is a Llama 3 template
     /// (`<|start_header_id|>`) that writes calls with `"parameters"`;
     /// Mistral's v3 list when it writes `[TOOL_CALLS]` and not `[ARGS]`
     /// (the v11 format, not read yet); else Hermes.
     pub fn from_template(source: &str) -> Self {
-        if source.contains("<tool_call>") {
+        if source.contains("<|channel|>") {
+            ToolCallFormat::Harmony
+        } else if source.contains("<function=") && source.contains("<parameter=") {
+            ToolCallFormat::Qwen3CoderXml
+        } else if source.contains("<tool_call>") {
             ToolCallFormat::Hermes
         } else if source.contains("<|start_header_id|>") && source.contains("\"parameters\"") {
             ToolCallFormat::Llama3Json
@@ -48,13 +69,18 @@ impl ToolCallFormat {
         }
     }
 
-    /// A parser of this format for calls of `tool_names`.
-    pub fn parser(self, tool_names: &[String]) -> HermesParser {
-        match self {
-            ToolCallFormat::Hermes => HermesParser::new(tool_names),
-            ToolCallFormat::Llama3Json => HermesParser::llama3_json(tool_names),
-            ToolCallFormat::MistralJson => HermesParser::mistral_json(tool_names),
-        }
+    /// A parser of this format for calls of `tools` (the XML format reads
+    /// their parameter schemas; the others only their names); `None` for
+    /// harmony, which is not read from text alone.
+    pub fn parser(self, tools: &[ToolDefinition]) -> Option<Box<dyn ToolCallParser>> {
+        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
+        Some(match self {
+            ToolCallFormat::Hermes => Box::new(HermesParser::new(&names)),
+            ToolCallFormat::Llama3Json => Box::new(HermesParser::llama3_json(&names)),
+            ToolCallFormat::MistralJson => Box::new(HermesParser::mistral_json(&names)),
+            ToolCallFormat::Qwen3CoderXml => Box::new(Qwen3CoderParser::with_tools(tools)),
+            ToolCallFormat::Harmony => return None,
+        })
     }
 }
 
