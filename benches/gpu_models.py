@@ -56,7 +56,7 @@ SHAPES = {
                           rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
                                             beta_slow=1.0, original_max_position_embeddings=4096),
                           max_position_embeddings=8192, rms_norm_eps=1e-5,
-                          tie_word_embeddings=True),
+                          tie_word_embeddings=False),
     "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=512, intermediate_size=1536,
                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                             head_dim=64, num_experts=16, num_experts_per_tok=4,

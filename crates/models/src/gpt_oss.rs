@@ -89,11 +89,14 @@ fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
 }
 
 fn load(
-    config: ModelConfig,
+    mut config: ModelConfig,
     weights: &mut Weights,
     options: LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
     let keys: GptOssKeys = crate::own_keys(&config)?;
+    // mlx_lm's gpt-oss always has its own head: `lm_head` when present is
+    // the head, whatever `tie_word_embeddings` says.
+    config.tie_word_embeddings = !weights.contains("lm_head.weight");
     let full = AttentionSpec {
         qkv_bias: true,
         o_bias: true,
