@@ -589,12 +589,15 @@ impl Array {
 /// block, and its live key count (at least 1); `scale` float32 `[1]`. Live key
 /// `t` of a row is at slot `tables[row][(offset + t) / block_size] *
 /// block_size + (offset + t) % block_size`. With a sliding `window` (in
-/// keys), each row attends to its last `window` live keys only. Returns
-/// `[rows, heads, head_dim]`.
+/// keys), each row attends to its last `window` live keys only. `sinks`
+/// (float32 `[heads]`, gpt-oss's attention sinks) add one logit per head to
+/// each row's softmax, with no value. Returns `[rows, heads, head_dim]`.
 ///
 /// # Errors
-/// Mismatched shapes or dtypes, `head_dim` not a multiple of 32 (or above
-/// 256), and backends without the kernel (see [`paged_attention_available`]).
+/// Mismatched shapes or dtypes (sinks not float32 `[heads]`), `head_dim`
+/// not a multiple of 32 (or above 256), and backends without the kernel
+/// (see [`paged_attention_available`]).
+#[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     q: &Array,
     k_pool: &Array,
@@ -604,48 +607,23 @@ pub fn paged_decode_attention(
     scale: &Array,
     block_size: i32,
     window: Option<usize>,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
-    Array::wrap(bridge::paged_decode_attention(
+    let (q, k, v, t, m, s) = (
         q.raw(),
         k_pool.raw(),
         v_pool.raw(),
         tables.raw(),
         meta.raw(),
         scale.raw(),
-        block_size,
-        window_arg(window)?,
-    ))
-}
-
-/// [`paged_decode_attention`] with attention sinks: `sinks` float32
-/// `[heads]`, one more logit per head in each row's softmax, with no value
-/// (gpt-oss).
-///
-/// # Errors
-/// As [`paged_decode_attention`]; `sinks` not float32 `[heads]`.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention_with_sinks(
-    q: &Array,
-    k_pool: &Array,
-    v_pool: &Array,
-    tables: &Array,
-    meta: &Array,
-    scale: &Array,
-    block_size: i32,
-    window: Option<usize>,
-    sinks: &Array,
-) -> Result<Array> {
-    Array::wrap(bridge::paged_decode_attention_sinks(
-        q.raw(),
-        k_pool.raw(),
-        v_pool.raw(),
-        tables.raw(),
-        meta.raw(),
-        scale.raw(),
-        block_size,
-        window_arg(window)?,
-        sinks.raw(),
-    ))
+    );
+    let w = window_arg(window)?;
+    Array::wrap(match sinks {
+        None => bridge::paged_decode_attention(q, k, v, t, m, s, block_size, w),
+        Some(sinks) => {
+            bridge::paged_decode_attention_sinks(q, k, v, t, m, s, block_size, w, sinks.raw())
+        }
+    })
 }
 
 /// The paged kernel's `WINDOW`: the window in keys, 0 for none.

@@ -331,29 +331,17 @@ impl Attention {
             if let Some(pool) = kv.read_paged(layer, &ids)? {
                 let q = q.reshape(&[rows as i32, h, d])?;
                 let (scale, bs) = (&self.scale_array, pool.block_size as i32);
-                let o = match &self.sinks {
-                    None => mlxcel_mlx::paged_decode_attention(
-                        &q,
-                        pool.keys,
-                        pool.values,
-                        pool.tables,
-                        pool.meta,
-                        scale,
-                        bs,
-                        self.window,
-                    )?,
-                    Some(s) => mlxcel_mlx::paged_decode_attention_with_sinks(
-                        &q,
-                        pool.keys,
-                        pool.values,
-                        pool.tables,
-                        pool.meta,
-                        scale,
-                        bs,
-                        self.window,
-                        &s.float32,
-                    )?,
-                };
+                let o = mlxcel_mlx::paged_decode_attention(
+                    &q,
+                    pool.keys,
+                    pool.values,
+                    pool.tables,
+                    pool.meta,
+                    scale,
+                    bs,
+                    self.window,
+                    self.sinks.as_ref().map(|s| &s.float32),
+                )?;
                 mark("attn.paged_kernel", &[&o])?;
                 return Ok(o.reshape(&[rows as i32, h * d])?);
             }
