@@ -21,6 +21,7 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
+use mlxcel_text::fim::FimTokens;
 use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
 use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
@@ -188,6 +189,14 @@ impl RequestBuilder {
             None if harmony => ToolCallOutput::Harmony,
             None => ToolCallOutput::Off,
         };
+        // An infill ends where the model leaves the middle: at an EOS id or
+        // any of its FIM control tokens (llama.cpp ends one there too).
+        let stop_ids = match &request.prompt {
+            Prompt::Infill(_) => FimTokens::from_tokenizer(&self.text.tokenizer)
+                .map(|f| f.stop_ids)
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
         let job = Job {
             prompt,
@@ -197,6 +206,7 @@ impl RequestBuilder {
             constraints,
             tool_calls,
             reasoning,
+            stop_ids,
         };
         Ok((job, stream))
     }
@@ -266,6 +276,17 @@ impl RequestBuilder {
                 tokenizer.encode_text_prompt(t).map_err(bad)
             }
             Prompt::Text(t) => tokenizer.encode(t, false).map_err(bad),
+            Prompt::Infill(infill) => FimTokens::from_tokenizer(tokenizer)
+                .ok_or_else(|| {
+                    invalid(
+                        RequestField::Suffix,
+                        "this model has no fill-in-the-middle tokens (<|fim_prefix|>, \
+                         <fim_prefix> or <PRE> and their suffix and middle tokens)"
+                            .into(),
+                    )
+                })?
+                .prompt(tokenizer, infill)
+                .map_err(bad),
             Prompt::Chat(messages) => {
                 let template = self.text.template.as_ref().ok_or_else(|| {
                     invalid(

@@ -211,7 +211,7 @@ fn submit_prompts(
             _ if !echo => Ok(String::new()),
             Prompt::Text(text) => Ok(text.clone()),
             Prompt::Tokens(tokens) => service.detokenize(tokens).map_err(at(i)),
-            Prompt::Chat(_) => Ok(String::new()),
+            Prompt::Chat(_) | Prompt::Infill(_) => Ok(String::new()),
         })
         .collect::<Result<Vec<_>, _>>()?;
     let streams = generations

@@ -239,6 +239,9 @@ pub enum Route {
     Responses,
     /// `/detokenize`: the prompt is `tokens`.
     Detokenize,
+    /// `/infill` (llama-server's names): the prompt is `input_prefix`, the
+    /// suffix `input_suffix`.
+    Infill,
 }
 
 impl Route {
@@ -250,6 +253,8 @@ impl Route {
             (Self::Responses, RequestField::Prompt) => "input".to_owned(),
             (Self::Responses, RequestField::ResponseFormat) => "text.format".to_owned(),
             (Self::Detokenize, _) => "tokens".to_owned(),
+            (Self::Infill, RequestField::Prompt) => "input_prefix".to_owned(),
+            (Self::Infill, RequestField::Suffix) => "input_suffix".to_owned(),
             (_, field) => field.chat_name().to_owned(),
         }
     }

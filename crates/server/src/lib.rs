@@ -23,6 +23,7 @@ mod completions;
 pub mod cors;
 pub mod error;
 mod extract;
+mod infill;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
@@ -231,6 +232,7 @@ fn api_routes() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
             "/v1/responses/{id}",
             axum::routing::delete(responses::delete_response),
         ),
+        (Method::POST, "/infill", post(infill::infill)),
         (Method::POST, "/tokenize", post(tokenize::tokenize)),
         (Method::POST, "/detokenize", post(tokenize::detokenize)),
         (Method::GET, "/v1/models", get(routes::list_models)),

@@ -400,7 +400,7 @@ fn error_event(error: ApiError) -> Event {
     json_event(&error.body())
 }
 
-fn json_event<T: Serialize>(value: &T) -> Event {
+pub(crate) fn json_event<T: Serialize>(value: &T) -> Event {
     Event::default().json_data(value).unwrap_or_else(|err| {
         // Serializing these plain structs cannot fail; if it ever does, the
         // client still gets an error body instead of a truncated stream.

@@ -449,8 +449,13 @@ async fn each_completion_rule_names_its_param() {
             "stream_options",
         ),
         (completion(json!({"temperature": 5})), "temperature"),
-        // suffix only empty; chat-only fields are unknown here
-        (completion(json!({"suffix": "end"})), "suffix"),
+        // a suffix (fill-in-the-middle) with echo, or with token ids;
+        // chat-only fields are unknown here
+        (completion(json!({"suffix": "end", "echo": true})), "suffix"),
+        (
+            completion(json!({"suffix": "end", "prompt": [1, 2]})),
+            "prompt",
+        ),
         (completion(json!({"messages": []})), "messages"),
         (completion(json!({"tools": []})), "tools"),
         (completion(json!({"model": 3})), "model"),

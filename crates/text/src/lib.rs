@@ -10,6 +10,7 @@
 //! - [`client_text`]: special-token strings the client typed, marked so they
 //!   stay text.
 //! - [`detokenizer`]: generated ids into text deltas.
+//! - [`fim`]: fill-in-the-middle prompts from a model's FIM tokens.
 //! - [`reasoning`]: a reasoning model's `<think>` block split off.
 //! - [`constraint`]: output grammars (`llguidance`).
 //! - [`output`]: what a choice's text becomes on its stream (stop strings,
@@ -21,6 +22,7 @@ pub mod chat_template;
 pub mod client_text;
 pub mod constraint;
 pub mod detokenizer;
+pub mod fim;
 pub mod gguf;
 pub mod output;
 pub mod reasoning;

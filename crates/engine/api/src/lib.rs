@@ -22,8 +22,8 @@ pub use event::{
     TokenLogprob, Usage,
 };
 pub use request::{
-    ChatMessage, GenerationRequest, Prompt, ResponseFormat, SamplingParams, TokenizeRequest,
-    ToolCall, ToolChoice, ToolDefinition, RESERVED_TEMPLATE_VARIABLES,
+    ChatMessage, GenerationRequest, Infill, InfillFile, Prompt, ResponseFormat, SamplingParams,
+    TokenizeRequest, ToolCall, ToolChoice, ToolDefinition, RESERVED_TEMPLATE_VARIABLES,
 };
 pub use service::{InferenceService, RequestField, ServiceSlot, SubmitError};
 pub use stats::{CacheReset, EngineStats, KvGroupStats};

@@ -100,6 +100,32 @@ pub enum Prompt {
     Text(String),
     /// Token ids, used as-is.
     Tokens(Vec<u32>),
+    /// A fill-in-the-middle prompt, built from the model's FIM tokens
+    /// (`mlxcel_text::fim`); refused for a model without them.
+    Infill(Infill),
+}
+
+/// What a fill-in-the-middle prompt is made of (llama-server's `/infill`
+/// fields; OpenAI completions' `prompt` and `suffix`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Infill {
+    /// The code before the cursor.
+    pub prefix: String,
+    /// The code after the cursor.
+    pub suffix: String,
+    /// Other files of the project, before the prefix (llama-server's
+    /// `input_extra`).
+    pub extra: Vec<InfillFile>,
+    /// Text after the middle token that the model continues
+    /// (llama-server's `prompt`); usually empty.
+    pub middle: String,
+}
+
+/// One file of an infill's extra context.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct InfillFile {
+    pub filename: String,
+    pub text: String,
 }
 
 /// A prompt to count, as `/tokenize` asks: rendered and encoded exactly

@@ -25,6 +25,9 @@ pub enum RequestField {
     ToolChoice,
     /// The output format (`response_format`).
     ResponseFormat,
+    /// The code after the cursor of a fill-in-the-middle prompt
+    /// (completions' `suffix`): refused for a model without FIM tokens.
+    Suffix,
 }
 
 impl RequestField {
@@ -36,6 +39,7 @@ impl RequestField {
             Self::LogitBias => "logit_bias",
             Self::ToolChoice => "tool_choice",
             Self::ResponseFormat => "response_format",
+            Self::Suffix => "suffix",
         }
     }
 }

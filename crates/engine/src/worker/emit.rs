@@ -127,7 +127,8 @@ impl Worker<'_> {
             s.first_token_at = Some(now);
             s.timings.time_to_first_token_s = (now - s.job.submitted).as_secs_f64();
         }
-        let is_eos = !s.job.request.ignore_eos && text.eos.contains(&token);
+        let is_eos = !s.job.request.ignore_eos
+            && (text.eos.contains(&token) || s.job.stop_ids.contains(&token));
         let mut finish = if is_eos || grammar_done {
             Some(FinishReason::Stop)
         } else if s.usage.completion_tokens >= s.job.request.max_tokens {

@@ -44,6 +44,9 @@ pub(crate) struct Job {
     /// `Some(open)`: the reply's `<think>` block is split off as reasoning;
     /// `open` when the prompt already opened it.
     pub(crate) reasoning: Option<bool>,
+    /// Token ids that end a choice besides the model's EOS ids (a
+    /// fill-in-the-middle prompt's control tokens), handled as EOS.
+    pub(crate) stop_ids: Vec<u32>,
 }
 
 /// How a job's output filter reads tool calls.

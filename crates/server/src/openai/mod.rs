@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod completion;
+pub mod infill;
 pub mod message;
 pub mod request;
 pub mod response_object;

@@ -40,6 +40,7 @@ use crate::openai::chat::{
     FunctionCall, FunctionDelta, ToolCallBody, ToolCallDelta, TopLogprob,
 };
 use crate::openai::completion::{LegacyLogprobs, TextChoice};
+use crate::openai::infill::{InfillBody, InfillExtraFile, InfillResponse};
 use crate::openai::request::{ChatCompletionRequest, CompletionRequest};
 use crate::openai::response_object::{
     FunctionCallItem, IncompleteDetails, InputTokensDetails, ItemStatus, OutputItem, OutputMessage,
@@ -80,6 +81,7 @@ pub use schemas::{
         crate::responses::create_response,
         crate::responses::retrieve_response,
         crate::responses::delete_response,
+        crate::infill::infill,
         crate::tokenize::tokenize,
         crate::tokenize::detokenize,
         crate::routes::list_models,
@@ -94,6 +96,9 @@ pub use schemas::{
         schemas(
             ChatCompletionRequest,
             CompletionRequest,
+            InfillBody,
+            InfillExtraFile,
+            InfillResponse,
             ChatCompletionObject,
             ChatCompletionChunkObject,
             TextCompletionObject,

@@ -1,6 +1,6 @@
 //! `POST /v1/completions` bodies.
 
-use mlxcel_engine_api::{GenerationRequest, Prompt};
+use mlxcel_engine_api::{GenerationRequest, Infill, Prompt};
 use serde_json::Value;
 
 use super::params::{max_tokens, SharedParams};
@@ -37,12 +37,32 @@ impl ValidatedCompletionRequest {
     /// Applies the rules to a request read from the wire.
     pub fn check(mut request: CompletionRequest) -> Result<Self, ValidationError> {
         let shared = request.take_shared();
-        let prompts = parse_prompt(request.prompt)?;
-        // `suffix` is not supported: only empty.
-        if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-            return Err(ValidationError::UnsupportedParameter {
-                param: "suffix".into(),
-            });
+        let mut prompts = parse_prompt(request.prompt)?;
+        let echo = request.echo.unwrap_or(false);
+        // A `suffix` makes each text prompt the code before the cursor of a
+        // fill-in-the-middle prompt (the model's FIM tokens; a model
+        // without them is refused by the engine, naming `suffix`).
+        if let Some(suffix) = request.suffix.filter(|s| !s.is_empty()) {
+            if echo {
+                return Err(ValidationError::NotWith {
+                    param: "suffix".into(),
+                    with: "echo",
+                });
+            }
+            prompts = prompts
+                .into_iter()
+                .map(|prompt| match prompt {
+                    Prompt::Text(prefix) => Ok(Prompt::Infill(Infill {
+                        prefix,
+                        suffix: suffix.clone(),
+                        ..Infill::default()
+                    })),
+                    _ => Err(ValidationError::WrongType {
+                        param: "prompt".into(),
+                        expected: "text (a string or strings) with a suffix",
+                    }),
+                })
+                .collect::<Result<_, _>>()?;
         }
         let max_tokens = match request.max_tokens {
             Some(value) => max_tokens("max_tokens", value)?,
@@ -56,7 +76,6 @@ impl ValidatedCompletionRequest {
             Some(k) => Some(k as usize),
             None => None,
         };
-        let echo = request.echo.unwrap_or(false);
         if let Some(best_of) = request.best_of {
             if best_of != shared.n as i128 {
                 return Err(ValidationError::BestOfNotN {

@@ -13,6 +13,7 @@
 
 mod chat;
 mod completion;
+mod infill;
 mod params;
 mod responses;
 mod tokenize;
@@ -20,6 +21,7 @@ mod tools;
 
 pub use chat::ValidatedChatRequest;
 pub use completion::ValidatedCompletionRequest;
+pub use infill::ValidatedInfillRequest;
 pub use responses::{ConversationItem, ValidatedResponsesRequest};
 pub use tokenize::{ValidatedDetokenizeRequest, ValidatedTokenizeRequest};
 
@@ -252,6 +254,14 @@ pub enum ValidationError {
     /// `/tokenize` with both or neither of `prompt` and `messages`.
     #[error("Exactly one of 'prompt' and 'messages' is required")]
     PromptOrMessages,
+    /// A field that cannot be used together with another one.
+    #[error("'{param}' cannot be used with '{with}'")]
+    NotWith {
+        /// The field.
+        param: String,
+        /// The field it excludes.
+        with: &'static str,
+    },
     /// A field that only applies together with another one.
     #[error("'{param}' is only allowed with '{with}'")]
     OnlyWith {
@@ -319,6 +329,7 @@ impl ValidationError {
             | Self::MetadataLimit { param, .. }
             | Self::UnrecognizedParameter { param }
             | Self::OnlyWith { param, .. }
+            | Self::NotWith { param, .. }
             | Self::UnsupportedItemType { param, .. }
             | Self::UnknownCallId { param, .. } => param.as_str(),
             Self::PromptOrMessages => "prompt",

@@ -155,6 +155,9 @@ impl InferenceService for FakeService {
         let text = match &request.prompt {
             Prompt::Text(text) => text.clone(),
             Prompt::Tokens(ids) => return Ok(ids.clone()),
+            Prompt::Infill(infill) => {
+                format!("{}{}{}", infill.prefix, infill.suffix, infill.middle)
+            }
             Prompt::Chat(messages) => messages
                 .iter()
                 .map(|m| format!("{}: {}\n", m.role, m.content.as_deref().unwrap_or("")))

@@ -307,6 +307,32 @@ impl TextTokenizer {
         Ok(ids)
     }
 
+    /// Encodes `text` with special-token strings as plain text and nothing
+    /// added around it (client text that must not become control tokens:
+    /// the parts of a fill-in-the-middle prompt).
+    ///
+    /// # Errors
+    /// [`TextError::Encode`].
+    pub fn encode_as_text(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let mut ids = Vec::new();
+        self.encode_plain(text, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// The tokens the post-processor puts before a single sequence (a BOS
+    /// for Llama-2/3 and CodeLlama; none for Qwen2 and SmolLM2).
+    ///
+    /// # Errors
+    /// [`TextError::Encode`].
+    pub fn leading_special_ids(&self) -> Result<Vec<u32>, TextError> {
+        let plain = self.encode("a", false)?;
+        let with = self.encode("a", true)?;
+        Ok(match with.iter().position(|id| plain.first() == Some(id)) {
+            Some(at) => with[..at].to_vec(),
+            None => Vec::new(),
+        })
+    }
+
     /// Appends the ids of `text`, special-token strings as plain text.
     fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<(), TextError> {
         if text.is_empty() {
