@@ -15,7 +15,8 @@ reference.
 For each case, the prompt is Qwen2.5-Coder's FIM layout,
 `<|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>`, with the
 repository-level layout of the extra files (`<|repo_name|>project\\n`, then
-`<|file_sep|>NAME\\nTEXT` per file) first when a case has them; mlx_lm's
+`<|file_sep|>NAME\\nTEXT\\n` per file, then `<|file_sep|>filename\\n` for the
+file being edited) first when a case has them; mlx_lm's
 model class generates greedily with its KV cache until an end token (the
 GGUF's EOS, `<|endoftext|>`, `<|im_end|>`) or a FIM control token
 (`<|fim_*|>`, `<|file_sep|>`, `<|repo_name|>`), at most MAX_TOKENS tokens.
@@ -112,6 +113,9 @@ def main() -> None:
             ids += [special["<|repo_name|>"]] + text("project\n")
             for f in case["extra"]:
                 ids += [special["<|file_sep|>"]] + text(f"{f['filename']}\n{f['text']}")
+                if not f["text"].endswith("\n"):
+                    ids += text("\n")
+            ids += [special["<|file_sep|>"]] + text("filename\n")
         ids += [special["<|fim_prefix|>"]] + text(case["prefix"])
         ids += [special["<|fim_suffix|>"]] + text(case["suffix"])
         ids += [special["<|fim_middle|>"]]

@@ -202,7 +202,10 @@ impl Rope {
 /// attention factor, for RoPE base `base` stretched by `factor` from a
 /// context of `old_ctx` tokens; `betas` are `(beta_fast, beta_slow)` in
 /// rotations, `mscales` `(mscale, mscale_all_dim)`. Peng et al. 2023; the
-/// correction range is floored and ceiled as mlx_lm's `YarnRoPE` does.
+/// correction range is floored and ceiled as mlx_lm's `YarnRoPE` does,
+/// also for a config with `"truncate": false` (gpt-oss's), which Hugging
+/// Face's implementation reads as no rounding: the reference here is
+/// mlx_lm, and the two differ slightly on those configs.
 fn yarn(
     dims: usize,
     base: f32,

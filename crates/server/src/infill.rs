@@ -66,22 +66,29 @@ pub async fn infill(
         .map_err(|e| ApiError::from_submit(e, Route::Infill))?;
     let events = state.metrics().instrument(events, arrived);
     let mut choices = Choices::new(vec![events], 1, true);
+    let silent = request.prefill_only;
     if request.stream {
         let format = InfillChunks {
             model,
             finish: None,
+            silent,
         };
         return Ok(stream_response(choices, format, state.keep_alive()));
     }
     let outputs = collect(&mut choices).await?;
     let output = outputs.into_iter().next().unwrap_or_default();
-    Ok(Json(last(
-        model,
-        output.text,
-        output.finish_reason,
-        choices.usage(),
-    ))
-    .into_response())
+    let mut answer = last(model, output.text, output.finish_reason, choices.usage());
+    if silent {
+        quiet(&mut answer);
+    }
+    Ok(Json(answer).into_response())
+}
+
+/// The answer of an `n_predict: 0` request: no text, nothing predicted.
+fn quiet(answer: &mut InfillResponse) {
+    answer.content.clear();
+    answer.stop_type = Some("limit");
+    answer.tokens_predicted = Some(0);
 }
 
 /// The answer, or a stream's last event (with `content` empty).
@@ -110,6 +117,8 @@ fn last(
 struct InfillChunks {
     model: String,
     finish: Option<FinishReason>,
+    /// `n_predict: 0`: no content events, the last event says none.
+    silent: bool,
 }
 
 impl ChunkFormat for InfillChunks {
@@ -119,15 +128,17 @@ impl ChunkFormat for InfillChunks {
 
     fn piece(&mut self, piece: Piece) -> Vec<Event> {
         match piece {
-            Piece::Text { text, .. } if !text.is_empty() => vec![json_event(&InfillResponse {
-                content: text,
-                model: self.model.clone(),
-                stop: false,
-                stop_type: None,
-                tokens_predicted: None,
-                tokens_evaluated: None,
-                tokens_cached: None,
-            })],
+            Piece::Text { text, .. } if !text.is_empty() && !self.silent => {
+                vec![json_event(&InfillResponse {
+                    content: text,
+                    model: self.model.clone(),
+                    stop: false,
+                    stop_type: None,
+                    tokens_predicted: None,
+                    tokens_evaluated: None,
+                    tokens_cached: None,
+                })]
+            }
             Piece::Finish { reason, .. } => {
                 self.finish = Some(reason);
                 Vec::new()
@@ -141,11 +152,10 @@ impl ChunkFormat for InfillChunks {
     }
 
     fn closing(&mut self, usage: Usage) -> Vec<Event> {
-        vec![json_event(&last(
-            self.model.clone(),
-            String::new(),
-            self.finish,
-            usage,
-        ))]
+        let mut answer = last(self.model.clone(), String::new(), self.finish, usage);
+        if self.silent {
+            quiet(&mut answer);
+        }
+        vec![json_event(&answer)]
     }
 }

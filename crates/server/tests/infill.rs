@@ -89,6 +89,34 @@ async fn an_infill_streams_content_events_then_the_counts() {
 }
 
 #[tokio::test]
+async fn n_predict_0_reads_the_prompt_and_returns_no_text() {
+    for stream in [false, true] {
+        let fake = FakeService::hello();
+        let body = json!({"input_extra": [{"filename": "a", "text": "b"}], "n_predict": 0,
+                          "stream": stream});
+        let reply = post_raw_to(
+            app(fake.clone()),
+            "/infill",
+            Some("application/json"),
+            body.to_string(),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let last: serde_json::Value = if stream {
+            let events = sse_data(&reply.body);
+            assert_eq!(events.len(), 1, "no content events: {events:?}");
+            serde_json::from_str(&events[0]).expect("JSON")
+        } else {
+            reply.json()
+        };
+        assert_eq!(last["content"], "", "{last}");
+        assert_eq!(last["tokens_predicted"], 0);
+        assert_eq!(last["stop_type"], "limit");
+        assert_eq!(fake.last_request().max_tokens, 1);
+    }
+}
+
+#[tokio::test]
 async fn a_suffix_makes_each_completion_prompt_an_infill() {
     let fake = FakeService::hello();
     let body = json!({"prompt": ["p1", "p2"], "suffix": "s", "max_tokens": 3});
@@ -112,7 +140,8 @@ async fn bad_infills_are_refused_naming_the_field() {
         (json!({"input_extra": {"a": 1}}), "input_extra"),
         (json!({"input_extra": ["x"]}), "input_extra[0]"),
         (json!({"input_extra": [{"text": 1}]}), "input_extra[0].text"),
-        (json!({"n_predict": 0}), "n_predict"),
+        (json!({"n_predict": -2}), "n_predict"),
+        (json!({"n_predict": null, "max_tokens": -5}), "max_tokens"),
         (json!({"n_predict": "5"}), "n_predict"),
         (json!({"temperature": 9}), "temperature"),
         (json!({"top_k": -2}), "top_k"),

@@ -305,7 +305,10 @@ impl Grammar {
                 named,
                 single,
             } => Ok(TopLevelGrammar::from_lark(xml_calls_lark(
-                tools, *named, *single,
+                tools,
+                *named,
+                *single,
+                special_tags,
             )?)),
         }
     }
@@ -457,10 +460,15 @@ fn harmony_call_lark(tools: &[(String, Json)], special: bool) -> Result<String, 
 
 /// A Lark grammar (llguidance dialect) for Qwen3-Coder XML calls (see
 /// [`Grammar::XmlCalls`]).
+///
+/// `special_tags`: `<tool_call>` and `</tool_call>` are added tokens of the
+/// vocabulary (Qwen3-Coder's are), written as those tokens, as the model
+/// was trained to write them; else as text.
 fn xml_calls_lark(
     tools: &[(String, Json)],
     named: bool,
     single: bool,
+    special_tags: bool,
 ) -> Result<String, ConstraintError> {
     if tools.is_empty() || (named && tools.len() != 1) {
         return Err(ConstraintError::InvalidGrammar(
@@ -468,7 +476,12 @@ fn xml_calls_lark(
         ));
     }
     let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
-    let close = lit("</function>\n</tool_call>");
+    let (open, close_tag) = if special_tags {
+        ("<tool_call>".to_string(), "</tool_call>".to_string())
+    } else {
+        (lit("<tool_call>"), lit("</tool_call>"))
+    };
+    let close = format!("{} {close_tag}", lit("</function>\n"));
     // Text without `</parameter>`: one lexeme with its closing tag, so the
     // first `</parameter>` is the value's end.
     let mut lark = String::from("NO_CLOSE: ~/(?s:.*)<\\/parameter>(?s:.*)/\n");
@@ -480,7 +493,7 @@ fn xml_calls_lark(
         } else {
             "start: call (next call)*\n"
         });
-        lark.push_str(&format!("next: {}\n", lit("\n<tool_call>\n<function=")));
+        lark.push_str(&format!("next: \"\\n\" {open} {}\n", lit("\n<function=")));
         let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
         lark.push_str(&format!("call: {}\n", alts.join(" | ")));
         for (i, (name, _)) in tools.iter().enumerate() {

@@ -492,6 +492,40 @@ fn tool_tags_use_added_tokens_when_the_tokenizer_has_them() {
     assert_eq!(other, "");
     assert!(calls.len() >= 2);
     calls.iter().for_each(|(_, args)| check_weather_args(args));
+    // Qwen3-Coder's XML calls close (and a second call opens) with the
+    // same tag tokens.
+    let tools = [
+        ("get_weather", xml_weather_schema()),
+        ("get_time", time_schema()),
+    ];
+    let required = Grammar::XmlCalls {
+        tools: tools
+            .iter()
+            .map(|(n, p)| (n.to_string(), p.clone()))
+            .collect(),
+        named: false,
+        single: false,
+    };
+    let prefix = mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix(None);
+    let w = (0..30)
+        .map(|seed| walk(&gt, &required, seed, 0.0))
+        .find(|w| w.ids.contains(&49152))
+        .expect("an XML walk with two calls");
+    assert!(w.ids.contains(&49153), "{}", w.text);
+    let plain: Vec<u8> = w
+        .ids
+        .iter()
+        .filter(|&&t| t < 49152)
+        .flat_map(|&t| gt.token_bytes(t))
+        .collect();
+    assert!(
+        !String::from_utf8_lossy(&plain).contains("tool_call>"),
+        "{}",
+        w.text
+    );
+    let (calls, other) = xml_calls(&w.text, &prefix, &tools);
+    assert_eq!(other, "", "{}", w.text);
+    assert!(calls.len() >= 2, "{}", w.text);
 }
 
 #[test]

@@ -23,7 +23,9 @@ pub struct InfillBody {
     /// Text after the middle token that the model continues (what is typed
     /// on the cursor's line, for clients that send it apart).
     pub prompt: Option<String>,
-    /// Most tokens to generate; -1 or absent: the server's default.
+    /// Most tokens to generate; -1 or absent: the server's default; 0:
+    /// only read the prompt into the prefix cache (editor plugins warm it
+    /// so), no text returned.
     #[schema(minimum = -1)]
     pub n_predict: Option<i64>,
     /// `n_predict` under OpenAI's name (used when `n_predict` is absent).

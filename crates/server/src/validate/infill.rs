@@ -3,7 +3,8 @@
 //!
 //! Read: `input_prefix`, `input_suffix`, `input_extra` (`[{"filename",
 //! "text"}]`), `prompt` (text after the middle token), `n_predict` (or
-//! `max_tokens`; -1 or absent: the server's default), `temperature`,
+//! `max_tokens`; -1 or absent: the server's default; 0: only read the
+//! prompt, which editor plugins send to warm the cache), `temperature`,
 //! `top_k`, `top_p`, `min_p`, `seed`, `stop`, `presence_penalty`,
 //! `frequency_penalty`, `repeat_penalty`, `stream`, `cache_prompt`,
 //! `model`. llama-server's other sampler and timing options are accepted
@@ -38,6 +39,9 @@ pub struct ValidatedInfillRequest {
     pub generation: GenerationRequest,
     /// `"stream": true`.
     pub stream: bool,
+    /// `n_predict: 0`: read the prompt (into the prefix cache) and return
+    /// no text.
+    pub prefill_only: bool,
 }
 
 impl ValidatedInfillRequest {
@@ -90,17 +94,21 @@ impl ValidatedInfillRequest {
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(wrong("input_extra", "an array of {filename, text} objects")),
         };
-        let budget = match body
-            .remove("n_predict")
-            .or_else(|| body.remove("max_tokens"))
-        {
-            None | Some(Value::Null) => default_max_tokens,
-            Some(Value::Number(n)) if n.as_i64() == Some(-1) => default_max_tokens,
-            Some(Value::Number(n)) => match n.as_i64() {
-                Some(v) => max_tokens("n_predict", i128::from(v))?,
-                None => return Err(wrong("n_predict", "an integer (-1: the default)")),
-            },
-            Some(_) => return Err(wrong("n_predict", "an integer (-1: the default)")),
+        let n_predict = body.remove("n_predict").filter(|v| !v.is_null());
+        let max = body.remove("max_tokens").filter(|v| !v.is_null());
+        let (param, budget) = match (n_predict, max) {
+            (Some(v), _) => ("n_predict", Some(v)),
+            (None, Some(v)) => ("max_tokens", Some(v)),
+            (None, None) => ("n_predict", None),
+        };
+        let expected = "an integer (-1: the default, 0: only read the prompt into the cache)";
+        // 0 (llama.vim and llama.vscode warm the cache with it): the
+        // prompt is read and one token computed, none returned.
+        let (budget, prefill_only) = match budget.map(|v| v.as_i64()) {
+            None | Some(Some(-1)) => (default_max_tokens, false),
+            Some(Some(0)) => (1, true),
+            Some(Some(v)) => (max_tokens(param, i128::from(v))?, false),
+            Some(None) => return Err(wrong(param, expected)),
         };
         let stream = match body.remove("stream") {
             None | Some(Value::Null) => false,
@@ -126,6 +134,7 @@ impl ValidatedInfillRequest {
         Ok(Self {
             generation: params.request(prompt, budget),
             stream,
+            prefill_only,
         })
     }
 }
