@@ -141,7 +141,13 @@ fn time_schema() -> Value {
 /// prefix: `(name, arguments)` each, and any text the filter let through.
 fn tool_calls(text: &str, names: &[&str]) -> (Vec<(String, Value)>, String) {
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-    let mut filter = OutputFilter::forced(&[], &names, &forced_call_prefix(None));
+    let filter = OutputFilter::forced(&[], &names, &forced_call_prefix(None));
+    calls_of(filter, text)
+}
+
+/// The calls `filter` reads from `text`, as `(name, arguments)`, and the
+/// text it lets through.
+fn calls_of(mut filter: OutputFilter, text: &str) -> (Vec<(String, Value)>, String) {
     let mut out = filter.push(text);
     out.extend(filter.finish());
     let mut calls: Vec<(String, String)> = Vec::new();
@@ -813,26 +819,8 @@ fn xml_calls(text: &str, prefix: &str, tools: &[(&str, Value)]) -> (Vec<(String,
             parameters: p.clone(),
         })
         .collect();
-    let mut filter = OutputFilter::forced_in(ToolCallFormat::Qwen3CoderXml, &[], &tools, prefix);
-    let mut out = filter.push(text);
-    out.extend(filter.finish());
-    let mut calls: Vec<(String, String)> = Vec::new();
-    let mut other = String::new();
-    for piece in out.pieces {
-        match piece {
-            OutputPiece::CallStart { name, .. } => calls.push((name, String::new())),
-            OutputPiece::CallArguments(a) => calls.last_mut().unwrap().1.push_str(&a),
-            OutputPiece::Text(t) | OutputPiece::Reasoning(t) => other.push_str(&t),
-        }
-    }
-    let calls = calls
-        .into_iter()
-        .map(|(name, args)| {
-            let args = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
-            (name, args)
-        })
-        .collect();
-    (calls, other)
+    let filter = OutputFilter::forced_in(ToolCallFormat::Qwen3CoderXml, &[], &tools, prefix);
+    calls_of(filter, text)
 }
 
 /// Forced XML calls (Qwen3-Coder): the grammar writes parameters in the
