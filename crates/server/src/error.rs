@@ -288,6 +288,9 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        // The Messages routes answer the same error in Anthropic's shape
+        // (`crate::anthropic::error`).
+        response.extensions_mut().insert(self);
         response
     }
 }
