@@ -440,3 +440,62 @@ async fn count_tokens_counts_the_rendered_request() {
     // Nothing is generated.
     assert_eq!(service.request_count(), 0);
 }
+
+#[tokio::test]
+async fn adaptive_thinking_reasons_and_display_omitted_hides_it() {
+    let script = vec![
+        reasoning("", "Hmm."),
+        reasoning("Yes", ""),
+        finished_with(FinishReason::Stop, None),
+    ];
+    for (thinking, reason, blocks) in [
+        (
+            json!({"type": "adaptive"}),
+            true,
+            json!([{"type": "thinking", "thinking": "Hmm.", "signature": ""}, {"type": "text", "text": "Yes"}]),
+        ),
+        (
+            json!({"type": "adaptive", "display": "omitted"}),
+            true,
+            json!([{"type": "text", "text": "Yes"}]),
+        ),
+        (
+            json!({"type": "disabled"}),
+            false,
+            json!([{"type": "text", "text": "Yes"}]),
+        ),
+    ] {
+        let service = FakeService::new(script.clone());
+        let mut request = body();
+        request["thinking"] = thinking.clone();
+        let m = post_messages(app(service.clone()), request).await.json();
+        assert_eq!(m["content"], blocks, "{thinking}");
+        assert_eq!(
+            service.last_request().chat_template_kwargs["enable_thinking"],
+            json!(reason),
+            "{thinking}"
+        );
+    }
+    for (thinking, param) in [
+        (json!({"type": "enabled"}), "thinking.budget_tokens"),
+        (
+            json!({"type": "adaptive", "budget_tokens": 2048}),
+            "thinking.budget_tokens",
+        ),
+        (
+            json!({"type": "enabled", "budget_tokens": 1024}),
+            "thinking.budget_tokens",
+        ),
+        (
+            json!({"type": "disabled", "display": "omitted"}),
+            "thinking.display",
+        ),
+        (json!({"type": "between_tools"}), "thinking.type"),
+    ] {
+        let mut request = body();
+        request["thinking"] = thinking.clone();
+        let reply = post_messages(app(FakeService::hello()), request).await;
+        let message = anthropic_error(&reply, StatusCode::BAD_REQUEST, "invalid_request_error");
+        assert!(message.contains(param), "{thinking}: {message}");
+    }
+}

@@ -127,9 +127,12 @@ pub struct MessagesRequest {
     /// Answer with server-sent events.
     #[schema(default = false)]
     pub stream: Option<bool>,
-    /// Extended thinking: with `enabled`, a reasoning model's reasoning
-    /// comes back as `thinking` blocks.
+    /// Extended thinking: with `enabled` or `adaptive`, a reasoning
+    /// model's reasoning comes back as `thinking` blocks.
     pub thinking: Option<ThinkingParam>,
+    /// Accepted and ignored (the prefix cache finds shared prefixes by
+    /// content, whatever the request marks).
+    pub cache_control: Option<Map<String, Value>>,
     /// Keys that are not fields of the request.
     #[serde(flatten)]
     #[schema(ignore)]
@@ -300,22 +303,39 @@ pub struct ToolChoiceParam {
 pub enum ThinkingType {
     /// Reasoning on, returned as `thinking` blocks.
     Enabled,
+    /// As `enabled`, without a budget.
+    Adaptive,
     /// Reasoning off (the default).
     Disabled,
+}
+
+/// `thinking.display`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ThinkingDisplay {
+    /// The reasoning comes back (as generated; nothing is summarized).
+    Summarized,
+    /// No `thinking` blocks.
+    Omitted,
 }
 
 /// `thinking`.
 #[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 #[schema(as = AnthropicThinking)]
 pub struct ThinkingParam {
-    /// `enabled` or `disabled`.
+    /// `enabled`, `adaptive` or `disabled`.
     #[serde(rename = "type")]
-    #[schema(value_type = String, pattern = "^(enabled|disabled)$")]
+    #[schema(value_type = String, pattern = "^(enabled|adaptive|disabled)$")]
     pub kind: Tag<ThinkingType>,
-    /// With `enabled`: at least 1024 and below `max_tokens` (checked, not
-    /// enforced: the reasoning counts against `max_tokens`).
+    /// With `enabled` (required there): at least 1024 and below
+    /// `max_tokens` (checked, not enforced: the reasoning counts against
+    /// `max_tokens`).
     #[schema(minimum = 1024)]
     pub budget_tokens: Option<i128>,
+    /// `summarized` (the default: the reasoning as generated) or
+    /// `omitted` (no `thinking` blocks).
+    #[schema(value_type = Option<String>, pattern = "^(summarized|omitted)$")]
+    pub display: Option<Tag<ThinkingDisplay>>,
     /// Keys that are not fields.
     #[serde(flatten)]
     #[schema(ignore)]

@@ -15,8 +15,8 @@ use serde_json::Value;
 use super::tools::check_name;
 use super::{check_model, from_value, reject_unknown, ValidationError};
 use crate::anthropic::wire::{
-    BlockType, InputBlock, MessageRole, MessagesRequest, TextBlock, TextOrBlocks, ThinkingType,
-    Tool, ToolChoiceParam, ToolChoiceType,
+    BlockType, InputBlock, MessageRole, MessagesRequest, TextBlock, TextOrBlocks, ThinkingDisplay,
+    ThinkingParam, ThinkingType, Tool, ToolChoiceParam, ToolChoiceType,
 };
 use crate::openai::request::Tag;
 
@@ -40,9 +40,10 @@ pub struct ValidatedMessagesRequest {
     pub generation: GenerationRequest,
     /// `stream: true`.
     pub stream: bool,
-    /// `thinking.type: enabled`: reasoning comes back as `thinking`
-    /// blocks; otherwise the chat template is asked not to reason
-    /// (`enable_thinking: false`) and any reasoning is dropped.
+    /// `thinking.type: enabled` or `adaptive` (and `display` not
+    /// `omitted`): reasoning comes back as `thinking` blocks; otherwise it
+    /// is dropped. Without thinking the chat template is asked not to
+    /// reason (`enable_thinking: false`, which Qwen3-style templates read).
     pub thinking: bool,
     /// `metadata.user_id`, for the logs.
     pub user_id: Option<String>,
@@ -97,52 +98,7 @@ impl ValidatedMessagesRequest {
         let tools = parse_tools(request.tools.unwrap_or_default())?;
         let (tool_choice, parallel_tool_calls) = parse_tool_choice(request.tool_choice, &tools)?;
         let stop = parse_stop(request.stop_sequences.unwrap_or_default())?;
-        let thinking = match request.thinking {
-            None => false,
-            Some(thinking) => {
-                reject_unknown(thinking.unknown, &[], "thinking.")?;
-                match thinking.kind {
-                    Tag::Known(ThinkingType::Disabled) => {
-                        if thinking.budget_tokens.is_some() {
-                            return Err(ValidationError::OnlyWith {
-                                param: "thinking.budget_tokens".into(),
-                                with: "thinking.type: enabled",
-                            });
-                        }
-                        false
-                    }
-                    Tag::Known(ThinkingType::Enabled) => {
-                        let Some(budget) = thinking.budget_tokens else {
-                            return Err(ValidationError::Missing("thinking.budget_tokens".into()));
-                        };
-                        if budget < MIN_THINKING_BUDGET {
-                            return Err(out_of_range(
-                                "thinking.budget_tokens",
-                                budget,
-                                "at least 1024",
-                            ));
-                        }
-                        if let Some(max) = max_tokens {
-                            if usize::try_from(budget).is_ok_and(|b| b >= max) {
-                                return Err(out_of_range(
-                                    "thinking.budget_tokens",
-                                    budget,
-                                    "less than max_tokens",
-                                ));
-                            }
-                        }
-                        true
-                    }
-                    Tag::Other(kind) => {
-                        return Err(ValidationError::UnsupportedItemType {
-                            param: "thinking.type".into(),
-                            kind,
-                            supported: "enabled, disabled",
-                        })
-                    }
-                }
-            }
-        };
+        let (reason, thinking) = parse_thinking(request.thinking, max_tokens)?;
         let user_id = match request.metadata {
             None => None,
             Some(metadata) => {
@@ -153,7 +109,7 @@ impl ValidatedMessagesRequest {
         reject_unknown(request.unknown, UNSUPPORTED_FIELDS, "")?;
         let mut chat_template_kwargs = serde_json::Map::new();
         // Qwen3-style templates read it; others ignore it.
-        chat_template_kwargs.insert("enable_thinking".into(), Value::Bool(thinking));
+        chat_template_kwargs.insert("enable_thinking".into(), Value::Bool(reason));
         let generation = GenerationRequest {
             stop,
             tools,
@@ -168,6 +124,88 @@ impl ValidatedMessagesRequest {
             thinking,
             user_id,
         })
+    }
+}
+
+/// `thinking`: whether the model is asked to reason, and whether its
+/// reasoning comes back as `thinking` blocks. `max_tokens` is the request's
+/// budget (none for a count).
+fn parse_thinking(
+    thinking: Option<ThinkingParam>,
+    max_tokens: Option<usize>,
+) -> Result<(bool, bool), ValidationError> {
+    match thinking {
+        None => Ok((false, false)),
+        Some(thinking) => {
+            reject_unknown(thinking.unknown, &[], "thinking.")?;
+            match thinking.kind {
+                Tag::Known(ThinkingType::Disabled) => {
+                    if thinking.display.is_some() {
+                        return Err(ValidationError::OnlyWith {
+                            param: "thinking.display".into(),
+                            with: "thinking.type: enabled or adaptive",
+                        });
+                    }
+                    if thinking.budget_tokens.is_some() {
+                        return Err(ValidationError::OnlyWith {
+                            param: "thinking.budget_tokens".into(),
+                            with: "thinking.type: enabled",
+                        });
+                    }
+                    Ok((false, false))
+                }
+                Tag::Known(ThinkingType::Adaptive) => {
+                    if thinking.budget_tokens.is_some() {
+                        return Err(ValidationError::OnlyWith {
+                            param: "thinking.budget_tokens".into(),
+                            with: "thinking.type: enabled",
+                        });
+                    }
+                    Ok((true, shown(thinking.display)?))
+                }
+                Tag::Known(ThinkingType::Enabled) => {
+                    let Some(budget) = thinking.budget_tokens else {
+                        return Err(ValidationError::Missing("thinking.budget_tokens".into()));
+                    };
+                    if budget < MIN_THINKING_BUDGET {
+                        return Err(out_of_range(
+                            "thinking.budget_tokens",
+                            budget,
+                            "at least 1024",
+                        ));
+                    }
+                    if let Some(max) = max_tokens {
+                        if usize::try_from(budget).is_ok_and(|b| b >= max) {
+                            return Err(out_of_range(
+                                "thinking.budget_tokens",
+                                budget,
+                                "less than max_tokens",
+                            ));
+                        }
+                    }
+                    Ok((true, shown(thinking.display)?))
+                }
+                Tag::Other(kind) => Err(ValidationError::UnsupportedItemType {
+                    param: "thinking.type".into(),
+                    kind,
+                    supported: "enabled, adaptive, disabled",
+                }),
+            }
+        }
+    }
+}
+
+/// Whether reasoning comes back as `thinking` blocks, by
+/// `thinking.display`.
+fn shown(display: Option<Tag<ThinkingDisplay>>) -> Result<bool, ValidationError> {
+    match display {
+        None | Some(Tag::Known(ThinkingDisplay::Summarized)) => Ok(true),
+        Some(Tag::Known(ThinkingDisplay::Omitted)) => Ok(false),
+        Some(Tag::Other(kind)) => Err(ValidationError::UnsupportedItemType {
+            param: "thinking.display".into(),
+            kind,
+            supported: "summarized, omitted",
+        }),
     }
 }
 
