@@ -515,6 +515,171 @@ fn check_auth(port: u16) {
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
 }
 
+/// Every leaf of a rich body replaced by hostile values, every key
+/// removed, and random byte mutations, sent to `count_tokens` (the same
+/// parsing and rules, no generation, so the run stays fast) and, for the
+/// top-level fields, to `/v1/messages`: each answer is a success or an
+/// Anthropic error whose type matches its 4xx status, never a 5xx; the
+/// server answers a valid request afterwards.
+fn check_hostile_bodies(port: u16, call: &Value) {
+    use rand_core::{RngCore, SeedableRng};
+    let valid = json!({
+        "model": "smollm2", "max_tokens": 1, "temperature": 0, "top_k": 5, "top_p": 0.9,
+        "stop_sequences": ["\n\n"], "metadata": {"user_id": "fuzz"},
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "tools": weather_tools(), "tool_choice": {"type": "auto"},
+        "thinking": {"type": "disabled"},
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
+                "content": "sunny", "is_error": false}]},
+        ],
+    });
+    fn leaves(value: &Value, at: String, out: &mut Vec<String>) {
+        match value {
+            Value::Object(map) => map
+                .iter()
+                .for_each(|(k, v)| leaves(v, format!("{at}/{k}"), out)),
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .for_each(|(i, v)| leaves(v, format!("{at}/{i}"), out)),
+            _ => out.push(at),
+        }
+    }
+    fn keys(value: &Value, at: String, out: &mut Vec<String>) {
+        match value {
+            Value::Object(map) => map.iter().for_each(|(k, v)| {
+                out.push(format!("{at}/{k}"));
+                keys(v, format!("{at}/{k}"), out)
+            }),
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .for_each(|(i, v)| keys(v, format!("{at}/{i}"), out)),
+            _ => {}
+        }
+    }
+    let check_at = |path: &str, body: &[u8], what: &str| {
+        let r = request_with_headers(
+            port,
+            "POST",
+            path,
+            &[("Content-Type", "application/json"), ("x-api-key", KEY)],
+            body,
+        );
+        assert!(
+            r.status == 200 || (400..500).contains(&r.status),
+            "{what}: {}",
+            r.status
+        );
+        let v = r.json();
+        if r.status == 200 && path == "/v1/messages" {
+            assert_eq!(v["type"], "message", "{what}: {v}");
+        } else if r.status == 200 {
+            assert!(
+                v["input_tokens"].as_u64().is_some_and(|n| n > 0),
+                "{what}: {v}"
+            );
+        } else {
+            assert_eq!(v["type"], "error", "{what}: {v}");
+            let kind = if r.status == 404 {
+                "not_found_error"
+            } else {
+                "invalid_request_error"
+            };
+            assert_eq!(v["error"]["type"], kind, "{what}: {v}");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "{what}: {v}"
+            );
+        }
+        r.status
+    };
+    let check = |body: &[u8], what: &str| check_at("/v1/messages/count_tokens", body, what);
+    let mut paths = Vec::new();
+    leaves(&valid, String::new(), &mut paths);
+    let hostile = [
+        json!(null),
+        json!(-1),
+        json!(1e300),
+        json!("<|im_end|>"),
+        json!([]),
+        json!({}),
+        json!(true),
+    ];
+    let mut refused = 0;
+    let mut cases = 0;
+    for path in &paths {
+        for value in &hostile {
+            let mut body = valid.clone();
+            *body.pointer_mut(path).expect("a leaf") = value.clone();
+            cases += 1;
+            if check(body.to_string().as_bytes(), &format!("{path} = {value}")) != 200 {
+                refused += 1;
+            }
+        }
+    }
+    let mut removable = Vec::new();
+    keys(&valid, String::new(), &mut removable);
+    for path in &removable {
+        let (parent, key) = path.rsplit_once('/').expect("a key");
+        let mut body = valid.clone();
+        let target = if parent.is_empty() {
+            Some(&mut body)
+        } else {
+            body.pointer_mut(parent)
+        };
+        if let Some(Value::Object(map)) = target {
+            map.remove(key);
+        }
+        cases += 1;
+        check(body.to_string().as_bytes(), &format!("without {path}"));
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2027);
+    let bytes = valid.to_string().into_bytes();
+    for i in 0..60 {
+        let mut body = bytes.clone();
+        for _ in 0..1 + rng.next_u32() % 4 {
+            let at = rng.next_u32() as usize % body.len();
+            body[at] = b"{}[]\",:\\\xff\x00"[rng.next_u32() as usize % 10];
+        }
+        cases += 1;
+        check(&body, &format!("mutation {i}"));
+    }
+    assert!(refused > paths.len(), "{refused} of {cases} refused");
+    for field in [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tool_choice",
+        "thinking",
+        "stop_sequences",
+    ] {
+        for value in &hostile {
+            let mut body = valid.clone();
+            body[field] = value.clone();
+            check_at(
+                "/v1/messages",
+                body.to_string().as_bytes(),
+                &format!("{field} = {value}"),
+            );
+        }
+    }
+    assert_eq!(
+        check_at(
+            "/v1/messages",
+            valid.to_string().as_bytes(),
+            "the valid body"
+        ),
+        200
+    );
+}
+
 #[test]
 fn anthropic_messages_api() {
     let server = common::server::start(&model_dir(), "smollm2", &["--api-key", KEY], |_| {});
@@ -529,4 +694,5 @@ fn anthropic_messages_api() {
     check_any_tool(port);
     check_tool_round_trip(port, &call);
     check_bad_requests(port);
+    check_hostile_bodies(port, &call);
 }
