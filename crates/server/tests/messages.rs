@@ -499,3 +499,45 @@ async fn adaptive_thinking_reasons_and_display_omitted_hides_it() {
         assert!(message.contains(param), "{thinking}: {message}");
     }
 }
+
+#[tokio::test]
+async fn consecutive_turns_are_combined_and_prefill_is_refused() {
+    let service = FakeService::hello();
+    let mut request = body();
+    request["messages"] = json!([
+        {"role": "user", "content": "One."},
+        {"role": "user", "content": [{"type": "text", "text": "Two."}]},
+        {"role": "assistant", "content": "Three."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Four."}]},
+        {"role": "user", "content": "Five."},
+    ]);
+    let reply = post_messages(app(service.clone()), request).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let mlxcel_engine_api::Prompt::Chat(messages) = service.last_request().prompt else {
+        panic!("a chat prompt");
+    };
+    assert_eq!(
+        messages,
+        vec![
+            ChatMessage::text("user", "One.\n\nTwo."),
+            ChatMessage::text("assistant", "Three.\n\nFour."),
+            ChatMessage::text("user", "Five."),
+        ]
+    );
+    let mut prefill = body();
+    prefill["messages"] = json!([
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "Hi"},
+    ]);
+    let reply = post_messages(app(FakeService::hello()), prefill).await;
+    let message = anthropic_error(&reply, StatusCode::BAD_REQUEST, "invalid_request_error");
+    assert!(
+        message.contains("messages[1].role") && message.contains("prefill"),
+        "{message}"
+    );
+}

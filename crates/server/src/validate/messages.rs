@@ -272,6 +272,7 @@ fn parse_messages(
     }
     // Tool names by call id, for the `tool` messages that answer them.
     let mut calls: HashMap<String, String> = HashMap::new();
+    let last = messages.len() - 1;
     for (i, message) in messages.into_iter().enumerate() {
         let at = format!("messages[{i}]");
         reject_unknown(message.unknown, &[], &format!("{at}."))?;
@@ -285,13 +286,23 @@ fn parse_messages(
                 })
             }
         };
+        if i == last && role == MessageRole::Assistant {
+            // Anthropic continues a final assistant message (prefill); the
+            // chat path always opens a new turn, so it is refused, as
+            // Anthropic refuses it on models without prefill.
+            return Err(ValidationError::UnsupportedItemType {
+                param: format!("{at}.role"),
+                kind: "assistant".into(),
+                supported: "user (a final assistant message, prefill, is not supported)",
+            });
+        }
         let blocks = match message.content {
             TextOrBlocks::Text(text) => {
                 let role = match role {
                     MessageRole::User => "user",
                     MessageRole::Assistant => "assistant",
                 };
-                chat.push(ChatMessage::text(role, text));
+                push_merged(&mut chat, ChatMessage::text(role, text));
                 continue;
             }
             TextOrBlocks::Blocks(blocks) => blocks,
@@ -299,11 +310,37 @@ fn parse_messages(
         match role {
             MessageRole::User => user_blocks(&at, blocks, &calls, &mut chat)?,
             MessageRole::Assistant => {
-                chat.push(assistant_blocks(&at, blocks, &mut calls)?);
+                push_merged(&mut chat, assistant_blocks(&at, blocks, &mut calls)?);
             }
         }
     }
     Ok(chat)
+}
+
+/// Adds `message` to `chat`, joined to the message before it when both are
+/// the same role's turn (consecutive user texts, consecutive assistant
+/// messages), as Anthropic combines consecutive turns.
+fn push_merged(chat: &mut Vec<ChatMessage>, message: ChatMessage) {
+    let same_turn = |last: &ChatMessage| {
+        last.role == message.role
+            && (message.role == "assistant"
+                || (message.role == "user" && last.tool_call_id.is_none()))
+    };
+    let Some(last) = chat.last_mut().filter(|last| same_turn(last)) else {
+        chat.push(message);
+        return;
+    };
+    let join = |a: Option<String>, b: Option<String>| match (a, b) {
+        (Some(mut a), Some(b)) => {
+            a.push_str(BLOCK_SEPARATOR);
+            a.push_str(&b);
+            Some(a)
+        }
+        (a, b) => a.or(b),
+    };
+    last.content = join(last.content.take(), message.content);
+    last.reasoning_content = join(last.reasoning_content.take(), message.reasoning_content);
+    last.tool_calls.extend(message.tool_calls);
 }
 
 /// The fields a block of each type may carry (`cache_control` goes with
@@ -404,7 +441,7 @@ fn user_blocks(
             }
             _ => {
                 if let Some(text) = text.take() {
-                    chat.push(ChatMessage::text("user", text));
+                    push_merged(chat, ChatMessage::text("user", text));
                 }
                 let Some(id) = block.tool_use_id else {
                     return Err(ValidationError::Missing(format!("{at}.tool_use_id")));
@@ -433,7 +470,7 @@ fn user_blocks(
         }
     }
     if let Some(text) = text {
-        chat.push(ChatMessage::text("user", text));
+        push_merged(chat, ChatMessage::text("user", text));
     }
     Ok(())
 }
