@@ -162,7 +162,7 @@ def test_any_makes_the_model_call_a_tool(client, model):
 
 def test_errors_are_the_clients_typed_errors(client, model, mlxcel_server):
     with pytest.raises(anthropic.NotFoundError) as e:
-        client.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=ask("hi"))
+        client.messages.create(model="not-the-served-model", max_tokens=4, messages=ask("hi"))
     assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(
