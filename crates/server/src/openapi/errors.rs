@@ -84,7 +84,7 @@ impl<'r> ToResponse<'r> for Unauthorized {
             .description(Some("Always `Bearer`."))
             .build();
         let response = error_response(
-            "An API key is configured and the request lacks `Authorization: Bearer <key>`. Missing, malformed and wrong keys get this same body (code invalid_api_key).",
+            "An API key is configured and the request carries neither `Authorization: Bearer <key>` nor `x-api-key: <key>`. Missing, malformed and wrong keys get this same body (code invalid_api_key).",
         )
         .header("WWW-Authenticate", header);
         ("Unauthorized", response.build().into())

@@ -82,7 +82,7 @@ pub use schemas::{
 #[openapi(
     info(
         title = "mlxcel",
-        description = "OpenAI-compatible LLM inference server on MLX. Every error is an ErrorResponse. Every response carries an `x-request-id` header (the client's, or a new UUID). With --api-key, every operation but GET /health needs `Authorization: Bearer <key>`.",
+        description = "OpenAI-compatible LLM inference server on MLX, with Anthropic's Messages API at /v1/messages. Every error is an ErrorResponse (an AnthropicErrorResponse on /v1/messages and below). Every response carries an `x-request-id` header (the client's, or a new UUID). With --api-key, every operation but GET /health needs `Authorization: Bearer <key>` or `x-api-key: <key>`.",
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
     ),
     paths(
