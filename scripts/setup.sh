@@ -15,7 +15,8 @@
 #    openai, jsonschema and pytest, plus the client libraries that
 #    tests/python/test_clients.py drives unchanged: langchain-openai,
 #    instructor, litellm and openai-agents (0.20.0: the last release that
-#    accepts openai 2.x; 0.21 and later need openai>=3).
+#    accepts openai 2.x; 0.21 and later need openai>=3); and the official
+#    anthropic client for tests/python/test_anthropic_client.py.
 # 4. Verifies the GGUF's sha256.
 # 5. scripts/prepare_model.py -> models/SmolLM2-135M-Instruct (4-bit, g32, float32).
 # 6. scripts/make_tiny_models.py -> target/tiny-models (tiny random-weight
@@ -58,6 +59,8 @@ LANGCHAIN_OPENAI_VERSION=1.7.4
 INSTRUCTOR_VERSION=1.17.0
 LITELLM_VERSION=1.110.2
 OPENAI_AGENTS_VERSION=0.20.0
+# The official Anthropic client (/v1/messages; tests/python/test_anthropic_client.py).
+ANTHROPIC_VERSION=2.10.0
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
@@ -179,7 +182,8 @@ for spec in "prometheus_client==$PROMETHEUS_CLIENT_VERSION" \
             "langchain-openai==$LANGCHAIN_OPENAI_VERSION" \
             "instructor==$INSTRUCTOR_VERSION" \
             "litellm==$LITELLM_VERSION" \
-            "openai-agents==$OPENAI_AGENTS_VERSION"; do
+            "openai-agents==$OPENAI_AGENTS_VERSION" \
+            "anthropic==$ANTHROPIC_VERSION"; do
   name="${spec%%==*}"; want="${spec#*==}"
   if ! "$PY" -c "import sys; from importlib.metadata import version; sys.exit(version(sys.argv[1]) != sys.argv[2])" "$name" "$want" 2>/dev/null; then
     test_specs+=("$spec")

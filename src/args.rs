@@ -408,7 +408,8 @@ pub struct ServeArgs {
     /// `max_tokens` of requests that do not set it.
     #[arg(long, default_value_t = mlxcel_http::defaults::MAX_TOKENS)]
     pub default_max_tokens: usize,
-    /// Require `Authorization: Bearer <KEY>` on every route but `GET /health`.
+    /// Require `Authorization: Bearer <KEY>` or `x-api-key: <KEY>` on every
+    /// route but `GET /health`.
     #[arg(
         long,
         env = "MLXCEL_API_KEY",

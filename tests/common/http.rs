@@ -52,12 +52,28 @@ pub fn request(
     content_type: Option<&str>,
     body: &[u8],
 ) -> Response {
+    let headers: Vec<(&str, &str)> = content_type
+        .map(|ct| ("Content-Type", ct))
+        .into_iter()
+        .collect();
+    request_with_headers(port, method, path, &headers, body)
+}
+
+/// Sends one request with these extra headers (name, value) and a raw
+/// body, and reads the whole response.
+pub fn request_with_headers(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Response {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(300)))
         .expect("timeout");
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
-    if let Some(ct) = content_type {
-        head.push_str(&format!("Content-Type: {ct}\r\n"));
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
     }
     head.push_str("\r\n");
     s.write_all(head.as_bytes()).expect("write head");

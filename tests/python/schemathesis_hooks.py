@@ -25,7 +25,7 @@ MAX_TOKENS = 4
 MAX_CHOICES = 2
 MAX_PROMPTS = 2
 
-_GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+_GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 
 
 @schemathesis.hook
@@ -42,6 +42,7 @@ def before_load_schema(context: schemathesis.HookContext, raw_schema: dict[str, 
         "CreateChatCompletionRequest",
         "CreateCompletionRequest",
         "CreateResponseRequest",
+        "CreateMessageRequest",
         "TokenizeRequest",
         "DetokenizeRequest",
     ):
@@ -75,6 +76,10 @@ def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwar
     _clamp_int(body, "max_output_tokens", MAX_TOKENS)
     _clamp_int(body, "n", MAX_CHOICES)
     _clamp_int(body, "best_of", MAX_CHOICES)
+    if case.operation.path == "/v1/messages" and "max_tokens" not in body:
+        # Required by the route (and absent from the shared schema, which
+        # count_tokens reads too): most generated bodies would stop there.
+        body["max_tokens"] = MAX_TOKENS
     if case.operation.path == "/v1/completions":
         # The completions default is 16 tokens (as OpenAI's), not the
         # server's --default-max-tokens.
@@ -122,10 +127,10 @@ def map_body(context: schemathesis.HookContext, body: Any) -> Any:
     messages = body.get("messages")
     if isinstance(messages, list):
         body["messages"] = [_message_with_special_tokens(m, salt) for m in messages]
-    for key in ("stop", "instructions"):
+    for key in ("stop", "instructions", "stop_sequences"):
         if key in body:
             body[key] = _with_special_tokens(body[key], salt)
-    for key in ("prompt", "input"):
+    for key in ("prompt", "input", "system"):
         value = body.get(key)
         if isinstance(value, str):
             body[key] = _with_special_tokens(value, salt)

@@ -1,5 +1,6 @@
-//! Bearer-token authentication: with an API key configured, every request
-//! but `GET /health` must carry `Authorization: Bearer <key>`.
+//! API-key authentication: with an API key configured, every request but
+//! `GET /health` must carry `Authorization: Bearer <key>` or, as
+//! Anthropic's clients send it, `x-api-key: <key>` (either on every route).
 //!
 //! Every refusal is the same [`ApiError::InvalidApiKey`], whatever was wrong
 //! (no header, another scheme, a wrong key), and unmatched paths are refused
@@ -24,6 +25,9 @@ use crate::error::ApiError;
 /// probe it without credentials).
 pub const PUBLIC_HEALTH_PATH: &str = "/health";
 
+/// The header Anthropic's clients send the key in (`x-api-key: <key>`).
+pub const API_KEY_HEADER: &str = "x-api-key";
+
 /// The configured API key, kept only as its SHA-256 digest.
 #[derive(Clone)]
 pub struct ApiKey {
@@ -38,14 +42,15 @@ impl ApiKey {
         }
     }
 
-    /// Whether `headers` carry `Authorization: Bearer <this key>`. The scheme
-    /// name is case-insensitive (RFC 7235); the key is not.
+    /// Whether `headers` carry `Authorization: Bearer <this key>` or
+    /// `x-api-key: <this key>`. The scheme name is case-insensitive (RFC
+    /// 7235); the key is not.
     pub fn accepts(&self, headers: &HeaderMap) -> bool {
-        let Some(token) = bearer_token(headers) else {
-            return false;
+        let matches = |token: &[u8]| -> bool {
+            let presented: [u8; 32] = Sha256::digest(token).into();
+            presented.ct_eq(&self.digest).into()
         };
-        let presented: [u8; 32] = Sha256::digest(token).into();
-        presented.ct_eq(&self.digest).into()
+        bearer_token(headers).is_some_and(matches) || header_key(headers).is_some_and(matches)
     }
 }
 
@@ -67,13 +72,21 @@ fn bearer_token(headers: &HeaderMap) -> Option<&[u8]> {
     (!token.is_empty()).then_some(token)
 }
 
+/// The key of an `x-api-key: <key>` header (surrounding blanks trimmed),
+/// if the request has a non-empty one.
+fn header_key(headers: &HeaderMap) -> Option<&[u8]> {
+    let token = headers.get(API_KEY_HEADER)?.as_bytes().trim_ascii();
+    (!token.is_empty()).then_some(token)
+}
+
 /// Whether `request` is exempt from the key: `GET` (or `HEAD`) `/health`.
 fn is_public(request: &Request) -> bool {
     matches!(*request.method(), Method::GET | Method::HEAD)
         && request.uri().path() == PUBLIC_HEALTH_PATH
 }
 
-/// Middleware: refuses every non-public request that lacks the key with
+/// Middleware: refuses every non-public request that lacks the key (in
+/// either header) with
 /// [`ApiError::InvalidApiKey`] (401, `WWW-Authenticate: Bearer`).
 pub async fn require_api_key(
     State(key): State<Arc<ApiKey>>,
@@ -114,6 +127,35 @@ mod tests {
         assert!(!key.accepts(&headers(b"Bearer ")));
         assert!(!key.accepts(&headers(b"Bearersk-test")));
         assert!(!key.accepts(&headers(b"Bearer \xffsk-test")));
+    }
+
+    fn x_api_key(value: &[u8]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        let value = HeaderValue::from_bytes(value).expect("a valid header value");
+        headers.insert(API_KEY_HEADER, value);
+        headers
+    }
+
+    #[test]
+    fn accepts_the_key_in_x_api_key() {
+        let key = ApiKey::new("sk-test");
+        assert!(key.accepts(&x_api_key(b"sk-test")));
+        assert!(key.accepts(&x_api_key(b" sk-test ")));
+        assert!(!key.accepts(&x_api_key(b"Bearer sk-test")));
+        assert!(!key.accepts(&x_api_key(b"sk-tes")));
+        assert!(!key.accepts(&x_api_key(b"SK-TEST")));
+        assert!(!key.accepts(&x_api_key(b"")));
+        // A wrong bearer with the right x-api-key, and the other way round.
+        let mut both = x_api_key(b"sk-test");
+        both.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer nope"),
+        );
+        assert!(key.accepts(&both));
+        let mut both = headers(b"Bearer sk-test");
+        both.insert(API_KEY_HEADER, HeaderValue::from_static("nope"));
+        assert!(key.accepts(&both));
+        assert!(!ApiKey::new("").accepts(&x_api_key(b"")));
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub enum Piece {
         index: usize,
         reason: FinishReason,
         logprobs: Vec<SampledLogprobs>,
+        /// The stop string that ended the choice, if one did.
+        stop_sequence: Option<String>,
     },
 }
 
@@ -210,7 +212,12 @@ impl Choices {
                     logprobs: std::mem::take(&mut self.pending[index]),
                 }
             }
-            GenerationEvent::Finished { reason, usage, .. } => {
+            GenerationEvent::Finished {
+                reason,
+                usage,
+                stop_sequence,
+                ..
+            } => {
                 self.finished[index] = true;
                 self.unfinished -= 1;
                 self.completion_tokens += usage.completion_tokens;
@@ -219,6 +226,7 @@ impl Choices {
                     index,
                     reason,
                     logprobs: std::mem::take(&mut self.pending[index]),
+                    stop_sequence,
                 }
             }
             GenerationEvent::Failed { .. } => return Ok(None),
@@ -292,6 +300,8 @@ pub struct ChoiceOutput {
     pub prompt_logprobs: Option<(TokenLogprob, Vec<SampledLogprobs>)>,
     /// Why it ended.
     pub finish_reason: Option<FinishReason>,
+    /// The stop string that ended it, if one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// Reads `choices` to the end. If the client goes away first, the future is
@@ -349,8 +359,10 @@ pub async fn collect(choices: &mut Choices) -> Result<Vec<ChoiceOutput>, ApiErro
                 index,
                 reason,
                 logprobs,
+                stop_sequence,
             } => {
                 outputs[index].finish_reason = Some(reason);
+                outputs[index].stop_sequence = stop_sequence;
                 outputs[index].logprobs.extend(logprobs);
             }
         }

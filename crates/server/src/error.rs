@@ -45,8 +45,9 @@ pub enum ApiError {
         limit_bytes: usize,
     },
     /// The server requires an API key and the request did not present it as
-    /// `Authorization: Bearer <key>`: missing, malformed and wrong keys are
-    /// one error with one body, so a client learns nothing from the answer.
+    /// `Authorization: Bearer <key>` or `x-api-key: <key>`: missing,
+    /// malformed and wrong keys are one error with one body, so a client
+    /// learns nothing from the answer.
     #[error("Incorrect API key provided.")]
     InvalidApiKey,
     /// A state-changing request from a browser page of an origin that
@@ -293,6 +294,9 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        // The Messages routes answer the same error in Anthropic's shape
+        // (`crate::anthropic::error`).
+        response.extensions_mut().insert(self);
         response
     }
 }

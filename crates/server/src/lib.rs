@@ -14,9 +14,13 @@
 //! keeps its answers in a bounded in-memory store
 //! ([`HttpConfig::responses_store_size`]); `POST /tokenize` and
 //! `POST /detokenize` count and decode against the served tokenizer.
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens` ([`anthropic`],
+//! Anthropic's Messages API) run through the same chat path and answer
+//! errors in Anthropic's shape.
 //! [`shutdown`] lets open requests finish (or fail, at the deadline) when
 //! [`serve`] stops.
 
+pub mod anthropic;
 pub mod auth;
 mod choices;
 mod completions;
@@ -75,7 +79,7 @@ pub struct HttpConfig {
     /// [`shutdown::SHUTDOWN_MESSAGE`] and [`serve`] returns.
     pub shutdown_grace: Duration,
     /// With `Some`, every request but `GET /health` must carry
-    /// `Authorization: Bearer <key>` (see [`auth`]).
+    /// `Authorization: Bearer <key>` or `x-api-key: <key>` (see [`auth`]).
     pub api_key: Option<String>,
     /// Origins whose browser pages may call the API (see [`cors`]).
     pub allowed_origins: cors::AllowedOrigins,
@@ -233,6 +237,16 @@ fn api_routes() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
             axum::routing::delete(responses::delete_response),
         ),
         (Method::POST, "/infill", post(infill::infill)),
+        (
+            Method::POST,
+            "/v1/messages",
+            post(anthropic::create_message),
+        ),
+        (
+            Method::POST,
+            "/v1/messages/count_tokens",
+            post(anthropic::count_tokens),
+        ),
         (Method::POST, "/tokenize", post(tokenize::tokenize)),
         (Method::POST, "/detokenize", post(tokenize::detokenize)),
         (Method::GET, "/v1/models", get(routes::list_models)),
@@ -315,6 +329,9 @@ pub fn router(state: AppState) -> Router {
                 .pass_through_unaccepted(true),
         )
         .layer(axum::middleware::from_fn(refuse_unknown_encodings))
+        // Errors to the Messages routes in Anthropic's shape, whichever
+        // layer made them.
+        .layer(axum::middleware::from_fn(anthropic::error::reshape_errors))
         // Layers run outermost last: set the id, then trace, then echo it.
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(trace)

@@ -241,6 +241,7 @@ impl ChunkFormat for ChatChunks {
                 index,
                 reason,
                 logprobs,
+                ..
             } => (index, ChunkDelta::default(), logprobs, Some(reason)),
             // Chat requests never ask for the prompt's logprobs.
             Piece::PromptLogprobs { .. } => return Vec::new(),
@@ -351,6 +352,7 @@ impl ChunkFormat for TextChunks {
                 index,
                 reason,
                 logprobs,
+                ..
             } => TextChoice {
                 index,
                 text: String::new(),

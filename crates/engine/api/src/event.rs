@@ -116,6 +116,10 @@ pub enum GenerationEvent {
         reason: FinishReason,
         usage: Usage,
         timings: Timings,
+        /// The stop string (of the request's `stop`) that ended the
+        /// choice; `None` when it ended otherwise (EOS, length, grammar,
+        /// tool calls).
+        stop_sequence: Option<String>,
     },
     /// The request failed inside the engine (every choice ends); nothing
     /// else was affected, unless `kind` says the engine can serve no more

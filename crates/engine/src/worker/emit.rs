@@ -202,11 +202,17 @@ impl Worker<'_> {
             ttft_s = s.timings.time_to_first_token_s,
             "choice finished"
         );
+        let stop_sequence = if reason == FinishReason::Stop {
+            s.filter.stop_sequence().map(str::to_owned)
+        } else {
+            None
+        };
         let _ = s.job.events.send(GenerationEvent::Finished {
             index,
             reason,
             usage: s.usage,
             timings: s.timings,
+            stop_sequence,
         });
         Ok(Emitted::Finished)
     }

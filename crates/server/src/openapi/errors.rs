@@ -84,9 +84,74 @@ impl<'r> ToResponse<'r> for Unauthorized {
             .description(Some("Always `Bearer`."))
             .build();
         let response = error_response(
-            "An API key is configured and the request lacks `Authorization: Bearer <key>`. Missing, malformed and wrong keys get this same body (code invalid_api_key).",
+            "An API key is configured and the request carries neither `Authorization: Bearer <key>` nor `x-api-key: <key>`. Missing, malformed and wrong keys get this same body (code invalid_api_key).",
         )
         .header("WWW-Authenticate", header);
         ("Unauthorized", response.build().into())
     }
 }
+
+/// Declares `$name`, a reusable response with an Anthropic error body
+/// (the `/v1/messages` routes).
+macro_rules! anthropic_error_response {
+    ($(#[$doc:meta])* $name:ident, $description:literal) => {
+        $(#[$doc])*
+        pub struct $name;
+
+        impl<'r> ToResponse<'r> for $name {
+            fn response() -> (&'r str, RefOr<utoipa::openapi::Response>) {
+                (stringify!($name), anthropic_error($description).build().into())
+            }
+        }
+    };
+}
+
+fn anthropic_error(description: &str) -> ResponseBuilder {
+    let body = Content::new(Some(Ref::from_schema_name(
+        crate::anthropic::wire::ErrorResponse::name(),
+    )));
+    ResponseBuilder::new()
+        .description(description)
+        .content("application/json", body)
+}
+
+anthropic_error_response!(
+    /// 400 on a Messages route.
+    AnthropicBadRequest,
+    "invalid_request_error: the body broke a rule of the schema (the message names the field), is not JSON, or the engine refused it (e.g. the prompt is longer than the context)."
+);
+anthropic_error_response!(
+    /// 401 on a Messages route.
+    AnthropicUnauthorized,
+    "authentication_error: an API key is configured and the request carries neither `x-api-key: <key>` nor `Authorization: Bearer <key>`."
+);
+anthropic_error_response!(
+    /// 403 on a Messages route.
+    AnthropicForbidden,
+    "permission_error: a request from a web page whose origin --allowed-origins does not allow."
+);
+anthropic_error_response!(
+    /// 404 on a Messages route.
+    AnthropicNotFound,
+    "not_found_error: the model is not the one this server serves."
+);
+anthropic_error_response!(
+    /// 413 on a Messages route.
+    AnthropicPayloadTooLarge,
+    "request_too_large: the body is larger than the server's limit."
+);
+anthropic_error_response!(
+    /// 415 on a Messages route.
+    AnthropicUnsupportedMediaType,
+    "invalid_request_error: the Content-Type is not JSON, or the Content-Encoding is not gzip."
+);
+anthropic_error_response!(
+    /// 500 on a Messages route.
+    AnthropicInternalError,
+    "api_error: the server or the engine failed."
+);
+anthropic_error_response!(
+    /// 503 on a Messages route.
+    AnthropicUnavailable,
+    "overloaded_error: the engine is unavailable, out of memory or shutting down."
+);

@@ -30,10 +30,19 @@ use std::sync::OnceLock;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::security::{
+    ApiKey as ApiKeyScheme, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityRequirement,
+    SecurityScheme,
+};
 use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi, ToResponse, ToSchema};
 
+use crate::anthropic::wire::{
+    BlockDelta, ContentBlock, ErrorDetail as AnthropicErrorDetail,
+    ErrorResponse as AnthropicErrorResponse, InputBlock, InputMessage, Message, MessageDeltaBody,
+    MessageUsage, MessagesRequest, Metadata, StopReason, StreamEvent, TextBlock, ThinkingParam,
+    TokenCount, Tool, ToolChoiceParam,
+};
 use crate::error::{ErrorBody, ErrorDetail};
 use crate::openai::chat::{
     AssistantMessage, ChatChoice, ChatLogprobs, ChatTokenLogprob, ChunkChoice, ChunkDelta,
@@ -58,13 +67,15 @@ use crate::openai::{
 use crate::responses::ResponseDeleted;
 
 pub use errors::{
-    BadRequest, ForbiddenOrigin, InternalError, ModelNotFound, PayloadTooLarge, ResponseNotFound,
-    Unauthorized, Unavailable, UnsupportedMediaType,
+    AnthropicBadRequest, AnthropicForbidden, AnthropicInternalError, AnthropicNotFound,
+    AnthropicPayloadTooLarge, AnthropicUnauthorized, AnthropicUnavailable,
+    AnthropicUnsupportedMediaType, BadRequest, ForbiddenOrigin, InternalError, ModelNotFound,
+    PayloadTooLarge, ResponseNotFound, Unauthorized, Unavailable, UnsupportedMediaType,
 };
 pub use schemas::{
-    ChatCompletionChunkObject, ChatCompletionEvent, ChatCompletionObject, OpenApiDocument,
-    ResponseStreamEvent, ResponseStreamSse, TextCompletionChunkObject, TextCompletionEvent,
-    TextCompletionObject,
+    ChatCompletionChunkObject, ChatCompletionEvent, ChatCompletionObject, MessageStreamSse,
+    OpenApiDocument, ResponseStreamEvent, ResponseStreamSse, TextCompletionChunkObject,
+    TextCompletionEvent, TextCompletionObject,
 };
 
 /// The document's operations and schemas.
@@ -72,7 +83,7 @@ pub use schemas::{
 #[openapi(
     info(
         title = "mlxcel",
-        description = "OpenAI-compatible LLM inference server on MLX. Every error is an ErrorResponse. Every response carries an `x-request-id` header (the client's, or a new UUID). With --api-key, every operation but GET /health needs `Authorization: Bearer <key>`.",
+        description = "OpenAI-compatible LLM inference server on MLX, with Anthropic's Messages API at /v1/messages. Every error is an ErrorResponse (an AnthropicErrorResponse on /v1/messages and below). Every response carries an `x-request-id` header (the client's, or a new UUID). With --api-key, every operation but GET /health needs `Authorization: Bearer <key>` or `x-api-key: <key>`.",
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
     ),
     paths(
@@ -82,6 +93,8 @@ pub use schemas::{
         crate::responses::retrieve_response,
         crate::responses::delete_response,
         crate::infill::infill,
+        crate::anthropic::create_message,
+        crate::anthropic::count_tokens,
         crate::tokenize::tokenize,
         crate::tokenize::detokenize,
         crate::routes::list_models,
@@ -152,6 +165,24 @@ pub use schemas::{
             TokenizeResponse,
             DetokenizeBody,
             DetokenizeResponse,
+            MessagesRequest,
+            InputMessage,
+            InputBlock,
+            TextBlock,
+            Tool,
+            ToolChoiceParam,
+            ThinkingParam,
+            Metadata,
+            Message,
+            ContentBlock,
+            StopReason,
+            MessageUsage,
+            BlockDelta,
+            MessageDeltaBody,
+            StreamEvent,
+            AnthropicErrorResponse,
+            AnthropicErrorDetail,
+            TokenCount,
         ),
         responses(
             BadRequest,
@@ -163,6 +194,14 @@ pub use schemas::{
             InternalError,
             Unavailable,
             ResponseNotFound,
+            AnthropicBadRequest,
+            AnthropicUnauthorized,
+            AnthropicForbidden,
+            AnthropicNotFound,
+            AnthropicPayloadTooLarge,
+            AnthropicUnsupportedMediaType,
+            AnthropicInternalError,
+            AnthropicUnavailable,
         ),
     ),
     modifiers(&ApiKey),
@@ -219,14 +258,31 @@ impl Modify for ApiKey {
                 "The server's --api-key (MLXCEL_API_KEY); not needed when none is configured.",
             ))
             .build();
-        openapi
-            .components
-            .get_or_insert_with(Default::default)
-            .add_security_scheme("bearerAuth", SecurityScheme::Http(scheme));
-        let bearer = || vec![SecurityRequirement::new("bearerAuth", Vec::<String>::new())];
+        let header = ApiKeyValue::with_description(
+            crate::auth::API_KEY_HEADER,
+            "The server's --api-key, as Anthropic's clients send it; accepted wherever `Authorization: Bearer` is.",
+        );
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearerAuth", SecurityScheme::Http(scheme));
+        components.add_security_scheme(
+            "apiKeyHeader",
+            SecurityScheme::ApiKey(ApiKeyScheme::Header(header)),
+        );
+        // Either scheme will do.
+        let bearer = || {
+            vec![
+                SecurityRequirement::new("bearerAuth", Vec::<String>::new()),
+                SecurityRequirement::new("apiKeyHeader", Vec::<String>::new()),
+            ]
+        };
         openapi.security = Some(bearer());
         for (path, item) in openapi.paths.paths.iter_mut() {
             let public = path == crate::auth::PUBLIC_HEALTH_PATH;
+            let unauthorized = if path.starts_with(crate::anthropic::error::MESSAGES_PATH) {
+                AnthropicUnauthorized::response().0
+            } else {
+                Unauthorized::response().0
+            };
             let operations = [
                 &mut item.get,
                 &mut item.put,
@@ -244,7 +300,7 @@ impl Modify for ApiKey {
                     operation.security = Some(bearer());
                     operation.responses.responses.insert(
                         "401".to_owned(),
-                        RefOr::Ref(Ref::from_response_name(Unauthorized::response().0)),
+                        RefOr::Ref(Ref::from_response_name(unauthorized)),
                     );
                 }
             }
@@ -260,6 +316,7 @@ fn close_request_objects(document: &mut Value) {
         ChatCompletionRequest::name().into_owned(),
         CompletionRequest::name().into_owned(),
         ResponsesRequest::name().into_owned(),
+        MessagesRequest::name().into_owned(),
         TokenizeBody::name().into_owned(),
         DetokenizeBody::name().into_owned(),
     ];

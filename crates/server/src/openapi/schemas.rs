@@ -125,6 +125,27 @@ document_schema!(
 );
 
 document_schema!(
+    /// A server-sent event of a streamed Anthropic message.
+    MessageStreamSse = "AnthropicMessageStreamSse",
+    ObjectBuilder::new()
+        .description(Some(
+            "One server-sent event of a streamed message (comment lines keep the connection alive): `event: <type>` and `data: <AnthropicStreamEvent JSON>`; the stream ends after message_stop or an error event, without [DONE].",
+        ))
+        .property("event", ObjectBuilder::new().schema_type(Type::String))
+        .property(
+            "data",
+            json_schema(serde_json::json!({
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"$ref": "#/components/schemas/AnthropicStreamEvent"},
+            })),
+        )
+        .required("event")
+        .required("data")
+        .into()
+);
+
+document_schema!(
     /// The body of `GET /openapi.json`.
     OpenApiDocument = "OpenApiDocument",
     ObjectBuilder::new()

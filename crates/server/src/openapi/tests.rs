@@ -58,18 +58,32 @@ fn the_document_is_openapi_3_1_with_bearer_auth() {
         doc["components"]["securitySchemes"]["bearerAuth"]["scheme"],
         "bearer"
     );
+    assert_eq!(
+        doc["components"]["securitySchemes"]["apiKeyHeader"],
+        serde_json::json!({"type": "apiKey", "in": "header", "name": "x-api-key",
+            "description": doc["components"]["securitySchemes"]["apiKeyHeader"]["description"]})
+    );
     for (method, path) in documented() {
         let op = &doc["paths"][&path][&method];
         let security = op.get("security");
         if (method.as_str(), path.as_str()) == ("get", crate::auth::PUBLIC_HEALTH_PATH) {
             assert_eq!(security, Some(&serde_json::json!([])), "{method} {path}");
         } else {
+            // Either header carries the key.
             assert_eq!(
                 security,
-                Some(&serde_json::json!([{"bearerAuth": []}])),
+                Some(&serde_json::json!([{"bearerAuth": []}, {"apiKeyHeader": []}])),
                 "{method} {path}"
             );
-            assert!(op["responses"].get("401").is_some(), "{method} {path}: 401");
+            let unauthorized = if path.starts_with("/v1/messages") {
+                "#/components/responses/AnthropicUnauthorized"
+            } else {
+                "#/components/responses/Unauthorized"
+            };
+            assert_eq!(
+                op["responses"]["401"]["$ref"], unauthorized,
+                "{method} {path}: 401"
+            );
         }
         assert!(
             op["operationId"].is_string(),

@@ -14,6 +14,7 @@
 mod chat;
 mod completion;
 mod infill;
+mod messages;
 mod params;
 mod responses;
 mod tokenize;
@@ -22,6 +23,7 @@ mod tools;
 pub use chat::ValidatedChatRequest;
 pub use completion::ValidatedCompletionRequest;
 pub use infill::ValidatedInfillRequest;
+pub use messages::ValidatedMessagesRequest;
 pub use responses::{ConversationItem, ValidatedResponsesRequest};
 pub use tokenize::{ValidatedDetokenizeRequest, ValidatedTokenizeRequest};
 
@@ -299,6 +301,28 @@ pub enum ValidationError {
     /// response store is off (`--responses-store-size 0`).
     #[error("'{0}' needs the response store, which this server has turned off (--responses-store-size 0)")]
     StoreDisabled(&'static str),
+    /// A number outside the range its field allows (Anthropic Messages:
+    /// `temperature`, `top_p`, `top_k`, `max_tokens`,
+    /// `thinking.budget_tokens`).
+    #[error("Invalid value for '{param}': {value} (must be {range})")]
+    ValueOutOfRange {
+        /// The field.
+        param: String,
+        /// The value sent.
+        value: String,
+        /// The allowed range, in words.
+        range: String,
+    },
+    /// A list longer than its field allows.
+    #[error("Invalid value for '{param}': {count} items (at most {max} are allowed)")]
+    TooMany {
+        /// The field.
+        param: &'static str,
+        /// Items sent.
+        count: usize,
+        /// Most allowed.
+        max: usize,
+    },
     /// A named tool choice whose function is not among `tools`.
     #[error("Invalid value for '{param}': '{name}' is not among 'tools'")]
     NotAmongTools {
@@ -331,7 +355,9 @@ impl ValidationError {
             | Self::OnlyWith { param, .. }
             | Self::NotWith { param, .. }
             | Self::UnsupportedItemType { param, .. }
-            | Self::UnknownCallId { param, .. } => param.as_str(),
+            | Self::UnknownCallId { param, .. }
+            | Self::ValueOutOfRange { param, .. } => param.as_str(),
+            Self::TooMany { param, .. } => param,
             Self::PromptOrMessages => "prompt",
             Self::PreviousResponseNotFound(_) => "previous_response_id",
             Self::StoreDisabled(param) | Self::NotAmongTools { param, .. } => param,

@@ -351,6 +351,7 @@ pub fn finished_at(index: usize, reason: FinishReason, usage: Usage) -> Generati
         reason,
         usage,
         timings: Timings::default(),
+        stop_sequence: None,
     }
 }
 

@@ -283,6 +283,12 @@ impl OutputFilter {
         }
     }
 
+    /// The stop string that ended the choice, if one did (Anthropic's
+    /// `stop_sequence`).
+    pub fn stop_sequence(&self) -> Option<&str> {
+        self.stop.matched()
+    }
+
     /// Tool calls found so far.
     pub fn tool_calls(&self) -> usize {
         self.tool_calls.as_ref().map_or(0, |p| p.calls())

@@ -13,6 +13,9 @@ pub(crate) struct StopStrings {
     /// Text not yet past the stop-string check.
     pending: String,
     stopped: bool,
+    /// The stop string that ended the choice (the earliest in the text;
+    /// among those starting there, the first listed).
+    matched: Option<String>,
 }
 
 impl StopStrings {
@@ -22,12 +25,18 @@ impl StopStrings {
             stop: stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
             pending: String::new(),
             stopped: false,
+            matched: None,
         }
     }
 
     /// A stop string appeared: the choice ends.
     pub(crate) fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that ended the choice, once one did.
+    pub(crate) fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Reads `text`, which continues the text read before; returns the
@@ -37,8 +46,9 @@ impl StopStrings {
     pub(crate) fn push(&mut self, text: &str) -> String {
         self.pending.push_str(text);
         match self.earliest_stop() {
-            Some(at) => {
+            Some((at, stop)) => {
                 self.stopped = true;
+                self.matched = Some(stop);
                 let before = self.pending[..at].to_owned();
                 self.pending.clear();
                 before
@@ -56,12 +66,14 @@ impl StopStrings {
         std::mem::take(&mut self.pending)
     }
 
-    /// Byte offset of the first stop string in `pending`.
-    fn earliest_stop(&self) -> Option<usize> {
+    /// Byte offset of the first stop string in `pending`, and that string
+    /// (the first listed among those starting at the same offset).
+    fn earliest_stop(&self) -> Option<(usize, String)> {
         self.stop
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
+            .filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at)
+            .map(|(at, s)| (at, s.clone()))
     }
 
     /// Length of the longest suffix of `pending` that starts some stop

@@ -112,9 +112,11 @@ fn a_stop_string_split_across_pieces_ends_the_text_before_it() {
     let mut f = OutputFilter::new(&["END".into()], &[]);
     assert_eq!(f.push("Hello E").text(), "Hello ");
     assert_eq!(f.push("N").text(), "");
+    assert_eq!(f.stop_sequence(), None);
     let last = f.push("D and more");
     assert_eq!(last.text(), "");
     assert!(last.stopped);
+    assert_eq!(f.stop_sequence(), Some("END"));
     assert_eq!(f.push("ignored"), Filtered::default());
 }
 
@@ -132,8 +134,13 @@ fn held_text_that_turns_out_not_to_stop_is_sent() {
 #[test]
 fn the_earliest_of_several_stop_strings_wins() {
     let stops = ["world".to_string(), "lo w".to_string()];
-    let sent = run(&mut OutputFilter::new(&stops, &[]), &["hello world"]);
+    let mut f = OutputFilter::new(&stops, &[]);
+    let sent = run(&mut f, &["hello world"]);
     assert_eq!((sent.text.as_str(), sent.stopped), ("hel", true));
+    assert_eq!(f.stop_sequence(), Some("lo w"));
+    let mut f = OutputFilter::new(&stops, &[]);
+    run(&mut f, &["no stop here"]);
+    assert_eq!(f.stop_sequence(), None);
 }
 
 #[test]
