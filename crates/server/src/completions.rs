@@ -72,14 +72,7 @@ pub async fn chat_completions(
     let n = generation.n;
     let logprobs = generation.logprobs.is_some();
     let may_call_tools = !generation.tools.is_empty() && generation.tool_choice != ToolChoice::None;
-    // Rendering the template and tokenizing a (up to 4 MiB) prompt is CPU
-    // work: keep it off the async workers.
-    let handle = state.service_handle();
-    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
-        .await
-        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
-        .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
-    let events = state.metrics().instrument(events, arrived);
+    let events = submit_one(&state, generation, Route::Chat, arrived).await?;
     let mut choices = Choices::new(vec![events], n, request.parallel_tool_calls);
     match request.stream {
         Some(options) => {
@@ -188,6 +181,28 @@ pub async fn completions(
             Ok(Json(completion).into_response())
         }
     }
+}
+
+/// Submits `generation` (rendering and tokenizing its prompt, up to 4 MiB,
+/// is CPU work: off the async workers) and returns its events, counted by
+/// the metrics from `arrived`. A refusal is named as `route` names its
+/// fields.
+///
+/// # Errors
+/// The engine's refusal ([`ApiError::from_submit`]); a blocking task that
+/// could not run.
+pub(crate) async fn submit_one(
+    state: &AppState,
+    generation: GenerationRequest,
+    route: Route,
+    arrived: Instant,
+) -> Result<EventStream, ApiError> {
+    let handle = state.service_handle();
+    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
+        .await
+        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
+        .map_err(|e| ApiError::from_submit(e, route))?;
+    Ok(state.metrics().instrument(events, arrived))
 }
 
 /// A prompt's refusal: the index of the prompt when there were several.

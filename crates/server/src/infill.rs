@@ -11,6 +11,7 @@ use axum::Json;
 use mlxcel_engine_api::{FinishReason, Usage};
 
 use crate::choices::{collect, Choices, Piece};
+use crate::completions::submit_one;
 use crate::error::{ApiError, Route};
 use crate::extract::JsonBody;
 use crate::openai::infill::{InfillBody, InfillResponse};
@@ -58,13 +59,7 @@ pub async fn infill(
         max_tokens = request.generation.max_tokens,
         "infill"
     );
-    let handle = state.service_handle();
-    let generation = request.generation;
-    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
-        .await
-        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
-        .map_err(|e| ApiError::from_submit(e, Route::Infill))?;
-    let events = state.metrics().instrument(events, arrived);
+    let events = submit_one(&state, request.generation, Route::Infill, arrived).await?;
     let mut choices = Choices::new(vec![events], 1, true);
     let silent = request.prefill_only;
     if request.stream {

@@ -30,6 +30,7 @@ use axum::Json;
 use mlxcel_engine_api::Usage;
 
 use crate::choices::{Choices, Piece};
+use crate::completions::submit_one;
 use crate::error::{ApiError, Route, SERIALIZATION_FAILED_BODY};
 use crate::extract::JsonBody;
 use crate::openapi::{
@@ -93,12 +94,7 @@ pub async fn create_message(
         "message"
     );
     let parallel_tool_calls = generation.parallel_tool_calls;
-    let handle = state.service_handle();
-    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
-        .await
-        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
-        .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
-    let events = state.metrics().instrument(events, arrived);
+    let events = submit_one(&state, generation, Route::Chat, arrived).await?;
     let mut choices = Choices::new(vec![events], 1, parallel_tool_calls);
     let message = Message {
         id,

@@ -26,6 +26,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::choices::{Choices, Piece};
+use crate::completions::submit_one;
 use crate::error::{ApiError, Route, SERIALIZATION_FAILED_BODY};
 use crate::extract::JsonBody;
 use crate::openai::response_object::{ResponseObject, ResponseStatus, StreamEvent};
@@ -112,12 +113,7 @@ pub async fn create_response(
         prompt_cache_key = request.prompt_cache_key.as_deref().unwrap_or("-"),
         "response"
     );
-    let handle = state.service_handle();
-    let events = tokio::task::spawn_blocking(move || handle.submit(generation))
-        .await
-        .map_err(|e| ApiError::Internal(format!("submitting the request: {e}")))?
-        .map_err(|e| ApiError::from_submit(e, Route::Responses))?;
-    let events = state.metrics().instrument(events, arrived);
+    let events = submit_one(&state, generation, Route::Responses, arrived).await?;
     let mut choices = Choices::new(vec![events], 1, request.parallel_tool_calls);
     let keep = store.then(|| Keep {
         store: Arc::clone(responses),
