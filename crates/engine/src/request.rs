@@ -21,7 +21,6 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
-use mlxcel_text::fim::FimTokens;
 use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
 use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
@@ -192,8 +191,11 @@ impl RequestBuilder {
         // An infill ends where the model leaves the middle: at an EOS id or
         // any of its FIM control tokens (llama.cpp ends one there too).
         let stop_ids = match &request.prompt {
-            Prompt::Infill(_) => FimTokens::from_tokenizer(&self.text.tokenizer)
-                .map(|f| f.stop_ids)
+            Prompt::Infill(_) => self
+                .text
+                .fim
+                .as_ref()
+                .map(|f| f.stop_ids.clone())
                 .unwrap_or_default(),
             _ => Vec::new(),
         };
@@ -276,7 +278,10 @@ impl RequestBuilder {
                 tokenizer.encode_text_prompt(t).map_err(bad)
             }
             Prompt::Text(t) => tokenizer.encode(t, false).map_err(bad),
-            Prompt::Infill(infill) => FimTokens::from_tokenizer(tokenizer)
+            Prompt::Infill(infill) => self
+                .text
+                .fim
+                .as_ref()
                 .ok_or_else(|| {
                     invalid(
                         RequestField::Suffix,

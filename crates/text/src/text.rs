@@ -8,6 +8,7 @@ use mlxcel_engine_api::TokenLogprob;
 
 use crate::chat_template::ChatTemplate;
 use crate::constraint::GrammarTokenizer;
+use crate::fim::FimTokens;
 use crate::gguf::{GgufHeader, GgufText};
 use crate::tokenizer::{eos_token_ids, with_end_of_generation, TextError, TextTokenizer};
 
@@ -25,6 +26,9 @@ pub struct Text {
     /// `None` when llguidance cannot read this tokenizer (then constrained
     /// output is refused with a 400, and everything else works).
     pub grammar: Option<GrammarTokenizer>,
+    /// The tokenizer's fill-in-the-middle tokens (`None`: the model has
+    /// none; infill requests are refused).
+    pub fim: Option<FimTokens>,
 }
 
 impl Text {
@@ -120,11 +124,13 @@ impl Text {
                 None
             }
         };
+        let fim = FimTokens::from_tokenizer(&tokenizer);
         Text {
             tokenizer,
             template,
             eos,
             grammar,
+            fim,
         }
     }
 
