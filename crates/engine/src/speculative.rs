@@ -13,15 +13,22 @@
 //! (code edits, quotes, summaries, JSON echoes) accept most drafts.
 //!
 //! How a verification runs (`crate::worker`): a decode row becomes a row
-//! of `1 + draft` tokens (its last token, then the draft) with the greedy
-//! token taken on the device at every position
-//! (`crate::runner::BatchRow::device_argmax`); the runner keeps every
-//! position, and the worker truncates the rejected ones through the KV
-//! crate (`KvCache::truncate_tail`, every KV group) before the row
-//! advances, so nothing unverified is ever donated to the prefix cache.
+//! of `1 + draft` tokens (its last token, then the draft) with the model's
+//! output at every position (the greedy token taken on the device,
+//! `crate::runner::BatchRow::device_argmax`, for rows sampled there; the
+//! logits rows otherwise); the runner keeps every position, the worker
+//! picks the row's tokens as plain decoding would and truncates the
+//! rejected drafts through the KV crate (`KvCache::truncate_tail`, every
+//! KV group) before the row advances, so nothing unverified is ever
+//! donated to the prefix cache.
 //!
-//! What verifies today: greedy rows sampled on the device (no logprobs,
-//! penalties, logit bias or grammar); other rows decode one token a step.
+//! Every decode row may verify: greedy or sampled (temperature, top-p,
+//! top-k, min-p), with logprobs, penalties, logit bias or a grammar. A
+//! sampled row draws from its own random stream exactly as without
+//! speculation and keeps the drafts its draws agree with, so a seeded
+//! request gives the same tokens with or without speculation, and the
+//! target distribution is kept with the highest acceptance a point-mass
+//! draft allows (`p(draft)`; see `crate::worker`'s speculate module).
 
 /// Shortest suffix that must recur for a draft (tokens).
 pub const NGRAM_MIN: usize = 2;

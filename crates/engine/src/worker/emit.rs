@@ -13,6 +13,19 @@ use std::time::Instant;
 use mlxcel_text::output::OutputPiece;
 
 use super::{Emitted, NextToken, Worker};
+
+/// A sampled token not streamed yet ([`Worker::pick`]).
+#[derive(Debug, Clone)]
+pub(super) struct Picked {
+    pub(super) token: u32,
+    /// Its log-probability and the top alternatives (requests with
+    /// `logprobs`, tokens sampled on the host).
+    pub(super) logprobs: Option<SampledLogprobs>,
+    /// It ends the choice as an end-of-generation token.
+    pub(super) is_eos: bool,
+    /// The grammar is complete after it.
+    pub(super) grammar_done: bool,
+}
 use crate::api::{FinishReason, GenerationEvent, SampledLogprobs};
 use crate::error::StepError;
 use crate::logits::log_probs;
@@ -47,7 +60,7 @@ impl Worker<'_> {
                 continue;
             }
             if r.draft > 0 {
-                self.emit_verified(seq, out);
+                self.emit_verified(seq);
                 continue;
             }
             let Some(next) = out.next_token() else {
@@ -79,7 +92,22 @@ impl Worker<'_> {
         }
     }
 
+    /// Samples sequence `seq`'s next token and streams it ([`Worker::pick`]
+    /// then [`Worker::emit_picked`]).
     pub(super) fn emit(&mut self, seq: usize, next: NextToken<'_>) -> Result<Emitted, StepError> {
+        let picked = self.pick(seq, next)?;
+        self.emit_picked(seq, picked)
+    }
+
+    /// Sequence `seq`'s next token: taken as sampled on the device, or
+    /// sampled here from its logits row after its logit processors and
+    /// grammar mask, with its log-probabilities when the request wants
+    /// them. The token is recorded in the processors (penalties) and the
+    /// grammar, so the next pick sees it; it is not streamed yet.
+    ///
+    /// # Errors
+    /// The grammar failing to mask or to accept the token.
+    pub(super) fn pick(&mut self, seq: usize, next: NextToken<'_>) -> Result<Picked, StepError> {
         let text = self.text;
         let s = &mut self.running[seq];
         let _enter = s.span.enter();
@@ -120,6 +148,33 @@ impl Worker<'_> {
             }
             None => false,
         };
+        let is_eos = !s.job.request.ignore_eos
+            && (text.eos.contains(&token) || s.job.stop_ids.contains(&token));
+        Ok(Picked {
+            token,
+            logprobs,
+            is_eos,
+            grammar_done,
+        })
+    }
+
+    /// Streams a picked token of sequence `seq`: its text through the
+    /// detokenizer and the output filter (stop strings, tool calls), and
+    /// the choice's end when the token ends it (EOS, the grammar's end,
+    /// `max_tokens`, a stop string).
+    ///
+    /// # Errors
+    /// The detokenizer failing on the token.
+    pub(super) fn emit_picked(&mut self, seq: usize, picked: Picked) -> Result<Emitted, StepError> {
+        let Picked {
+            token,
+            logprobs,
+            is_eos,
+            grammar_done,
+        } = picked;
+        let text = self.text;
+        let s = &mut self.running[seq];
+        let _enter = s.span.enter();
         s.tokens.push(token);
         s.usage.completion_tokens += 1;
         let now = Instant::now();
@@ -127,8 +182,6 @@ impl Worker<'_> {
             s.first_token_at = Some(now);
             s.timings.time_to_first_token_s = (now - s.job.submitted).as_secs_f64();
         }
-        let is_eos = !s.job.request.ignore_eos
-            && (text.eos.contains(&token) || s.job.stop_ids.contains(&token));
         let mut finish = if is_eos || grammar_done {
             Some(FinishReason::Stop)
         } else if s.usage.completion_tokens >= s.job.request.max_tokens {

@@ -40,6 +40,9 @@ pub(super) struct Sequence {
     pub(super) speculation: RowSpeculation,
     /// The draft tokens the step being run verifies (empty otherwise).
     pub(super) draft: Vec<u32>,
+    /// A verified row's picked tokens, waiting to be streamed
+    /// (`Worker::verify`, then `Worker::emit_verified`).
+    pub(super) picks: Vec<super::emit::Picked>,
     pub(super) detok: IncrementalDetokenizer,
     pub(super) filter: OutputFilter,
     pub(super) usage: Usage,
@@ -144,6 +147,7 @@ impl Sequence {
             constraint: start.constraint,
             speculation: start.speculation,
             draft: Vec::new(),
+            picks: Vec::new(),
             detok: IncrementalDetokenizer::new(),
             filter: job.output_filter(),
             usage: start.usage,

@@ -3,15 +3,26 @@
 //! tokens are streamed.
 //!
 //! A verification row runs the row's last token and its draft (`1 + d`
-//! tokens) with the greedy token taken on the device at every position.
-//! The runner keeps all `1 + d` positions; [`Worker::verify`] truncates
-//! the rejected drafts (every KV group, through `KvCache::truncate_tail`)
+//! tokens) and gets the model's output at every position: the greedy token
+//! taken on the device for rows sampled there, the logits row for the
+//! others. [`Worker::verify`] picks the row's tokens position by position
+//! exactly as plain decoding would (the same processors, grammar and
+//! sampler, drawing from the same random stream), and stops at the first
+//! pick that differs from the draft: that pick is the model's own token
+//! after the agreeing drafts. A sampled row therefore emits, for a given
+//! seed, the very tokens it would emit without speculation: the draft
+//! (a point mass from prompt lookup) is accepted with probability
+//! `p(draft)`, the most any scheme can accept it while keeping the target
+//! distribution (the maximal coupling that speculative rejection sampling,
+//! Leviathan et al. 2023 and Chen et al. 2023, reaches for a point-mass
+//! proposal), and a rejection yields the sampler's own draw, whose law
+//! given the rejection is the residual distribution. Then the rejected
+//! drafts are truncated (every KV group, through `KvCache::truncate_tail`)
 //! before the row advances, so the cache holds exactly the tokens a plain
 //! decode would have computed, and only those are ever donated to the
-//! prefix cache. The tokens emitted are the agreeing drafts and the
-//! model's own token after them, one by one through the normal emit path
-//! (stop strings, `max_tokens` and EOS end the choice at the same token
-//! as without speculation).
+//! prefix cache. The picks are streamed one by one through the normal emit
+//! path (stop strings, `max_tokens` and EOS end the choice at the same
+//! token as without speculation).
 
 use super::{Emitted, Job, NextToken, Worker};
 use crate::error::StepError;
@@ -35,12 +46,12 @@ impl Worker<'_> {
         })
     }
 
-    /// Whether sequence `seq` may verify drafts at all: greedy and sampled
-    /// on the device (no logprobs, penalties, bias or grammar), and
-    /// speculating.
+    /// Whether sequence `seq` may verify drafts at all: it speculates and
+    /// has no choices left to fork (any sampling works: greedy or not,
+    /// logprobs, penalties, bias, grammar).
     fn speculates(&self, seq: usize) -> bool {
         let s = &self.running[seq];
-        s.speculation.active() && s.samples_on_device()
+        s.speculation.active() && s.forks.is_empty()
     }
 
     /// Whether a pipelined chain should stop so that sequence `seq` can
@@ -115,20 +126,51 @@ impl Worker<'_> {
     }
 
     /// What a verification row keeps: the number of its drafts the model
-    /// agreed with. The rejected drafts' positions are truncated from the
-    /// cache here (the row then advances by `1 + accepted`).
+    /// agreed with. The row's tokens are picked here, position by position
+    /// as plain decoding picks them, up to the first that differs from the
+    /// draft (or ends the choice); the rejected drafts' positions are
+    /// truncated from the cache (the row then advances by `1 + accepted`)
+    /// and the picks wait in `Sequence::picks` for
+    /// [`Worker::emit_verified`].
     ///
     /// # Errors
-    /// A row output without a token per position, or the truncation
-    /// failing.
+    /// A row output without a token or logits row per position, the
+    /// grammar failing on a pick, or the truncation failing.
     pub(super) fn verify(&mut self, r: &PlannedRow, out: &RowOutput) -> Result<usize, StepError> {
-        let s = &mut self.running[r.seq];
-        if out.tokens.len() != r.real || s.draft.len() != r.draft {
+        let seq = r.seq;
+        let on_device = self.running[seq].samples_on_device();
+        let outputs = if on_device {
+            out.tokens.len()
+        } else {
+            out.logits_rows()
+        };
+        if outputs != r.real || self.running[seq].draft.len() != r.draft {
             return Err(StepError::Internal(
-                "a verification row without a token per position",
+                "a verification row without an output per position",
             ));
         }
-        let accepted = accepted_prefix(&s.draft, &out.tokens);
+        let draft = std::mem::take(&mut self.running[seq].draft);
+        let mut picks = Vec::with_capacity(r.real);
+        for i in 0..r.real {
+            let next = if on_device {
+                NextToken::Sampled(out.tokens[i])
+            } else {
+                match out.logits_row(i) {
+                    Some(row) => NextToken::Logits(row),
+                    None => return Err(StepError::Internal("a verification row's logits")),
+                }
+            };
+            let picked = self.pick(seq, next)?;
+            let agrees = draft.get(i) == Some(&picked.token);
+            let ends = picked.is_eos || picked.grammar_done;
+            picks.push(picked);
+            if !agrees || ends {
+                break;
+            }
+        }
+        let accepted = accepted_prefix(&draft, &picks.iter().map(|p| p.token).collect::<Vec<_>>());
+        let s = &mut self.running[seq];
+        s.picks = picks;
         self.kv.truncate_tail(&s.kv, s.computed + 1 + accepted)?;
         s.speculation.record(r.draft, accepted);
         let c = &mut self.counters;
@@ -139,15 +181,13 @@ impl Worker<'_> {
         Ok(accepted)
     }
 
-    /// Streams a verification row's tokens (its agreeing drafts and the
+    /// Streams a verification row's picks (its agreeing drafts and the
     /// model's token after them) until the choice ends, then donates the
     /// blocks they filled.
-    pub(super) fn emit_verified(&mut self, seq: usize, out: &RowOutput) {
-        let s = &mut self.running[seq];
-        let accepted = accepted_prefix(&s.draft, &out.tokens);
-        s.draft.clear();
-        for &token in out.tokens.iter().take(accepted + 1) {
-            match self.emit(seq, NextToken::Sampled(token)) {
+    pub(super) fn emit_verified(&mut self, seq: usize) {
+        let picks = std::mem::take(&mut self.running[seq].picks);
+        for picked in picks {
+            match self.emit_picked(seq, picked) {
                 Ok(Emitted::Continue) => {}
                 Ok(Emitted::Finished | Emitted::Cancelled) => {
                     self.done.push(self.running[seq].id);

@@ -31,8 +31,12 @@ impl Sequence {
     /// end right before its sampling position.
     fn logits_wanted(&self, row: &PlannedRow) -> Result<(Range<usize>, Range<usize>), StepError> {
         if row.draft > 0 {
-            // A verification row: the greedy token after every position.
-            return Ok((0..0, 0..row.real));
+            // A verification row: the model's output after every position.
+            return Ok(if self.samples_on_device() {
+                (0..0, 0..row.real)
+            } else {
+                (0..row.real, 0..0)
+            });
         }
         let scored = self.scored_in_row(row.real);
         if !row.sample {
