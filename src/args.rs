@@ -133,13 +133,21 @@ pub struct ModelArgs {
     /// default queues the next step first, overlapping host and device).
     #[arg(long)]
     pub no_decode_pipeline: bool,
-    /// Speculative decoding: `ngram` lets greedy requests propose the
+    /// Speculative decoding: `ngram` lets each decode row propose the
     /// tokens that followed the last few tokens earlier in the prompt or
-    /// reply (prompt lookup) and verifies them all in one forward; the
-    /// output is the same as without. `off`: one token per step. `auto`:
-    /// `ngram` on a CPU, `off` on a GPU and with --tensor-parallel.
+    /// reply (prompt lookup), `draft` the greedy tokens of
+    /// `--draft-model`, and verifies them all in one forward; the output
+    /// is the same as without (seeded sampling included). `off`: one token
+    /// per step. `auto`: `draft` with `--draft-model`, else `ngram` on a
+    /// CPU, `off` on a GPU and with --tensor-parallel.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Auto)]
     pub speculative: SpeculativeArg,
+    /// The draft model of `--speculative draft` (a directory, GGUF file or
+    /// hub id like `-m`): a smaller model with the same tokenizer, loaded
+    /// with the same dtype and weight mode, with its own KV and prefix
+    /// cache.
+    #[arg(long, value_name = "MODEL", value_hint = clap::ValueHint::AnyPath)]
+    pub draft_model: Option<PathBuf>,
     /// Most draft tokens a row verifies per step with `--speculative`
     /// (each row adapts below it to what it gets accepted).
     #[arg(long, default_value_t = mlxcel_engine::speculative::DEFAULT_NUM_TOKENS, value_name = "N")]
@@ -254,6 +262,7 @@ pub enum SpeculativeArg {
     Auto,
     Off,
     Ngram,
+    Draft,
 }
 
 /// An on/off flag whose default depends on the machine.
@@ -336,9 +345,15 @@ impl ModelArgs {
                 SpeculativeArg::Auto => mlxcel_engine::SpeculativeMethod::Auto,
                 SpeculativeArg::Off => mlxcel_engine::SpeculativeMethod::Off,
                 SpeculativeArg::Ngram => mlxcel_engine::SpeculativeMethod::Ngram,
+                SpeculativeArg::Draft => mlxcel_engine::SpeculativeMethod::Draft,
             },
             num_tokens: self.num_speculative_tokens,
         };
+        c.draft_model = self
+            .draft_model
+            .as_deref()
+            .map(|m| model_source::resolve(m, None))
+            .transpose()?;
         c.prefill_tile = self.prefill_tile.value();
         c.parallel = self.parallel as usize;
         c.kv_block_size = self.kv_block_size as usize;

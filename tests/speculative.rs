@@ -282,6 +282,30 @@ fn collect_with_logprobs(
 /// submitted at once (batched rows) on the paged engine, cold and warm.
 #[test]
 fn sampled_replies_are_identical_with_prompt_lookup() {
+    let requests = mixed_requests();
+    let off = engine(false, 4, StorageBackend::Paged);
+    let want = replies_of(&off, &requests);
+    drop(off);
+    let on = engine(true, 4, StorageBackend::Paged);
+    for round in ["cold", "warm"] {
+        assert_same_replies(&replies_of(&on, &requests), &want, round);
+    }
+    assert!(want[8].1.iter().all(Option::is_some), "logprobs came back");
+    let stats = settled(&on);
+    let (verified, proposed, accepted) = speculation(&stats);
+    assert!(
+        verified > 0 && accepted > 0 && accepted < proposed,
+        "sampled rows verified drafts, some rejected: {:?}",
+        speculation(&stats)
+    );
+    assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
+    eprintln!("sampled: (verifications, proposed, accepted) = {verified}, {proposed}, {accepted}");
+}
+
+/// Eight seeded sampled requests (temperature 0.3 to 1, top-p, top-k)
+/// over the copy prompts, a greedy one with logprobs and a frequency
+/// penalty (index 8), one under a JSON grammar.
+fn mixed_requests() -> Vec<mlxcel_engine::api::GenerationRequest> {
     use mlxcel_engine::api::{GenerationRequest, ResponseFormat, SamplingParams};
     let prompts = prompts();
     let mut requests: Vec<GenerationRequest> = Vec::new();
@@ -306,42 +330,106 @@ fn sampled_replies_are_identical_with_prompt_lookup() {
     r.response_format = Some(ResponseFormat::JsonObject);
     requests.push(r);
 
-    let replies = |e: &Engine| -> Vec<(Vec<u32>, Vec<Option<f32>>)> {
-        let streams: Vec<_> = requests
-            .iter()
-            .map(|r| e.submit(r.clone()).expect("submit"))
-            .collect();
-        streams.into_iter().map(collect_with_logprobs).collect()
-    };
-    let off = engine(false, 4, StorageBackend::Paged);
-    let want = replies(&off);
-    drop(off);
-    let on = engine(true, 4, StorageBackend::Paged);
-    for round in ["cold", "warm"] {
-        let got = replies(&on);
-        for (i, ((tokens, logprobs), (want_tokens, want_logprobs))) in
-            got.iter().zip(&want).enumerate()
-        {
-            assert_eq!(tokens, want_tokens, "request {i}, {round}");
-            for (a, b) in logprobs.iter().zip(want_logprobs) {
-                match (a, b) {
-                    (Some(a), Some(b)) => {
-                        assert!((a - b).abs() < 1e-3, "request {i}: logprob {a} vs {b}")
-                    }
-                    (None, None) => {}
-                    _ => panic!("request {i}: logprobs on one side only"),
+    requests
+}
+
+type Reply = (Vec<u32>, Vec<Option<f32>>);
+
+/// Submits every request at once; the replies in request order.
+fn replies_of(e: &Engine, requests: &[mlxcel_engine::api::GenerationRequest]) -> Vec<Reply> {
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|r| e.submit(r.clone()).expect("submit"))
+        .collect();
+    streams.into_iter().map(collect_with_logprobs).collect()
+}
+
+/// The same tokens, and logprobs within 1e-3, request by request.
+fn assert_same_replies(got: &[Reply], want: &[Reply], round: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, ((tokens, logprobs), (want_tokens, want_logprobs))) in got.iter().zip(want).enumerate()
+    {
+        assert_eq!(tokens, want_tokens, "request {i}, {round}");
+        for (a, b) in logprobs.iter().zip(want_logprobs) {
+            match (a, b) {
+                (Some(a), Some(b)) => {
+                    assert!((a - b).abs() < 1e-3, "request {i}: logprob {a} vs {b}")
                 }
+                (None, None) => {}
+                _ => panic!("request {i}: logprobs on one side only"),
             }
         }
     }
-    assert!(want[8].1.iter().all(Option::is_some), "logprobs came back");
-    let stats = settled(&on);
-    let (verified, proposed, accepted) = speculation(&stats);
+}
+
+/// A draft model (`--speculative draft`) keeps every reply of the mixed
+/// requests (greedy, seeded sampling, logprobs, a grammar), batched on
+/// paged storage, cold and warm: with the model itself as its draft
+/// (nearly every draft accepted) and with a random-weight Llama of the
+/// same vocabulary (tiny `llama_chat`: nearly every draft rejected, the
+/// rows pause). A draft whose tokenizer differs is refused at start-up.
+#[test]
+fn draft_model_replies_are_identical() {
+    // Three sampled requests, the greedy one with logprobs, the grammar.
+    let requests: Vec<_> = mixed_requests()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| [0, 1, 2, 8, 9].contains(i))
+        .map(|(_, r)| r)
+        .collect();
+    let off = engine(false, 4, StorageBackend::Paged);
+    let want = replies_of(&off, &requests);
+    drop(off);
+    let tiny = common::tiny_model_dir("llama_chat", "draft");
+    let start = |draft: std::path::PathBuf| {
+        let mut c = EngineConfig::new(model_dir());
+        c.parallel = 4;
+        c.storage_backend = Some(StorageBackend::Paged);
+        c.prefill_tile = Some(0);
+        c.kv_cache_budget = Some(128 << 20);
+        c.check_invariants = true;
+        c.speculative = SpeculativeConfig {
+            method: SpeculativeMethod::Auto,
+            num_tokens: 4,
+        };
+        c.draft_model = Some(draft);
+        Engine::start(c)
+    };
+    for (name, draft) in [("itself", model_dir()), ("random", tiny.clone())] {
+        let on = start(draft).expect("engine with a draft model");
+        assert_eq!(on.stats().speculative_method, "draft");
+        let rounds: &[&str] = if name == "itself" {
+            &["cold", "warm"]
+        } else {
+            &["cold"]
+        };
+        for round in rounds {
+            let got = replies_of(&on, &requests);
+            assert_same_replies(&got, &want, &format!("draft {name}, {round}"));
+        }
+        let stats = settled(&on);
+        let (verified, proposed, accepted) = speculation(&stats);
+        eprintln!("draft {name}: (verifications, proposed, accepted) = {verified}, {proposed}, {accepted}");
+        assert!(verified > 0 && accepted <= proposed);
+        if name == "itself" {
+            // Greedy rows accept every draft; sampled ones each with its
+            // probability.
+            assert!(accepted * 3 >= proposed * 2, "its own draft mostly agrees");
+        } else {
+            assert!(accepted < proposed, "a random draft is rejected");
+        }
+        assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
+    }
+    let _ = std::fs::remove_dir_all(&tiny);
+
+    let qwen = common::parity::real_model_dir("MLXCEL_QWEN_CODER_MODEL", "qwen2.5-coder-0.5b")
+        .join("qwen2.5-coder-0.5b-instruct.gguf");
+    let err = start(qwen)
+        .err()
+        .expect("a draft of another vocabulary is refused");
+    let msg = err.to_string();
     assert!(
-        verified > 0 && accepted > 0 && accepted < proposed,
-        "sampled rows verified drafts, some rejected: {:?}",
-        speculation(&stats)
+        msg.contains("--draft-model") && msg.contains("vocabulary"),
+        "{msg}"
     );
-    assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
-    eprintln!("sampled: (verifications, proposed, accepted) = {verified}, {proposed}, {accepted}");
 }

@@ -84,6 +84,10 @@ pub struct EngineConfig {
     /// greedy rows verify draft tokens several at a time
     /// ([`crate::speculative`]). Not with tensor parallelism.
     pub speculative: crate::speculative::SpeculativeConfig,
+    /// The draft model of `--speculative draft` (`--draft-model`): a
+    /// checkpoint with the same tokenizer, loaded with the same compute
+    /// settings.
+    pub draft_model: Option<PathBuf>,
     /// Run every kind of step once at start, so the GPU kernels the engine
     /// needs are compiled before the first request (`crate::warmup`);
     /// `None` = auto (on when running on a GPU).
@@ -145,6 +149,7 @@ impl EngineConfig {
             reasoning_parser: ReasoningParser::Auto,
             pipeline: true,
             speculative: crate::speculative::SpeculativeConfig::default(),
+            draft_model: None,
             warmup: None,
             cudnn_attention: false,
             kernel_cache_dir: None,

@@ -13,7 +13,8 @@
 //! - `worker`: the engine thread's loop (admit, plan, step, sample, stream).
 //! - `runner`: what runs a step (local, tensor-parallel leader, follower).
 //! - [`scheduler`], [`sampler`], [`logits`]: step planning and sampling.
-//! - [`speculative`]: draft tokens (prompt lookup) and their verification.
+//! - [`speculative`]: draft tokens (prompt lookup) and their verification;
+//!   `draft`: proposals of a draft model.
 //! - [`error`]: start-up errors and the typed errors of the step path.
 //! - `platform`: what the engine asks of the machine.
 //!
@@ -23,6 +24,7 @@
 /// The front-end seam (re-exported from `mlxcel-engine-api`).
 pub use mlxcel_engine_api as api;
 pub mod config;
+mod draft;
 pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;

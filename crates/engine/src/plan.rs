@@ -194,6 +194,25 @@ impl EnginePlan {
         Ok(KvCache::with_groups(config, groups)?)
     }
 
+    /// The draft model's KV cache (`--speculative draft`): room for as
+    /// many tokens as the target's first KV group holds in `target`, with
+    /// its own prefix cache.
+    ///
+    /// # Errors
+    /// As [`EnginePlan::kv_cache`].
+    pub(crate) fn draft_kv_cache(
+        &self,
+        draft: &dyn Model,
+        target: &KvCache,
+    ) -> Result<KvCache, EngineError> {
+        let tokens = target.group_pool(0).map_or(0, |p| p.counts().total) * self.block_size;
+        let plan = EnginePlan {
+            budget: Some(tokens * draft.kv_layout().bytes_per_token()),
+            ..*self
+        };
+        plan.kv_cache(draft)
+    }
+
     /// What the engine reports once `kv` is built.
     pub(crate) fn loaded(&self, kv: &KvCache) -> Loaded {
         let c = kv.config();

@@ -62,6 +62,9 @@ pub enum SpeculativeMethod {
     Off,
     /// Prompt lookup (see the module docs).
     Ngram,
+    /// A draft model (`--draft-model`) proposes each row's draft by greedy
+    /// decoding (`crate::draft`).
+    Draft,
     /// Prompt lookup on a CPU, where it paid in every workload measured
     /// (1.03-1.61x, `benches/results/2026-12-02-speculative-cpu.json`);
     /// off on a GPU, where a verification step leaves the decode pipeline
@@ -77,19 +80,27 @@ impl SpeculativeMethod {
         match self {
             SpeculativeMethod::Off => "off",
             SpeculativeMethod::Ngram => "ngram",
+            SpeculativeMethod::Draft => "draft",
             SpeculativeMethod::Auto => "auto",
         }
     }
 
     /// The method that runs: [`SpeculativeMethod::Auto`] decided for a
-    /// GPU or CPU, with or without tensor parallelism; the others as they
+    /// GPU or CPU, with or without tensor parallelism and a draft model
+    /// (a draft model given is used, on any device); the others as they
     /// are.
-    pub fn resolve(self, gpu: bool, tensor_parallel: bool) -> Self {
+    pub fn resolve(self, gpu: bool, tensor_parallel: bool, draft_model: bool) -> Self {
         match self {
+            SpeculativeMethod::Auto if draft_model => SpeculativeMethod::Draft,
             SpeculativeMethod::Auto if gpu || tensor_parallel => SpeculativeMethod::Off,
             SpeculativeMethod::Auto => SpeculativeMethod::Ngram,
             m => m,
         }
+    }
+
+    /// Whether rows propose drafts under this (resolved) method.
+    pub fn proposes(self) -> bool {
+        matches!(self, SpeculativeMethod::Ngram | SpeculativeMethod::Draft)
     }
 }
 
@@ -275,11 +286,13 @@ mod tests {
     #[test]
     fn auto_is_prompt_lookup_on_a_cpu_alone() {
         use SpeculativeMethod::*;
-        assert_eq!(Auto.resolve(false, false), Ngram);
-        assert_eq!(Auto.resolve(true, false), Off);
-        assert_eq!(Auto.resolve(false, true), Off);
-        assert_eq!(Ngram.resolve(true, false), Ngram);
-        assert_eq!(Off.resolve(false, false), Off);
+        assert_eq!(Auto.resolve(false, false, false), Ngram);
+        assert_eq!(Auto.resolve(true, false, false), Off);
+        assert_eq!(Auto.resolve(false, true, false), Off);
+        assert_eq!(Ngram.resolve(true, false, false), Ngram);
+        assert_eq!(Off.resolve(false, false, false), Off);
+        assert_eq!(Auto.resolve(true, false, true), Draft);
+        assert_eq!(Off.resolve(false, false, true), Off);
     }
 
     #[test]

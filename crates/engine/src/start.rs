@@ -12,6 +12,7 @@ use mlxcel_text::Text;
 
 use crate::api::EngineStats;
 use crate::config::{EngineConfig, ReasoningParser};
+use crate::draft::Drafter;
 use crate::error::EngineError;
 use crate::handle::{Engine, EngineInfo};
 use crate::loader::{load_text, Checkpoint, Opened};
@@ -52,15 +53,6 @@ impl Engine {
         checkpoint: Checkpoint,
     ) -> Result<Engine, EngineError> {
         let started = Instant::now();
-        if config.tensor_parallel.is_some()
-            && config.speculative.method == crate::speculative::SpeculativeMethod::Ngram
-        {
-            // Rejected drafts are truncated on rank 0 only; the followers'
-            // replicas would keep them.
-            return Err(EngineError::Config(
-                "--speculative does not run with --tensor-parallel yet".into(),
-            ));
-        }
         if config.speculative.num_tokens == 0 {
             return Err(EngineError::Config(
                 "--num-speculative-tokens must be at least 1".into(),
@@ -81,10 +73,19 @@ impl Engine {
             model_config.vocab_size,
         )?);
         let (gpu, options) = (opened.gpu, opened.options);
-        config.speculative.method = config
-            .speculative
-            .method
-            .resolve(gpu, config.tensor_parallel.is_some());
+        config.speculative.method = config.speculative.method.resolve(
+            gpu,
+            config.tensor_parallel.is_some(),
+            config.draft_model.is_some(),
+        );
+        if config.tensor_parallel.is_some() && config.speculative.method.proposes() {
+            // Rejected drafts are truncated on rank 0 only; the followers'
+            // replicas would keep them.
+            return Err(EngineError::Config(
+                "--speculative does not run with --tensor-parallel yet".into(),
+            ));
+        }
+        let draft = open_draft(&config, &text)?;
         let identity = format!(
             "{}|{:?}|{}",
             config.model_dir.display(),
@@ -98,6 +99,7 @@ impl Engine {
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let (jobs, thread, loaded) = spawn_engine_thread(
             opened,
+            draft,
             plan,
             Arc::clone(&text),
             Arc::clone(&stats),
@@ -174,6 +176,7 @@ impl Engine {
 /// The thread could not start, or what it reported while loading.
 fn spawn_engine_thread(
     opened: Opened,
+    draft: Option<Opened>,
     plan: EnginePlan,
     text: Arc<Text>,
     stats: Arc<Mutex<EngineStats>>,
@@ -183,7 +186,7 @@ fn spawn_engine_thread(
     let (ready_tx, ready_rx) = mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("mlxcel-engine".into())
-        .spawn(move || engine_thread(opened, plan, &text, stats, group, &queue, &ready_tx))
+        .spawn(move || engine_thread(opened, draft, plan, &text, stats, group, &queue, &ready_tx))
         .map_err(|e| EngineError::Thread(e.to_string()))?;
     let loaded = ready_rx
         .recv()
@@ -194,8 +197,10 @@ fn spawn_engine_thread(
 /// The engine thread: loads the model, builds the KV cache and the runner,
 /// reports ready (or what failed) on `ready`, then serves `queue` until
 /// every handle is gone.
+#[allow(clippy::too_many_arguments)]
 fn engine_thread(
     opened: Opened,
+    draft: Option<Opened>,
     plan: EnginePlan,
     text: &Text,
     stats: Arc<Mutex<EngineStats>>,
@@ -206,9 +211,17 @@ fn engine_thread(
     let tensor_parallel = group.is_some();
     let setup = opened.load().and_then(|model| {
         let kv = plan.kv_cache(model.as_ref())?;
-        Ok((model, kv))
+        let draft = match draft {
+            Some(draft) => {
+                let draft_model = draft.load()?;
+                let draft_kv = plan.draft_kv_cache(draft_model.as_ref(), &kv)?;
+                Some((draft_model, draft_kv))
+            }
+            None => None,
+        };
+        Ok((model, kv, draft))
     });
-    let (model, mut kv) = match setup {
+    let (model, mut kv, draft) = match setup {
         Ok(built) => built,
         Err(e) => {
             if tensor_parallel {
@@ -228,8 +241,17 @@ fn engine_thread(
             return;
         }
     };
+    let (draft_model, draft_kv) = match draft {
+        Some((m, kv)) => (Some(m), Some(kv)),
+        None => (None, None),
+    };
+    let chunk = plan.worker.scheduler.prefill_chunk_size;
+    let drafter = draft_model
+        .as_deref()
+        .zip(draft_kv)
+        .map(|(m, kv)| Drafter::new(m, kv, chunk));
     let _ = ready.send(Ok(plan.loaded(&kv)));
-    Worker::new(runner, text, kv, plan.worker, stats).run(queue);
+    Worker::new(runner, drafter, text, kv, plan.worker, stats).run(queue);
 }
 
 /// The step runner of this engine: the local runner, wrapped by rank 0's
@@ -252,4 +274,66 @@ fn runner<'m>(
             Box::new(LeaderRunner::connect(local, model, kv, health, timeout)?)
         }
     })
+}
+
+/// The draft model's checkpoint when the resolved method is
+/// `--speculative draft`: opened with the target's compute settings, its
+/// vocabulary checked against the target's (`target`).
+///
+/// # Errors
+/// `--speculative draft` without `--draft-model`, `--draft-model` with
+/// `--speculative ngram`, an unreadable draft checkpoint, or a draft whose
+/// tokenizer differs from the target's (the first differing token named).
+fn open_draft(config: &EngineConfig, target: &Text) -> Result<Option<Opened>, EngineError> {
+    use crate::speculative::SpeculativeMethod;
+    let dir = match (config.speculative.method, &config.draft_model) {
+        (SpeculativeMethod::Draft, Some(dir)) => dir,
+        (SpeculativeMethod::Draft, None) => {
+            return Err(EngineError::Config(
+                "--speculative draft needs --draft-model DIR".into(),
+            ))
+        }
+        (SpeculativeMethod::Ngram, Some(_)) => {
+            return Err(EngineError::Config(
+                "--draft-model is used by --speculative draft (or auto), not ngram".into(),
+            ))
+        }
+        (_, Some(dir)) => {
+            tracing::warn!(draft = %dir.display(), "--speculative off: the draft model is not loaded");
+            return Ok(None);
+        }
+        (_, None) => return Ok(None),
+    };
+    let mut draft_config = config.clone();
+    draft_config.model_dir = dir.clone();
+    let opened = Opened::new(&draft_config, Checkpoint::open(dir)?, None)?;
+    let draft_text = load_text(&opened.checkpoint, None, opened.model_config.vocab_size)?;
+    same_vocabulary(target, &draft_text).map_err(|why| {
+        EngineError::Config(format!(
+            "--draft-model {}: its vocabulary differs from the model's ({why}); \
+             a draft must share the tokenizer",
+            dir.display()
+        ))
+    })?;
+    tracing::info!(draft = %dir.display(), model_type = %opened.model_config.model_type, "draft model");
+    Ok(Some(opened))
+}
+
+/// Whether two tokenizers give every id the same token (the draft's
+/// proposals are the target's token ids).
+///
+/// # Errors
+/// Why not: the sizes, or the first id whose tokens differ.
+fn same_vocabulary(a: &Text, b: &Text) -> Result<(), String> {
+    let (n, m) = (a.tokenizer.vocab_size(), b.tokenizer.vocab_size());
+    if n != m {
+        return Err(format!("{n} tokens against {m}"));
+    }
+    for id in 0..n as u32 {
+        let (x, y) = (a.tokenizer.id_to_token(id), b.tokenizer.id_to_token(id));
+        if x != y {
+            return Err(format!("token {id} is {x:?} against {y:?}"));
+        }
+    }
+    Ok(())
 }

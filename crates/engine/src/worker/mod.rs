@@ -18,6 +18,7 @@ use mlxcel_text::Text;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{CacheReset, EngineStats, GenerationEvent, GenerationRequest};
+use crate::draft::Drafter;
 use crate::runner::{InFlight, StepRunner};
 
 mod admit;
@@ -126,6 +127,8 @@ enum Emitted {
 pub(crate) struct Worker<'m> {
     /// Runs each step's forward (`crate::runner`).
     runner: Box<dyn StepRunner + 'm>,
+    /// The draft model (`--speculative draft`).
+    drafter: Option<Drafter<'m>>,
     text: &'m Text,
     kv: KvCache,
     config: WorkerConfig,
@@ -162,6 +165,7 @@ impl InFlight for Streams<'_> {
 impl<'m> Worker<'m> {
     pub(crate) fn new(
         runner: Box<dyn StepRunner + 'm>,
+        drafter: Option<Drafter<'m>>,
         text: &'m Text,
         kv: KvCache,
         config: WorkerConfig,
@@ -175,6 +179,7 @@ impl<'m> Worker<'m> {
         };
         let mut w = Worker {
             runner,
+            drafter,
             text,
             kv,
             config,
@@ -250,6 +255,9 @@ impl<'m> Worker<'m> {
             Message::ResetPrefixCache(reply) => {
                 self.reclaim();
                 let r = self.kv.reset_prefix_cache();
+                if let Some(d) = &mut self.drafter {
+                    d.kv.reset_prefix_cache();
+                }
                 tracing::info!(blocks_freed = r.blocks_freed, "prefix cache reset");
                 // Stats first: whoever gets the reply reads them next.
                 self.publish();
@@ -276,6 +284,9 @@ impl<'m> Worker<'m> {
     fn reclaim(&mut self) {
         if let Err(e) = self.kv.reclaim() {
             tracing::error!(error = %e, "KV reclaim failed");
+        }
+        if let Some(Err(e)) = self.drafter.as_mut().map(|d| d.kv.reclaim()) {
+            tracing::error!(error = %e, "draft KV reclaim failed");
         }
     }
 

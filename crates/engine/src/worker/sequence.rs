@@ -43,6 +43,11 @@ pub(super) struct Sequence {
     /// A verified row's picked tokens, waiting to be streamed
     /// (`Worker::verify`, then `Worker::emit_verified`).
     pub(super) picks: Vec<super::emit::Picked>,
+    /// Its sequence in the draft model's cache (`--speculative draft`),
+    /// made at its first proposal.
+    pub(super) draft_kv: Option<KvSequence>,
+    /// Tokens whose K/V the draft model's cache holds.
+    pub(super) draft_computed: usize,
     pub(super) detok: IncrementalDetokenizer,
     pub(super) filter: OutputFilter,
     pub(super) usage: Usage,
@@ -148,6 +153,8 @@ impl Sequence {
             speculation: start.speculation,
             draft: Vec::new(),
             picks: Vec::new(),
+            draft_kv: None,
+            draft_computed: 0,
             detok: IncrementalDetokenizer::new(),
             filter: job.output_filter(),
             usage: start.usage,

@@ -25,6 +25,7 @@
 //! token as without speculation).
 
 use super::{Emitted, Job, NextToken, Worker};
+use crate::draft::DraftRow;
 use crate::error::StepError;
 use crate::runner::RowOutput;
 use crate::scheduler::{PlannedRow, StepPlan};
@@ -37,8 +38,7 @@ impl Worker<'_> {
     /// `--num-speculative-tokens` when the engine speculates and the
     /// request did not opt out, none otherwise.
     pub(super) fn row_speculation(&self, job: &Job) -> RowSpeculation {
-        let on =
-            self.config.speculative.method == SpeculativeMethod::Ngram && job.request.speculative;
+        let on = self.config.speculative.method.proposes() && job.request.speculative;
         RowSpeculation::new(if on {
             self.config.speculative.num_tokens
         } else {
@@ -55,11 +55,13 @@ impl Worker<'_> {
     }
 
     /// Whether a pipelined chain should stop so that sequence `seq` can
-    /// verify a draft: it speculates and its tokens so far already end in
-    /// a recurring n-gram (the token in flight is not known yet; the
-    /// synchronous step after the chain looks again).
+    /// verify a draft: it speculates with a draft model, or its tokens so
+    /// far already end in a recurring n-gram (the token in flight is not
+    /// known yet; the synchronous step after the chain looks again).
     pub(super) fn wants_to_speculate(&self, seq: usize) -> bool {
-        self.speculates(seq) && !ngram_draft(&self.running[seq].tokens, 1).is_empty()
+        self.speculates(seq)
+            && (self.config.speculative.method == SpeculativeMethod::Draft
+                || !ngram_draft(&self.running[seq].tokens, 1).is_empty())
     }
 
     /// A decode step of `seq` passed without a chance to propose (a
@@ -69,14 +71,15 @@ impl Worker<'_> {
     }
 
     /// Turns decode rows of `plan` into verification rows: each speculating
-    /// row proposes a draft (prompt lookup over its prompt and output), at
-    /// most its adaptive length, one token short of its `max_tokens` and
-    /// of a prefill chunk. No row speculates in a step of more than
-    /// [`MAX_SPECULATIVE_ROWS`] decode rows. Verification rows move behind
-    /// the plain decode rows (those are attended together), before the
-    /// prefill rows.
+    /// row proposes a draft (prompt lookup over its prompt and output, or
+    /// the draft model's greedy tokens), at most its adaptive length, one
+    /// token short of its `max_tokens` and of a prefill chunk. No row
+    /// speculates in a step of more than [`MAX_SPECULATIVE_ROWS`] decode
+    /// rows. Verification rows move behind the plain decode rows (those are
+    /// attended together), before the prefill rows.
     pub(super) fn speculate(&mut self, plan: &mut StepPlan) {
-        if self.config.speculative.method != SpeculativeMethod::Ngram {
+        let method = self.config.speculative.method;
+        if !method.proposes() {
             return;
         }
         // A draft left by a failed step is not proposed again as is.
@@ -88,8 +91,9 @@ impl Worker<'_> {
             return;
         }
         let chunk = self.config.scheduler.prefill_chunk_size;
-        let mut any = false;
-        for r in &mut plan.rows[..decode] {
+        // (row of the plan, draft length) of every row that proposes.
+        let mut wanted = Vec::new();
+        for (i, r) in plan.rows[..decode].iter().enumerate() {
             if !self.speculates(r.seq) {
                 continue;
             }
@@ -104,13 +108,27 @@ impl Worker<'_> {
                 .next_step()
                 .min(left.saturating_sub(1))
                 .min(chunk.saturating_sub(1));
-            let draft = ngram_draft(&s.tokens, k);
-            if draft.is_empty() {
+            if k > 0 {
+                wanted.push((i, k));
+            }
+        }
+        if method == SpeculativeMethod::Draft {
+            self.draft_with_model(plan, &wanted);
+        } else {
+            for &(i, k) in &wanted {
+                let s = &mut self.running[plan.rows[i].seq];
+                s.draft = ngram_draft(&s.tokens, k).to_vec();
+            }
+        }
+        let mut any = false;
+        for &(i, _) in &wanted {
+            let r = &mut plan.rows[i];
+            let n = self.running[r.seq].draft.len();
+            if n == 0 {
                 continue;
             }
-            s.draft = draft.to_vec();
-            r.draft = s.draft.len();
-            r.real = 1 + r.draft;
+            r.draft = n;
+            r.real = 1 + n;
             r.padded = r.real;
             any = true;
         }
@@ -122,6 +140,73 @@ impl Worker<'_> {
                     (false, true) => 1,
                     (false, false) => 2,
                 });
+        }
+    }
+
+    /// The draft model's proposals for the `(plan row, length)` pairs of
+    /// `wanted`, into each sequence's `draft`. A row gets its draft
+    /// sequence at its first proposal (from the draft's prefix cache); when
+    /// a draft step fails, no row of this step has a draft and their draft
+    /// sequences are dropped (they start again from the prefix cache).
+    fn draft_with_model(&mut self, plan: &StepPlan, wanted: &[(usize, usize)]) {
+        let Some(drafter) = self.drafter.as_mut() else {
+            return;
+        };
+        for &(i, _) in wanted {
+            let s = &mut self.running[plan.rows[i].seq];
+            if let Some(kv) = &s.draft_kv {
+                // Blocks the accepted tokens filled become hittable.
+                let end = s.draft_computed.min(s.tokens.len());
+                if s.job.request.cache_prompt {
+                    if let Err(e) = drafter.kv.donate(kv, &s.tokens[..end]) {
+                        tracing::warn!(error = %e, "donating draft blocks");
+                    }
+                }
+                continue;
+            }
+            match drafter.new_sequence(&s.tokens, s.job.request.cache_prompt) {
+                Ok((kv, cached)) => {
+                    s.draft_kv = Some(kv);
+                    s.draft_computed = cached;
+                }
+                Err(e) => tracing::warn!(error = %e, "a draft sequence"),
+            }
+        }
+        let seqs: Vec<(usize, usize)> = wanted
+            .iter()
+            .map(|&(i, k)| (plan.rows[i].seq, k))
+            .filter(|&(seq, _)| self.running[seq].draft_kv.is_some())
+            .collect();
+        let rows: Vec<DraftRow<'_>> = seqs
+            .iter()
+            .filter_map(|&(seq, k)| {
+                let s = &self.running[seq];
+                Some(DraftRow {
+                    kv: s.draft_kv.as_ref()?,
+                    tokens: &s.tokens,
+                    computed: s.draft_computed,
+                    k,
+                })
+            })
+            .collect();
+        match drafter.propose(&rows) {
+            Ok(drafts) => {
+                drop(rows);
+                for (&(seq, k), draft) in seqs.iter().zip(drafts) {
+                    let s = &mut self.running[seq];
+                    s.draft_computed = s.tokens.len() + k - 1;
+                    s.draft = draft;
+                }
+            }
+            Err(e) => {
+                drop(rows);
+                tracing::warn!(error = %e, rows = seqs.len(), "a draft step failed: no drafts this step");
+                for &(seq, _) in &seqs {
+                    let s = &mut self.running[seq];
+                    s.draft_kv = None;
+                    s.draft_computed = 0;
+                }
+            }
         }
     }
 
@@ -171,7 +256,15 @@ impl Worker<'_> {
         let accepted = accepted_prefix(&draft, &picks.iter().map(|p| p.token).collect::<Vec<_>>());
         let s = &mut self.running[seq];
         s.picks = picks;
-        self.kv.truncate_tail(&s.kv, s.computed + 1 + accepted)?;
+        let end = s.computed + 1 + accepted;
+        self.kv.truncate_tail(&s.kv, end)?;
+        if let (Some(drafter), Some(kv)) = (self.drafter.as_mut(), &s.draft_kv) {
+            // The draft cache keeps only what the target accepted.
+            if s.draft_computed > end {
+                drafter.kv.truncate_tail(kv, end)?;
+                s.draft_computed = end;
+            }
+        }
         s.speculation.record(r.draft, accepted);
         let c = &mut self.counters;
         c.speculative_verifications += 1;
