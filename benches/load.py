@@ -269,6 +269,7 @@ def handle_chunk(obj, rec, now):
     for choice in obj.get("choices") or []:
         rec["finish"] = choice.get("finish_reason") or rec["finish"]
         if (choice.get("delta") or {}).get("content"):
+            rec["text"] = rec.get("text", "") + choice["delta"]["content"]
             rec["chunks"] += 1
             rec["t_first"] = rec["t_first"] if rec["t_first"] is not None else now
             rec["t_last"] = now

@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""Speculative decoding (prompt lookup): decode speed with and without it,
-same machine, same checkpoint, same run.
+"""Speculative decoding (prompt lookup or a draft model): decode speed with
+and without it, same machine, same checkpoint, same run.
 
   .venv/bin/python benches/speculative.py [--mlxcel-bin PATH] [--model DIR]
       [--concurrency 1,4] [--max-tokens 160] [--rounds 2]
       [--num-speculative-tokens N] [--mlxcel-args "..."] [--json OUT]
+      [--temperature T] [--method ngram|draft --draft-model DIR]
 
 Two mlxcel servers are started in turn on the same checkpoint:
-`--speculative off` and `--speculative ngram`. Each runs three workloads,
-streamed chat completions at temperature 0 (greedy: both servers return
-the same text, which tests/speculative.rs holds them to):
+`--speculative off` and `--speculative ngram` (or `draft` with
+`--draft-model`). Each runs three workloads, streamed chat completions at
+temperature 0 (greedy), or at `--temperature T` with a fixed seed per
+request (both servers return the same text either way, which
+tests/speculative.rs holds them to):
 
   edit:      a ~40-line Python file and "rename X to Y and print the whole
              code" (the answer is mostly copied from the prompt);
@@ -140,17 +143,23 @@ def parse_args():
     ap.add_argument("--workloads", default="edit,summarise,chat")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (each request seeded by its prompt index)")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    ap.add_argument("--draft-model", default=None, help="the draft of --method draft")
     return ap.parse_args()
 
 
-def run_level(port, prompts, clients, max_tokens, timeout):
+def run_level(port, prompts, clients, max_tokens, timeout, temperature=0.0):
     """Every client sends every prompt once (client i starts at prompt i)."""
     records, lock = [], threading.Lock()
     extras = {"stream_options": {"include_usage": True}}
 
     def client(i):
         for j in range(len(prompts)):
-            body = load.request_body(prompts[(i + j) % len(prompts)], max_tokens, extras)
+            k = (i + j) % len(prompts)
+            seeded = {"temperature": temperature, "seed": k} if temperature > 0 else {}
+            body = load.request_body(prompts[k], max_tokens, {**extras, **seeded})
             rec = load.one_request(port, body, timeout)
             rec["prompt"] = (i + j) % len(prompts)
             with lock:
@@ -193,7 +202,8 @@ def bench(name, flags, args, levels, loads):
         for wl, prompts in loads.items():
             for c in levels:
                 for r in range(args.rounds):
-                    records, wall = run_level(server.port, prompts, c, args.max_tokens, args.timeout)
+                    records, wall = run_level(server.port, prompts, c, args.max_tokens, args.timeout,
+                                              args.temperature)
                 if any(not rec["ok"] for rec in records):
                     bad = [rec["error"] for rec in records if not rec["ok"]]
                     raise RuntimeError(f"{name} {wl} C={c}: failed requests {bad[:2]}")
@@ -202,6 +212,7 @@ def bench(name, flags, args, levels, loads):
                 per_req = [(rec["tokens"] - 1) / (rec["t_last"] - rec["t_first"])
                            for rec in records if rec["tokens"] > 1 and rec["t_last"] > rec["t_first"]]
                 results[(wl, c)] = {
+                    "texts": {rec["prompt"]: rec.get("text", "") for rec in records},
                     "tokens": tokens, "wall_s": wall, "ttft_s": ttft,
                     "tok_s": tokens / wall,
                     "decode_tok_s": sum(per_req) / len(per_req) if per_req else 0.0,
@@ -219,32 +230,44 @@ def main():
     args = parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     loads = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}
-    ngram = "--speculative ngram"
+    method = f"--speculative {args.method}"
+    if args.method == "draft":
+        if not args.draft_model:
+            sys.exit("--method draft needs --draft-model")
+        method += f" --draft-model {args.draft_model}"
     if args.num_speculative_tokens:
-        ngram += f" --num-speculative-tokens {args.num_speculative_tokens}"
+        method += f" --num-speculative-tokens {args.num_speculative_tokens}"
     off = bench("off", "--speculative off", args, levels, loads)
-    on = bench("ngram", ngram, args, levels, loads)
+    on = bench(args.method, method, args, levels, loads)
+    sampling = f"temperature {args.temperature}, seeded" if args.temperature > 0 else "greedy"
     print(f"\nmachine: {load.machine()}\nmodel: {args.model}\nmax_tokens {args.max_tokens}, "
-          f"greedy, rounds {args.rounds} (last measured)\n")
-    print("| workload | clients | off: decode tok/s per request | ngram | ratio | off: tok/s (all) | ngram | ratio |")
+          f"{sampling}, rounds {args.rounds} (last measured)\n")
+    print(f"| workload | clients | off: decode tok/s per request | {args.method} | ratio | off: tok/s (all) | {args.method} | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
+    same = total = 0
     for wl in loads:
         for c in levels:
             a, b = off[(wl, c)], on[(wl, c)]
+            for k, text in a["texts"].items():
+                total += 1
+                same += b["texts"].get(k) == text
             r1 = b["decode_tok_s"] / a["decode_tok_s"] if a["decode_tok_s"] else float("nan")
             r2 = b["tok_s"] / a["tok_s"]
             print(f"| {wl} | {c} | {a['decode_tok_s']:.1f} | {b['decode_tok_s']:.1f} | {r1:.2f}x "
                   f"| {a['tok_s']:.1f} | {b['tok_s']:.1f} | {r2:.2f}x |")
-            rows.append({"workload": wl, "clients": c, "off": a, "ngram": b,
+            rows.append({"workload": wl, "clients": c, "off": a, args.method: b,
                          "decode_ratio": r1, "throughput_ratio": r2})
-    print("\nngram server /metrics:")
+    print(f"\nidentical replies with and without speculation: {same} of {total}")
+    print(f"\n{args.method} server /metrics:")
     for k, v in sorted(on["metrics"].items()):
         print(f"  {k} {v:g}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "machine": load.machine(), "model": args.model, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "rows": rows, "metrics": on["metrics"]}, indent=1))
+            "rounds": args.rounds, "temperature": args.temperature, "method": args.method,
+            "draft_model": args.draft_model, "identical_replies": [same, total],
+            "rows": rows, "metrics": on["metrics"]}, indent=1))
 
 
 if __name__ == "__main__":

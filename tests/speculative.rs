@@ -388,6 +388,8 @@ fn draft_model_replies_are_identical() {
         c.prefill_tile = Some(0);
         c.kv_cache_budget = Some(128 << 20);
         c.check_invariants = true;
+        // Small chunks: a new row's draft catches up over several rounds.
+        c.prefill_chunk_size = 64;
         c.speculative = SpeculativeConfig {
             method: SpeculativeMethod::Auto,
             num_tokens: 4,

@@ -81,7 +81,7 @@ pub struct EngineConfig {
     /// is queued before the current step's tokens are read (default true).
     pub pipeline: bool,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`):
-    /// greedy rows verify draft tokens several at a time
+    /// decode rows verify draft tokens several at a time
     /// ([`crate::speculative`]). Not with tensor parallelism.
     pub speculative: crate::speculative::SpeculativeConfig,
     /// The draft model of `--speculative draft` (`--draft-model`): a

@@ -97,71 +97,81 @@ impl<'m> Drafter<'m> {
     }
 
     /// Proposes each row's draft: `k` tokens by greedy decoding of the
-    /// draft model after the row's known tokens. Afterwards the draft cache
-    /// of a row holds its tokens and all of its draft but the last token
-    /// (`tokens.len() + k - 1` positions).
+    /// draft model after the row's known tokens. A row more than a chunk
+    /// behind runs one chunk of its tokens this round and proposes nothing
+    /// (so a long context never stalls a step by more than a chunk a row).
+    /// Afterwards the draft cache of a proposing row holds its tokens and
+    /// all of its draft but the last token (`tokens.len() + k - 1`
+    /// positions): [`Proposal::computed`].
     ///
     /// # Errors
     /// A draft step failing (the steps before it stay in the draft cache:
     /// the caller drops the rows' draft sequences).
-    pub(crate) fn propose(&mut self, rows: &[DraftRow<'_>]) -> Result<Vec<Vec<u32>>, StepError> {
-        let mut computed: Vec<usize> = rows.iter().map(|r| r.computed).collect();
-        // Whole chunks first, keeping at most a chunk for the first step.
-        loop {
-            let behind: Vec<usize> = (0..rows.len())
-                .filter(|&i| rows[i].tokens.len() - computed[i] > self.chunk)
-                .collect();
-            if behind.is_empty() {
-                break;
-            }
-            let batch = StepBatch {
-                rows: behind
-                    .iter()
-                    .map(|&i| BatchRow {
-                        kv: rows[i].kv,
-                        input: RowInput::Tokens(
-                            &rows[i].tokens[computed[i]..computed[i] + self.chunk],
-                        ),
-                        real: self.chunk,
-                        host_logits: 0..0,
-                        device_argmax: 0..0,
-                    })
-                    .collect(),
-            };
-            self.run(&batch)?;
-            for &i in &behind {
-                computed[i] += self.chunk;
-            }
+    pub(crate) fn propose(&mut self, rows: &[DraftRow<'_>]) -> Result<Vec<Proposal>, StepError> {
+        let mut out: Vec<Proposal> = rows
+            .iter()
+            .map(|r| Proposal {
+                draft: Vec::new(),
+                computed: r.computed,
+            })
+            .collect();
+        if rows.is_empty() {
+            return Ok(out);
         }
-        // The first step: the rest of each row's tokens, the greedy token
-        // after the last; one-token rows first (decode rows lead a step).
-        let mut order: Vec<usize> = (0..rows.len()).collect();
-        order.sort_by_key(|&i| rows[i].tokens.len() - computed[i] > 1);
+        // The first step: a chunk of each row that is behind; the rest of
+        // each other row's tokens with the greedy token after the last.
+        // One-token rows first (decode rows lead a step).
+        let chunk = self.chunk;
+        let behind = |i: usize| rows[i].tokens.len().saturating_sub(rows[i].computed) > chunk;
+        let mut order: Vec<usize> = (0..rows.len())
+            .filter(|&i| rows[i].computed < rows[i].tokens.len())
+            .collect();
+        order.sort_by_key(|&i| rows[i].tokens.len() - rows[i].computed > 1);
         let batch = StepBatch {
             rows: order
                 .iter()
                 .map(|&i| {
-                    let input = &rows[i].tokens[computed[i]..];
+                    let r = &rows[i];
+                    let end = if behind(i) {
+                        r.computed + chunk
+                    } else {
+                        r.tokens.len()
+                    };
+                    let input = &r.tokens[r.computed..end];
+                    let n = input.len();
                     BatchRow {
-                        kv: rows[i].kv,
+                        kv: r.kv,
                         input: RowInput::Tokens(input),
-                        real: input.len(),
+                        real: n,
                         host_logits: 0..0,
-                        device_argmax: input.len() - 1..input.len(),
+                        device_argmax: if behind(i) { 0..0 } else { n - 1..n },
                     }
                 })
                 .collect(),
         };
         let first = self.run(&batch)?;
-        let mut drafts = vec![Vec::new(); rows.len()];
+        let mut drafting = Vec::new();
         for (&i, token) in order.iter().zip(first) {
-            drafts[i].push(token);
+            let end = batch_end(&batch, &order, i);
+            out[i].computed = rows[i].computed + end;
+            match token {
+                Some(t) if !behind(i) => {
+                    out[i].draft.push(t);
+                    drafting.push(i);
+                }
+                None if behind(i) => {}
+                _ => return Err(StepError::Internal("a draft step's tokens")),
+            }
         }
         // Then one token a step for the rows that want more.
-        let longest = rows.iter().map(|r| r.k).max().unwrap_or(0);
+        let longest = drafting.iter().map(|&i| rows[i].k).max().unwrap_or(0);
         for step in 1..longest {
-            let more: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].k > step).collect();
-            let inputs: Vec<[u32; 1]> = more.iter().map(|&i| [drafts[i][step - 1]]).collect();
+            let more: Vec<usize> = drafting
+                .iter()
+                .copied()
+                .filter(|&i| rows[i].k > step)
+                .collect();
+            let inputs: Vec<[u32; 1]> = more.iter().map(|&i| [out[i].draft[step - 1]]).collect();
             let batch = StepBatch {
                 rows: more
                     .iter()
@@ -176,23 +186,41 @@ impl<'m> Drafter<'m> {
                     .collect(),
             };
             for (&i, token) in more.iter().zip(self.run(&batch)?) {
-                drafts[i].push(token);
+                let t = token.ok_or(StepError::Internal("a draft step's tokens"))?;
+                out[i].draft.push(t);
+                out[i].computed += 1;
             }
         }
-        Ok(drafts)
+        Ok(out)
     }
 
-    /// Runs one draft step; returns each row's greedy token (rows that
-    /// want none give none) and trims what left a window.
-    fn run(&mut self, batch: &StepBatch<'_>) -> Result<Vec<u32>, StepError> {
+    /// Runs one draft step; returns each row's greedy token (`None` for a
+    /// row that wants none), in row order. The draft cache is not trimmed
+    /// here: rejected drafts are truncated first (`Worker::verify`), then
+    /// the window groups trim.
+    fn run(&mut self, batch: &StepBatch<'_>) -> Result<Vec<Option<u32>>, StepError> {
         let out = self.runner.run(&mut self.kv, batch, &NoStreams)?;
-        for r in &batch.rows {
-            self.kv.trim(r.kv)?;
+        if out.rows.len() != batch.rows.len() {
+            return Err(StepError::Internal("a draft step's rows"));
         }
-        Ok(out
-            .rows
-            .iter()
-            .filter_map(|r| r.tokens.last().copied())
-            .collect())
+        Ok(out.rows.iter().map(|r| r.tokens.last().copied()).collect())
     }
+}
+
+/// What a round of proposals gave one row.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Proposal {
+    /// The draft tokens (empty: the row only caught up this round).
+    pub(crate) draft: Vec<u32>,
+    /// Tokens whose K/V the draft cache holds now.
+    pub(crate) computed: usize,
+}
+
+/// The input length of row `i` in the first step `batch` (rows in
+/// `order`).
+fn batch_end(batch: &StepBatch<'_>, order: &[usize], i: usize) -> usize {
+    order
+        .iter()
+        .position(|&j| j == i)
+        .map_or(0, |p| batch.rows[p].real)
 }

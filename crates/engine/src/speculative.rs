@@ -25,10 +25,13 @@
 //! Every decode row may verify: greedy or sampled (temperature, top-p,
 //! top-k, min-p), with logprobs, penalties, logit bias or a grammar. A
 //! sampled row draws from its own random stream exactly as without
-//! speculation and keeps the drafts its draws agree with, so a seeded
-//! request gives the same tokens with or without speculation, and the
-//! target distribution is kept with the highest acceptance a point-mass
-//! draft allows (`p(draft)`; see `crate::worker`'s speculate module).
+//! speculation and keeps the drafts its draws agree with, so the target
+//! distribution is kept with the highest acceptance a point-mass draft
+//! allows (`p(draft)`; see `crate::worker`'s speculate module), and a
+//! seeded request gives the same tokens with or without speculation up to
+//! floating-point differences between a verification row's logits and a
+//! decode row's (a draw that lands within that distance of a boundary
+//! between two tokens can differ; identical for every seed tested).
 
 /// Shortest suffix that must recur for a draft (tokens).
 pub const NGRAM_MIN: usize = 2;
@@ -215,6 +218,14 @@ impl RowSpeculation {
         self.max > 0 && self.paused == 0
     }
 
+    /// Stops proposing for [`PAUSE_STEPS`] decode steps (a failed draft
+    /// round).
+    pub(crate) fn pause(&mut self) {
+        if self.max > 0 {
+            self.paused = PAUSE_STEPS;
+        }
+    }
+
     /// Records a verification of `proposed` drafts of which `accepted`
     /// held: the next draft grows by one after a full acceptance and
     /// shrinks to one past what held otherwise; a row whose average drops
@@ -323,5 +334,17 @@ mod tests {
         assert_eq!(r.next_step(), 2, "resumes with a short draft");
         assert_eq!(RowSpeculation::new(0).next_step(), 0);
         assert!(!RowSpeculation::new(0).active());
+        // A failed draft round pauses a row; a row that never speculates
+        // stays off.
+        let mut r = RowSpeculation::new(3);
+        r.pause();
+        assert!(!r.active());
+        for _ in 0..PAUSE_STEPS {
+            assert_eq!(r.next_step(), 0);
+        }
+        assert!(r.active());
+        let mut off = RowSpeculation::new(0);
+        off.pause();
+        assert_eq!(off.next_step(), 0);
     }
 }

@@ -85,7 +85,7 @@ impl Engine {
                 "--speculative does not run with --tensor-parallel yet".into(),
             ));
         }
-        let draft = open_draft(&config, &text)?;
+        let draft = open_draft(&config, &text, model_config.vocab_size)?;
         let identity = format!(
             "{}|{:?}|{}",
             config.model_dir.display(),
@@ -282,9 +282,15 @@ fn runner<'m>(
 ///
 /// # Errors
 /// `--speculative draft` without `--draft-model`, `--draft-model` with
-/// `--speculative ngram`, an unreadable draft checkpoint, or a draft whose
-/// tokenizer differs from the target's (the first differing token named).
-fn open_draft(config: &EngineConfig, target: &Text) -> Result<Option<Opened>, EngineError> {
+/// `--speculative ngram`, an unreadable draft checkpoint, a draft whose
+/// tokenizer differs from the target's (the first differing token named),
+/// or one with more logit rows than the target's `target_vocab` (its
+/// tokens would not all be the target's).
+fn open_draft(
+    config: &EngineConfig,
+    target: &Text,
+    target_vocab: usize,
+) -> Result<Option<Opened>, EngineError> {
     use crate::speculative::SpeculativeMethod;
     let dir = match (config.speculative.method, &config.draft_model) {
         (SpeculativeMethod::Draft, Some(dir)) => dir,
@@ -308,13 +314,22 @@ fn open_draft(config: &EngineConfig, target: &Text) -> Result<Option<Opened>, En
     draft_config.model_dir = dir.clone();
     let opened = Opened::new(&draft_config, Checkpoint::open(dir)?, None)?;
     let draft_text = load_text(&opened.checkpoint, None, opened.model_config.vocab_size)?;
-    same_vocabulary(target, &draft_text).map_err(|why| {
-        EngineError::Config(format!(
-            "--draft-model {}: its vocabulary differs from the model's ({why}); \
-             a draft must share the tokenizer",
-            dir.display()
+    let draft_vocab = opened.model_config.vocab_size;
+    let rows = if draft_vocab > target_vocab {
+        Err(format!(
+            "vocab_size {draft_vocab} against the model's {target_vocab}"
         ))
-    })?;
+    } else {
+        Ok(())
+    };
+    rows.and_then(|()| same_vocabulary(target, &draft_text))
+        .map_err(|why| {
+            EngineError::Config(format!(
+                "--draft-model {}: its vocabulary differs from the model's ({why}); \
+             a draft must share the tokenizer",
+                dir.display()
+            ))
+        })?;
     tracing::info!(draft = %dir.display(), model_type = %opened.model_config.model_type, "draft model");
     Ok(Some(opened))
 }

@@ -67,7 +67,7 @@ pub struct EngineStats {
     /// (pipelined decode).
     pub pipelined_steps: u64,
     /// How decode rows propose draft tokens (`--speculative`: "off",
-    /// "ngram").
+    /// "ngram", "draft").
     pub speculative_method: String,
     /// Rows that verified draft tokens (one per row and step).
     pub speculative_verifications: u64,

@@ -10,7 +10,10 @@
 //! sampler, drawing from the same random stream), and stops at the first
 //! pick that differs from the draft: that pick is the model's own token
 //! after the agreeing drafts. A sampled row therefore emits, for a given
-//! seed, the very tokens it would emit without speculation: the draft
+//! seed, the tokens it would emit without speculation (up to
+//! floating-point differences between the logits of a verification row
+//! and of a decode row, which move a draw only when it lands within them
+//! of a boundary between two tokens): the draft
 //! (a point mass from prompt lookup) is accepted with probability
 //! `p(draft)`, the most any scheme can accept it while keeping the target
 //! distribution (the maximal coupling that speculative rejection sampling,
@@ -94,20 +97,19 @@ impl Worker<'_> {
         // (row of the plan, draft length) of every row that proposes.
         let mut wanted = Vec::new();
         for (i, r) in plan.rows[..decode].iter().enumerate() {
-            if !self.speculates(r.seq) {
+            let s = &mut self.running[r.seq];
+            if !s.forks.is_empty() {
                 continue;
             }
-            let s = &mut self.running[r.seq];
+            // Every decode step counts for a paused row (it resumes after
+            // `PAUSE_STEPS` whether or not its steps are pipelined).
+            let k = s.speculation.next_step();
             let left = s
                 .job
                 .request
                 .max_tokens
                 .saturating_sub(s.usage.completion_tokens);
-            let k = s
-                .speculation
-                .next_step()
-                .min(left.saturating_sub(1))
-                .min(chunk.saturating_sub(1));
+            let k = k.min(left.saturating_sub(1)).min(chunk.saturating_sub(1));
             if k > 0 {
                 wanted.push((i, k));
             }
@@ -145,13 +147,19 @@ impl Worker<'_> {
 
     /// The draft model's proposals for the `(plan row, length)` pairs of
     /// `wanted`, into each sequence's `draft`. A row gets its draft
-    /// sequence at its first proposal (from the draft's prefix cache); when
-    /// a draft step fails, no row of this step has a draft and their draft
-    /// sequences are dropped (they start again from the prefix cache).
+    /// sequence at its first proposal (from the draft's prefix cache), and
+    /// its blocks filled with accepted tokens are donated to that cache at
+    /// each round. When a round fails (an error, no blocks in the draft
+    /// pool, a panic), no row of this step has a draft, the rows' draft
+    /// sequences are dropped (they start again from the prefix cache) and
+    /// the rows pause proposing.
     fn draft_with_model(&mut self, plan: &StepPlan, wanted: &[(usize, usize)]) {
         let Some(drafter) = self.drafter.as_mut() else {
             return;
         };
+        if wanted.is_empty() {
+            return;
+        }
         for &(i, _) in wanted {
             let s = &mut self.running[plan.rows[i].seq];
             if let Some(kv) = &s.draft_kv {
@@ -189,22 +197,25 @@ impl Worker<'_> {
                 })
             })
             .collect();
-        match drafter.propose(&rows) {
-            Ok(drafts) => {
-                drop(rows);
-                for (&(seq, k), draft) in seqs.iter().zip(drafts) {
+        let proposed =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drafter.propose(&rows)))
+                .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)));
+        drop(rows);
+        match proposed {
+            Ok(proposals) => {
+                for (&(seq, _), p) in seqs.iter().zip(proposals) {
                     let s = &mut self.running[seq];
-                    s.draft_computed = s.tokens.len() + k - 1;
-                    s.draft = draft;
+                    s.draft_computed = p.computed;
+                    s.draft = p.draft;
                 }
             }
             Err(e) => {
-                drop(rows);
-                tracing::warn!(error = %e, rows = seqs.len(), "a draft step failed: no drafts this step");
+                tracing::warn!(error = %e, rows = seqs.len(), "a draft round failed: no drafts this step");
                 for &(seq, _) in &seqs {
                     let s = &mut self.running[seq];
                     s.draft_kv = None;
                     s.draft_computed = 0;
+                    s.speculation.pause();
                 }
             }
         }
@@ -259,10 +270,21 @@ impl Worker<'_> {
         let end = s.computed + 1 + accepted;
         self.kv.truncate_tail(&s.kv, end)?;
         if let (Some(drafter), Some(kv)) = (self.drafter.as_mut(), &s.draft_kv) {
-            // The draft cache keeps only what the target accepted.
-            if s.draft_computed > end {
-                drafter.kv.truncate_tail(kv, end)?;
-                s.draft_computed = end;
+            // The draft cache keeps only what the target accepted, then
+            // its window groups trim; a failure here costs the row its
+            // draft sequence, not its request.
+            let kept = if s.draft_computed > end {
+                drafter.kv.truncate_tail(kv, end).map(|()| end)
+            } else {
+                Ok(s.draft_computed)
+            };
+            match kept.and_then(|kept| drafter.kv.trim(kv).map(|()| kept)) {
+                Ok(kept) => s.draft_computed = kept,
+                Err(e) => {
+                    tracing::warn!(error = %e, "truncating the draft cache");
+                    s.draft_kv = None;
+                    s.draft_computed = 0;
+                }
             }
         }
         s.speculation.record(r.draft, accepted);
