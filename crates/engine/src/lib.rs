@@ -23,6 +23,7 @@
 /// The front-end seam (re-exported from `mlxcel-engine-api`).
 pub use mlxcel_engine_api as api;
 pub mod config;
+mod disk;
 pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;

@@ -6,7 +6,7 @@
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use mlxcel_kv::{KvCache, StorageBackend};
+use mlxcel_kv::{DiskTierConfig, KvCache, StorageBackend};
 use mlxcel_model::Model;
 use mlxcel_text::Text;
 
@@ -61,6 +61,7 @@ impl Engine {
                 "--speculative does not run with --tensor-parallel yet".into(),
             ));
         }
+        crate::disk::check(&config)?;
         if config.speculative.num_tokens == 0 {
             return Err(EngineError::Config(
                 "--num-speculative-tokens must be at least 1".into(),
@@ -96,9 +97,11 @@ impl Engine {
             .tensor_parallel
             .map(|tp| (Arc::new(RunnerHealth::default()), tp.timeout));
         let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let disk = crate::disk::tier_config(&config);
         let (jobs, thread, loaded) = spawn_engine_thread(
             opened,
             plan,
+            disk,
             Arc::clone(&text),
             Arc::clone(&stats),
             group.clone(),
@@ -175,6 +178,7 @@ impl Engine {
 fn spawn_engine_thread(
     opened: Opened,
     plan: EnginePlan,
+    disk: Option<DiskTierConfig>,
     text: Arc<Text>,
     stats: Arc<Mutex<EngineStats>>,
     group: Group,
@@ -183,7 +187,10 @@ fn spawn_engine_thread(
     let (ready_tx, ready_rx) = mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("mlxcel-engine".into())
-        .spawn(move || engine_thread(opened, plan, &text, stats, group, &queue, &ready_tx))
+        .spawn(move || {
+            let setup = Setup { opened, plan, disk };
+            engine_thread(setup, &text, stats, group, &queue, &ready_tx)
+        })
         .map_err(|e| EngineError::Thread(e.to_string()))?;
     let loaded = ready_rx
         .recv()
@@ -191,12 +198,19 @@ fn spawn_engine_thread(
     Ok((jobs, thread, loaded))
 }
 
-/// The engine thread: loads the model, builds the KV cache and the runner,
-/// reports ready (or what failed) on `ready`, then serves `queue` until
-/// every handle is gone.
-fn engine_thread(
+/// What the engine thread builds from.
+struct Setup {
     opened: Opened,
     plan: EnginePlan,
+    /// The prefix cache's disk tier, when on.
+    disk: Option<DiskTierConfig>,
+}
+
+/// The engine thread: loads the model, builds the KV cache (and opens its
+/// disk tier) and the runner, reports ready (or what failed) on `ready`,
+/// then serves `queue` until every handle is gone.
+fn engine_thread(
+    setup: Setup,
     text: &Text,
     stats: Arc<Mutex<EngineStats>>,
     group: Group,
@@ -204,8 +218,14 @@ fn engine_thread(
     ready: &mpsc::Sender<Result<Loaded, EngineError>>,
 ) {
     let tensor_parallel = group.is_some();
+    let Setup { opened, plan, disk } = setup;
     let setup = opened.load().and_then(|model| {
-        let kv = plan.kv_cache(model.as_ref())?;
+        let mut kv = plan.kv_cache(model.as_ref())?;
+        crate::disk::open(&mut kv, disk.as_ref())?;
+        #[cfg(feature = "fault-injection")]
+        if let Some(errno) = plan.worker.fault.disk_write_errno {
+            kv.fail_disk_writes_with(errno);
+        }
         Ok((model, kv))
     });
     let (model, mut kv) = match setup {

@@ -170,10 +170,13 @@ impl InferenceService for FakeService {
         Ok(ids)
     }
 
-    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
+    fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
+        let disk = if keep_disk { 0 } else { 2 };
         Ok(CacheReset {
             blocks_freed: 3,
             bytes_freed: 3 * 1024,
+            disk_blocks_freed: disk,
+            disk_bytes_freed: disk * 4096,
         })
     }
 
