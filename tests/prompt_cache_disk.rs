@@ -65,10 +65,7 @@ fn a_restart_starts_warm_from_disk_and_answers_like_a_cold_run() {
     assert!(saved.len() >= 6, "{} block files", saved.len());
 
     // Another model's file in the same directory is left alone.
-    let foreign = dir.join(format!(
-        "0123456789abcdef-{}-g0.kvb",
-        "f".repeat(32)
-    ));
+    let foreign = dir.join(format!("0123456789abcdef-{}-g0.kvb", "f".repeat(32)));
     std::fs::copy(&saved[0], &foreign).expect("copy");
 
     let second = Engine::start(smollm(&dir)).expect("restart");
@@ -177,7 +174,10 @@ fn evicted_blocks_come_back_from_disk() {
     let d = disk(&e);
     assert!(d.writes >= 3, "evicted blocks were saved: {d:?}");
     let (warm, usage) = run(&e, &prompt, true);
-    assert_eq!(usage.cached_tokens, 159, "a whole-prompt hit from RAM and disk");
+    assert_eq!(
+        usage.cached_tokens, 159,
+        "a whole-prompt hit from RAM and disk"
+    );
     assert_eq!(warm, cold);
     assert!(disk(&e).hits >= 3);
     drop(e);
@@ -203,7 +203,11 @@ fn a_full_disk_leaves_the_engine_in_ram() {
     assert_eq!(run(&e, &prompt, true).0, cold);
     assert_eq!(run(&e, &prompt, true).0, cold);
     let d = disk(&e);
-    assert_eq!((d.write_errors, d.writes, d.writable), (1, 0, false), "{d:?}");
+    assert_eq!(
+        (d.write_errors, d.writes, d.writable),
+        (1, 0, false),
+        "{d:?}"
+    );
     drop(e);
     assert!(block_files(&dir).is_empty());
     let _ = std::fs::remove_dir_all(&dir);

@@ -46,8 +46,8 @@ mod storage;
 
 pub use admission::{Admission, GroupAdmission, RequestBlocks};
 pub use cache::{
-    DiskTierConfig, KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome, RowReserve,
-    StepReservation, StorageBackend,
+    DiskTierConfig, KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome,
+    RowReserve, StepReservation, StorageBackend,
 };
 pub use error::{KvError, PoolExhausted};
 pub use group::{KvGroupConfig, LayerState};

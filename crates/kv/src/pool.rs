@@ -194,7 +194,10 @@ impl BlockPool {
     /// The blocks evicted since the last call (oldest first), with the
     /// hash each had; empty when the log is off.
     pub fn take_evicted(&mut self) -> Vec<(BlockId, BlockHash)> {
-        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
+        self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Every cached block with its hash (held or not), in no order.

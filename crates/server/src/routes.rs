@@ -9,7 +9,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use crate::error::{ApiError, Route};
-use crate::openai::{CacheReset, CacheResetRequest, CacheStats, Health, HealthStatus, ModelCard, ModelList};
+use crate::openai::{
+    CacheReset, CacheResetRequest, CacheStats, Health, HealthStatus, ModelCard, ModelList,
+};
 use crate::openapi::{
     BadRequest, ForbiddenOrigin, InternalError, ModelNotFound, Unavailable, UnsupportedMediaType,
 };

@@ -26,8 +26,9 @@
 pub mod format;
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File, OpenOptions, TryLockError};
+use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -396,6 +397,24 @@ fn read_all(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// Takes an exclusive advisory lock (`flock`) on `f` without waiting;
+/// `Ok(false)` when another open file holds it. The lock goes with the
+/// file (closed, or the process gone).
+fn try_lock(f: &File) -> std::io::Result<bool> {
+    // SAFETY: `flock` reads only the descriptor, which `f` keeps open for
+    // the duration of the call.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
 /// Takes the advisory lock of `dir` and writes this process's id in it.
 fn lock_dir(dir: &Path) -> Result<File, DiskError> {
     let path = dir.join("lock");
@@ -406,17 +425,13 @@ fn lock_dir(dir: &Path) -> Result<File, DiskError> {
         .truncate(false)
         .open(&path)
         .map_err(io_err(dir))?;
-    match f.try_lock() {
-        Ok(()) => {}
-        Err(TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            let _ = f.read_to_string(&mut holder);
-            return Err(DiskError::Locked {
-                dir: dir.to_path_buf(),
-                holder: holder.trim().to_string(),
-            });
-        }
-        Err(TryLockError::Error(e)) => return Err(io_err(dir)(e)),
+    if !try_lock(&f).map_err(io_err(dir))? {
+        let mut holder = String::new();
+        let _ = f.read_to_string(&mut holder);
+        return Err(DiskError::Locked {
+            dir: dir.to_path_buf(),
+            holder: holder.trim().to_string(),
+        });
     }
     f.set_len(0).map_err(io_err(dir))?;
     writeln!(f, "pid={}", std::process::id()).map_err(io_err(dir))?;

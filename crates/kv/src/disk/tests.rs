@@ -40,7 +40,10 @@ fn blocks_survive_a_reopen_and_lru_keeps_the_bound() {
     assert!(store.put(&meta(1, 13), &payload(&meta(1, 13), 13)));
     assert!(!store.contains(BlockHash(11), 0));
     let s = store.stats();
-    assert_eq!((s.blocks, s.bytes, s.writes, s.evictions), (3, 3 * size, 4, 1));
+    assert_eq!(
+        (s.blocks, s.bytes, s.writes, s.evictions),
+        (3, 3 * size, 4, 1)
+    );
     // Writing a block again is a no-op.
     assert!(!store.put(&m, &payload(&m, 10)));
     drop(store);
@@ -100,7 +103,10 @@ fn a_second_store_on_one_directory_is_refused() {
     let err = DiskStore::open(&dir, 1, 1 << 20).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, DiskError::Locked { .. }), "{msg}");
-    assert!(msg.contains(&format!("pid={}", std::process::id())), "{msg}");
+    assert!(
+        msg.contains(&format!("pid={}", std::process::id())),
+        "{msg}"
+    );
     drop(store);
     // Released with the store.
     drop(DiskStore::open(&dir, 1, 1 << 20).unwrap());
