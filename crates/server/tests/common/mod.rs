@@ -231,6 +231,19 @@ impl InferenceService for FakeService {
                     blocks_cached: 0,
                 },
             ],
+            disk: Some(mlxcel_engine_api::DiskCacheStats {
+                blocks: 5,
+                bytes: 5 * 1100,
+                capacity_bytes: 1 << 20,
+                hits: 4,
+                writes: 6,
+                write_bytes: 6 * 1100,
+                evictions: 1,
+                skipped: 2,
+                foreign: 3,
+                write_errors: 0,
+                writable: true,
+            }),
             ..EngineStats::default()
         }
     }
