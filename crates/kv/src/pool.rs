@@ -605,4 +605,33 @@ mod tests {
         assert_eq!((end.used, end.free, end.cached), (0, 5, 0));
         pool.check_invariants().unwrap();
     }
+
+    #[test]
+    fn the_eviction_log_names_each_evicted_block_with_its_hash() {
+        let mut pool = BlockPool::new(4, 2).unwrap();
+        let a = pool.allocate(3).unwrap();
+        for (i, &b) in a.iter().enumerate() {
+            pool.register(b, h(i as u128 + 1)).unwrap();
+        }
+        pool.free(&a).unwrap();
+        // Off: nothing is logged.
+        assert_eq!(pool.allocate(2).unwrap(), ids(&[3, 0]));
+        assert!(pool.take_evicted().is_empty());
+        pool.log_evictions(true);
+        assert_eq!(pool.allocate(1).unwrap(), ids(&[1]));
+        assert_eq!(pool.evict_cached(5), 1);
+        assert_eq!(
+            pool.take_evicted(),
+            vec![(BlockId(1), h(2)), (BlockId(2), h(3))]
+        );
+        assert!(pool.take_evicted().is_empty(), "taken once");
+        // A reset drops hashes without logging them.
+        let b = pool.allocate(1).unwrap();
+        pool.register(b[0], h(9)).unwrap();
+        assert_eq!(pool.cached_entries(), vec![(b[0], h(9))]);
+        pool.free(&b).unwrap();
+        assert_eq!(pool.reset_prefix_cache(), 1);
+        assert!(pool.take_evicted().is_empty());
+        pool.check_invariants().unwrap();
+    }
 }

@@ -489,9 +489,9 @@ pub struct CacheReset {
     pub stats: CacheStats,
 }
 
-/// The optional body of `POST /v1/cache/reset`.
+/// The optional body of `POST /v1/cache/reset` (other fields are
+/// ignored, as the route took no body before).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct CacheResetRequest {
     /// Keep the disk tier's block files (default false: they are deleted
     /// too).
