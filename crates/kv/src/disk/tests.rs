@@ -134,3 +134,14 @@ fn a_full_disk_turns_writes_off_once_and_reads_go_on() {
     drop(store);
     let _ = fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_directory_that_cannot_be_created_is_an_io_error() {
+    // A path under a regular file: no directory can exist there (unlike
+    // permissions, this holds for root too).
+    let file = std::env::temp_dir().join(format!("mlxcel-disk-{}-file", std::process::id()));
+    fs::write(&file, b"not a directory").unwrap();
+    let err = DiskStore::open(&file.join("cache"), 1, 1 << 20).unwrap_err();
+    assert!(matches!(err, DiskError::Io { .. }), "{err}");
+    let _ = fs::remove_file(&file);
+}
