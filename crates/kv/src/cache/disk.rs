@@ -321,6 +321,8 @@ impl KvCache {
         };
         let layout = self.config.layout;
         let key = tier.store.key();
+        let started = std::time::Instant::now();
+        let mut loaded = 0;
         for (g, group) in self.groups.iter_mut().enumerate() {
             let from = hold_from(cached, group.config.keep, chunk) / bs;
             // Hold the blocks already in RAM so loading can't evict them.
@@ -350,6 +352,7 @@ impl KvCache {
                         for (&id, (_, h, _)) in ids.iter().zip(&load) {
                             group.pool.register(id, *h)?;
                         }
+                        loaded += ids.len();
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "writing KV blocks read from disk failed");
@@ -361,6 +364,13 @@ impl KvCache {
             held.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
             let ids: Vec<BlockId> = held.into_iter().map(|(_, id)| id).collect();
             group.pool.free(&ids)?;
+        }
+        if loaded > 0 {
+            tracing::info!(
+                blocks = loaded,
+                seconds = started.elapsed().as_secs_f64(),
+                "prompt cache blocks read from disk"
+            );
         }
         Ok(())
     }
