@@ -180,6 +180,23 @@ pub struct ModelArgs {
     /// used go first); `auto`: the whole pool.
     #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
     pub prompt_cache_capacity: AutoOr<usize>,
+    /// A directory for the prompt cache's disk tier: KV blocks that leave
+    /// RAM (evicted, or all of them at a clean stop) are saved there and
+    /// read back by later prompts, across restarts. One server per
+    /// directory (a lock file names the holder). Off without it.
+    #[arg(long, value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+    pub prompt_cache_dir: Option<std::path::PathBuf>,
+    /// Most bytes of block files the disk tier keeps (suffixes K, M, G,
+    /// KiB, MiB, GiB); least recently used go first.
+    #[arg(long, default_value = "16GiB", value_parser = parse_bytes)]
+    pub prompt_cache_disk_size: usize,
+}
+
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    match parse_auto_bytes(s)? {
+        AutoOr::Value(v) => Ok(v),
+        AutoOr::Auto => Err("expected a size in bytes, got `auto`".into()),
+    }
 }
 
 /// A flag value that is `auto` or a number.
@@ -367,6 +384,8 @@ impl ModelArgs {
         c.max_kv_size = self.max_kv_size.map(|n| n as usize);
         c.chat_template = self.chat_template.clone();
         c.prefix_cache_capacity = self.prompt_cache_capacity.value();
+        c.prompt_cache_dir = self.prompt_cache_dir.clone();
+        c.prompt_cache_disk_size = self.prompt_cache_disk_size as u64;
         c.attention_path = match self.attention_path {
             AttentionPathArg::Auto | AttentionPathArg::Paged => AttentionPath::PagedDecode,
             AttentionPathArg::Batched => AttentionPath::BatchedDecode,

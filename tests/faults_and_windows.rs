@@ -74,6 +74,7 @@ fn fault_run(panic: bool) {
     c.fault = FaultInjection {
         poison_token: Some(poison),
         panic,
+        ..FaultInjection::default()
     };
     let e = Engine::start(c).expect("engine");
     // Three streams decoding...

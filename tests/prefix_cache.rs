@@ -216,12 +216,12 @@ fn concurrent_requests_share_one_copy_of_a_system_prompt_and_reset_empties_the_p
         assert_eq!(usage.prompt_tokens, 220);
     }
     // Reset: everything was unreferenced, so the pool empties.
-    let reset = e.reset_prefix_cache().expect("reset");
+    let reset = e.reset_prefix_cache(false).expect("reset");
     assert_eq!(reset.blocks_freed, want);
     let s = e.stats();
     assert_eq!((s.kv_blocks_used, s.kv_blocks_cached), (0, 0));
     assert_eq!(
-        e.reset_prefix_cache().expect("again").blocks_freed,
+        e.reset_prefix_cache(false).expect("again").blocks_freed,
         0,
         "idempotent"
     );

@@ -123,15 +123,16 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         ProfileArg::Layers => ProfileMode::Layers,
     };
     for run in 0..args.runs {
-        // Each run prefills from scratch and is profiled on its own.
+        // Each run prefills from scratch (from RAM; a disk tier's files are
+        // kept) and is profiled on its own.
         engine
-            .reset_prefix_cache()
+            .reset_prefix_cache(true)
             .context("resetting the prompt cache")?;
         profile::set_mode(mode);
         let report = generate_once(&engine, &args, &prompts, run == 0)?;
         // A round trip through the engine thread: its last step has ended.
         engine
-            .reset_prefix_cache()
+            .reset_prefix_cache(true)
             .context("resetting the prompt cache")?;
         eprintln!("==========");
         if args.runs > 1 {

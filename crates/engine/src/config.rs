@@ -23,6 +23,9 @@ pub mod defaults {
     /// Prefill chunk of `--prefill-chunk-size auto` on a GPU: one step for
     /// most prompts (measured on an H200, docs/performance.md).
     pub const GPU_PREFILL_CHUNK_SIZE: usize = 2048;
+    /// Most bytes of block files the prompt cache's disk tier keeps
+    /// (`--prompt-cache-disk-size`): 16 GiB.
+    pub const PROMPT_CACHE_DISK_SIZE: u64 = 16 << 30;
 }
 
 /// Typed engine options, built once by the binaries from their flags.
@@ -62,6 +65,15 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Most unreferenced cached blocks kept; `None` = the whole pool.
     pub prefix_cache_capacity: Option<usize>,
+    /// The prefix cache's disk tier (`--prompt-cache-dir`): blocks that
+    /// leave RAM are saved there and read back by later lookups, across
+    /// restarts. `None`: off. Needs the prefix cache; not with tensor
+    /// parallelism.
+    pub prompt_cache_dir: Option<PathBuf>,
+    /// Most bytes of block files the disk tier keeps
+    /// (`--prompt-cache-disk-size`, default
+    /// [`defaults::PROMPT_CACHE_DISK_SIZE`]).
+    pub prompt_cache_disk_size: u64,
     /// Most K/V tokens each sequence keeps in every layer (older ones are
     /// dropped from the front; positions keep counting). `None`: all (up
     /// to the context). A sliding-window layer keeps at most its window
@@ -144,6 +156,8 @@ impl EngineConfig {
             check_invariants: cfg!(debug_assertions),
             prefix_cache: true,
             prefix_cache_capacity: None,
+            prompt_cache_dir: None,
+            prompt_cache_disk_size: defaults::PROMPT_CACHE_DISK_SIZE,
             max_kv_size: None,
             special_tokens_in_content: false,
             reasoning_parser: ReasoningParser::Auto,

@@ -9,6 +9,9 @@ pub struct FaultInjection {
     pub poison_token: Option<u32>,
     /// Fail by panicking (caught at the step boundary) instead of an error.
     pub panic: bool,
+    /// Every write of the prompt cache's disk tier fails with this OS
+    /// error (28: no space left on device).
+    pub disk_write_errno: Option<i32>,
 }
 
 impl FaultInjection {

@@ -132,10 +132,10 @@ impl InferenceService for Engine {
         self.health.as_ref().and_then(|h| h.broken())
     }
 
-    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
+    fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
         let gone = || SubmitError::Unavailable("the engine has stopped".into());
         let (reply, outcome) = mpsc::channel();
-        self.send(Message::ResetPrefixCache(reply))?;
+        self.send(Message::ResetPrefixCache { reply, keep_disk })?;
         outcome.recv().map_err(|_| gone())
     }
 }

@@ -24,6 +24,7 @@
 /// The front-end seam (re-exported from `mlxcel-engine-api`).
 pub use mlxcel_engine_api as api;
 pub mod config;
+mod disk;
 mod draft;
 pub mod error;
 #[cfg(feature = "fault-injection")]

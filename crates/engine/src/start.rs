@@ -6,7 +6,7 @@
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use mlxcel_kv::{KvCache, StorageBackend};
+use mlxcel_kv::{DiskTierConfig, KvCache, StorageBackend};
 use mlxcel_model::Model;
 use mlxcel_text::Text;
 
@@ -53,6 +53,7 @@ impl Engine {
         checkpoint: Checkpoint,
     ) -> Result<Engine, EngineError> {
         let started = Instant::now();
+        crate::disk::check(&config)?;
         if config.speculative.num_tokens == 0 {
             return Err(EngineError::Config(
                 "--num-speculative-tokens must be at least 1".into(),
@@ -97,10 +98,12 @@ impl Engine {
             .tensor_parallel
             .map(|tp| (Arc::new(RunnerHealth::default()), tp.timeout));
         let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let disk = crate::disk::tier_config(&config);
         let (jobs, thread, loaded) = spawn_engine_thread(
             opened,
             draft,
             plan,
+            disk,
             Arc::clone(&text),
             Arc::clone(&stats),
             group.clone(),
@@ -178,6 +181,7 @@ fn spawn_engine_thread(
     opened: Opened,
     draft: Option<Opened>,
     plan: EnginePlan,
+    disk: Option<DiskTierConfig>,
     text: Arc<Text>,
     stats: Arc<Mutex<EngineStats>>,
     group: Group,
@@ -186,7 +190,15 @@ fn spawn_engine_thread(
     let (ready_tx, ready_rx) = mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("mlxcel-engine".into())
-        .spawn(move || engine_thread(opened, draft, plan, &text, stats, group, &queue, &ready_tx))
+        .spawn(move || {
+            let setup = Setup {
+                opened,
+                draft,
+                plan,
+                disk,
+            };
+            engine_thread(setup, &text, stats, group, &queue, &ready_tx)
+        })
         .map_err(|e| EngineError::Thread(e.to_string()))?;
     let loaded = ready_rx
         .recv()
@@ -194,14 +206,20 @@ fn spawn_engine_thread(
     Ok((jobs, thread, loaded))
 }
 
-/// The engine thread: loads the model, builds the KV cache and the runner,
-/// reports ready (or what failed) on `ready`, then serves `queue` until
-/// every handle is gone.
-#[allow(clippy::too_many_arguments)]
-fn engine_thread(
+/// What the engine thread builds from.
+struct Setup {
     opened: Opened,
     draft: Option<Opened>,
     plan: EnginePlan,
+    /// The prefix cache's disk tier, when on.
+    disk: Option<DiskTierConfig>,
+}
+
+/// The engine thread: loads the model, builds the KV cache (and opens its
+/// disk tier) and the runner, reports ready (or what failed) on `ready`,
+/// then serves `queue` until every handle is gone.
+fn engine_thread(
+    setup: Setup,
     text: &Text,
     stats: Arc<Mutex<EngineStats>>,
     group: Group,
@@ -209,8 +227,19 @@ fn engine_thread(
     ready: &mpsc::Sender<Result<Loaded, EngineError>>,
 ) {
     let tensor_parallel = group.is_some();
+    let Setup {
+        opened,
+        draft,
+        plan,
+        disk,
+    } = setup;
     let setup = opened.load().and_then(|model| {
-        let kv = plan.kv_cache(model.as_ref())?;
+        let mut kv = plan.kv_cache(model.as_ref())?;
+        crate::disk::open(&mut kv, disk.as_ref())?;
+        #[cfg(feature = "fault-injection")]
+        if let Some(errno) = plan.worker.fault.disk_write_errno {
+            kv.fail_disk_writes_with(errno);
+        }
         let draft = match draft {
             Some(draft) => {
                 let draft_model = draft.load()?;

@@ -25,11 +25,15 @@
 //!   attention window; each group has its own pool, tables and keep (the
 //!   keys a sequence holds between steps).
 //!
+//! - [`disk`]: the prefix cache's disk tier, block files under a
+//!   directory that outlive the process ([`KvCache::open_disk_tier`]).
+//!
 //! The engine thread owns one pool per KV group; every call is synchronous and O(blocks
 //! touched), except the `counts`/`check_invariants` helpers, O(pool).
 
 mod admission;
 mod cache;
+pub mod disk;
 mod error;
 mod group;
 mod hash;
@@ -42,8 +46,8 @@ mod storage;
 
 pub use admission::{Admission, GroupAdmission, RequestBlocks};
 pub use cache::{
-    KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome, RowReserve,
-    StepReservation, StorageBackend,
+    DiskTierConfig, KvCache, KvCacheConfig, KvSequence, PrefixCacheConfig, ResetOutcome,
+    RowReserve, StepReservation, StorageBackend,
 };
 pub use error::{KvError, PoolExhausted};
 pub use group::{KvGroupConfig, LayerState};

@@ -99,6 +99,9 @@ pub struct BlockPool {
     by_hash: HashMap<BlockHash, BlockId>,
     /// Cached blocks whose hash was dropped to reuse them, since creation.
     evictions: u64,
+    /// When on ([`BlockPool::log_evictions`]), every block evicted by
+    /// `allocate` or `evict_cached` with the hash it had, until taken.
+    evicted: Option<Vec<(BlockId, BlockHash)>>,
 }
 
 impl BlockPool {
@@ -125,6 +128,7 @@ impl BlockPool {
             free_len: 0,
             by_hash: HashMap::new(),
             evictions: 0,
+            evicted: None,
         };
         for i in 0..num_blocks as u32 {
             pool.push_tail(i);
@@ -178,6 +182,29 @@ impl BlockPool {
         self.evictions
     }
 
+    /// Turns the eviction log on or off (off drops what it held). While
+    /// on, every cached block that `allocate` or `evict_cached` evicts is
+    /// logged with its hash until [`BlockPool::take_evicted`]: its K/V
+    /// stay in the pool arrays until the new holder writes, so the disk
+    /// tier can save them first. A reset drops hashes without logging.
+    pub fn log_evictions(&mut self, on: bool) {
+        self.evicted = on.then(Vec::new);
+    }
+
+    /// The blocks evicted since the last call (oldest first), with the
+    /// hash each had; empty when the log is off.
+    pub fn take_evicted(&mut self) -> Vec<(BlockId, BlockHash)> {
+        self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Every cached block with its hash (held or not), in no order.
+    pub fn cached_entries(&self) -> Vec<(BlockId, BlockHash)> {
+        self.by_hash.iter().map(|(&h, &b)| (b, h)).collect()
+    }
+
     /// The reference count of `block`.
     pub fn ref_count(&self, block: BlockId) -> Result<u32, KvError> {
         Ok(self.meta(block)?.ref_count)
@@ -224,6 +251,9 @@ impl BlockPool {
             if let Some(hash) = meta.hash.take() {
                 self.by_hash.remove(&hash);
                 self.evictions += 1;
+                if let Some(log) = &mut self.evicted {
+                    log.push((BlockId(id), hash));
+                }
             }
             out.push(BlockId(id));
         }
@@ -319,6 +349,9 @@ impl BlockPool {
                 self.by_hash.remove(&hash);
                 self.evictions += 1;
                 evicted += 1;
+                if let Some(log) = &mut self.evicted {
+                    log.push((BlockId(at), hash));
+                }
             }
             at = meta.next;
         }
@@ -570,6 +603,35 @@ mod tests {
         assert_eq!(pool.reset_prefix_cache(), 2);
         let end = pool.counts();
         assert_eq!((end.used, end.free, end.cached), (0, 5, 0));
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_eviction_log_names_each_evicted_block_with_its_hash() {
+        let mut pool = BlockPool::new(4, 2).unwrap();
+        let a = pool.allocate(3).unwrap();
+        for (i, &b) in a.iter().enumerate() {
+            pool.register(b, h(i as u128 + 1)).unwrap();
+        }
+        pool.free(&a).unwrap();
+        // Off: nothing is logged.
+        assert_eq!(pool.allocate(2).unwrap(), ids(&[3, 0]));
+        assert!(pool.take_evicted().is_empty());
+        pool.log_evictions(true);
+        assert_eq!(pool.allocate(1).unwrap(), ids(&[1]));
+        assert_eq!(pool.evict_cached(5), 1);
+        assert_eq!(
+            pool.take_evicted(),
+            vec![(BlockId(1), h(2)), (BlockId(2), h(3))]
+        );
+        assert!(pool.take_evicted().is_empty(), "taken once");
+        // A reset drops hashes without logging them.
+        let b = pool.allocate(1).unwrap();
+        pool.register(b[0], h(9)).unwrap();
+        assert_eq!(pool.cached_entries(), vec![(b[0], h(9))]);
+        pool.free(&b).unwrap();
+        assert_eq!(pool.reset_prefix_cache(), 1);
+        assert!(pool.take_evicted().is_empty());
         pool.check_invariants().unwrap();
     }
 }

@@ -47,6 +47,9 @@ struct EngineMetrics {
     prefix_enabled: IntGauge,
     prefix: IntCounterVec,
     prefix_tokens_reused: IntCounter,
+    /// The disk tier: files and bytes on disk, and its events.
+    disk: IntGaugeVec,
+    disk_events: IntCounterVec,
     steps: IntCounterVec,
     step_tokens: IntCounterVec,
     failed_steps: IntCounter,
@@ -114,6 +117,24 @@ impl EngineMetrics {
                 "mlxcel_prefix_cache_tokens_reused_total",
                 "Prompt tokens served from the prefix cache",
             ),
+            disk: IntGaugeVec::new(
+                Opts::new(
+                    "mlxcel_prompt_cache_disk",
+                    "The prompt cache's disk tier: block files (what=\"blocks\"), their bytes \
+                     (what=\"bytes\"), the size bound (what=\"capacity_bytes\"), 1 while writes \
+                     are on (what=\"writable\"); absent without --prompt-cache-dir",
+                ),
+                &["what"],
+            )
+            .expect("valid metric definition"),
+            disk_events: counter_vec(
+                "mlxcel_prompt_cache_disk_events_total",
+                "The prompt cache's disk tier: blocks read back (hit), blocks written (write), \
+                 bytes written (write_bytes), files removed for the size bound (eviction), \
+                 files skipped as corrupt, truncated, foreign or unreadable (skipped), \
+                 failed writes (write_error)",
+                &["event"],
+            ),
             steps: counter_vec(
                 "mlxcel_steps_total",
                 "Engine steps with prefill rows / decode rows / decode steps queued before the previous step's tokens were read (pipelined)",
@@ -163,6 +184,8 @@ impl EngineMetrics {
         r.register(Box::new(self.prefix_enabled.clone()))?;
         r.register(Box::new(self.prefix.clone()))?;
         r.register(Box::new(self.prefix_tokens_reused.clone()))?;
+        r.register(Box::new(self.disk.clone()))?;
+        r.register(Box::new(self.disk_events.clone()))?;
         r.register(Box::new(self.steps.clone()))?;
         r.register(Box::new(self.step_tokens.clone()))?;
         r.register(Box::new(self.failed_steps.clone()))?;
@@ -221,6 +244,28 @@ impl EngineMetrics {
             catch_up(&self.prefix.with_label_values(&[event]), v);
         }
         catch_up(&self.prefix_tokens_reused, s.prefix_cache_tokens_reused);
+        if let Some(d) = &s.disk {
+            for (what, v) in [
+                ("blocks", d.blocks),
+                ("bytes", d.bytes),
+                ("capacity_bytes", d.capacity_bytes),
+                ("writable", u64::from(d.writable)),
+            ] {
+                self.disk
+                    .with_label_values(&[what])
+                    .set(i64::try_from(v).unwrap_or(i64::MAX));
+            }
+            for (event, v) in [
+                ("hit", d.hits),
+                ("write", d.writes),
+                ("write_bytes", d.write_bytes),
+                ("eviction", d.evictions),
+                ("skipped", d.skipped),
+                ("write_error", d.write_errors),
+            ] {
+                catch_up(&self.disk_events.with_label_values(&[event]), v);
+            }
+        }
         catch_up(&self.steps.with_label_values(&["prefill"]), s.prefill_steps);
         catch_up(&self.steps.with_label_values(&["decode"]), s.decode_steps);
         catch_up(

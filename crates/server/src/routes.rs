@@ -9,9 +9,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use crate::error::{ApiError, Route};
-use crate::openai::{CacheReset, CacheStats, Health, HealthStatus, ModelCard, ModelList};
+use crate::openai::{
+    CacheReset, CacheResetRequest, CacheStats, Health, HealthStatus, ModelCard, ModelList,
+};
 use crate::openapi::{
-    ForbiddenOrigin, InternalError, ModelNotFound, Unavailable, UnsupportedMediaType,
+    BadRequest, ForbiddenOrigin, InternalError, ModelNotFound, Unavailable, UnsupportedMediaType,
 };
 use crate::AppState;
 
@@ -192,24 +194,32 @@ pub async fn cache_stats(State(state): State<AppState>) -> Response {
 }
 
 /// `POST /v1/cache/reset`: frees every cached block no running request
-/// holds, and says what it freed. Idempotent; safe while requests run.
+/// holds and, unless the body says `{"keep_disk": true}`, deletes the disk
+/// tier's block files; says what it freed. Idempotent; safe while requests
+/// run. The body is optional.
 #[utoipa::path(
     post,
     path = "/v1/cache/reset",
     operation_id = "resetCache",
     summary = "Free every cached KV block no running request holds (mlxcel extension)",
-    description = "Idempotent and safe while requests run. Takes no body.",
+    description = "Idempotent and safe while requests run. The body is optional: `{\"keep_disk\": true}` keeps the disk tier's files (`--prompt-cache-dir`).",
+    request_body(content = Option<CacheResetRequest>, content_type = "application/json"),
     responses(
         (status = 200, description = "What was freed, and the statistics after it.", body = CacheReset),
+        (status = 400, response = BadRequest),
         (status = 403, response = ForbiddenOrigin),
         (status = 415, response = UnsupportedMediaType),
         (status = 500, response = InternalError),
         (status = 503, response = Unavailable),
     ),
 )]
-pub async fn cache_reset(State(state): State<AppState>) -> Result<Response, ApiError> {
+pub async fn cache_reset(
+    State(state): State<AppState>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let keep_disk = CacheResetRequest::parse(&body)?.keep_disk;
     let handle = state.service_handle();
-    let reset = tokio::task::spawn_blocking(move || handle.reset_prefix_cache())
+    let reset = tokio::task::spawn_blocking(move || handle.reset_prefix_cache(keep_disk))
         .await
         .map_err(|e| ApiError::Internal(format!("resetting the cache: {e}")))?
         .map_err(|e| ApiError::from_submit(e, Route::Chat))?;
@@ -218,6 +228,8 @@ pub async fn cache_reset(State(state): State<AppState>) -> Result<Response, ApiE
         object: "cache.reset",
         blocks_freed: reset.blocks_freed,
         bytes_freed: reset.bytes_freed,
+        disk_blocks_freed: reset.disk_blocks_freed,
+        disk_bytes_freed: reset.disk_bytes_freed,
         stats: CacheStats::from(&stats),
     })
     .into_response())

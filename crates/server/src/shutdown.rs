@@ -87,8 +87,8 @@ impl InferenceService for DrainingService {
         self.inner.stats()
     }
 
-    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
-        self.inner.reset_prefix_cache()
+    fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
+        self.inner.reset_prefix_cache(keep_disk)
     }
 
     fn ready(&self) -> bool {

@@ -56,6 +56,52 @@ async fn cache_reset_says_what_it_freed() {
 }
 
 #[tokio::test]
+async fn the_disk_tier_shows_in_stats_and_metrics_and_reset_can_keep_it() {
+    let body = get(app(FakeService::hello()), "/v1/cache/stats")
+        .await
+        .json();
+    assert_eq!(body["disk"]["blocks"], 5);
+    assert_eq!(
+        (
+            &body["disk"]["hits"],
+            &body["disk"]["skipped"],
+            &body["disk"]["writable"]
+        ),
+        (&json!(4), &json!(2), &json!(true))
+    );
+    let text = String::from_utf8(
+        get(app(FakeService::hello()), "/metrics")
+            .await
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    assert!(
+        text.contains("mlxcel_prompt_cache_disk{what=\"bytes\"} 5500"),
+        "{text}"
+    );
+    assert!(text.contains("mlxcel_prompt_cache_disk_events_total{event=\"skipped\"} 2"));
+    let reset = |body: &str| {
+        post_raw_to(
+            app(FakeService::hello()),
+            "/v1/cache/reset",
+            Some("application/json"),
+            body.to_string(),
+        )
+    };
+    let all = reset("").await.json();
+    assert_eq!(
+        (&all["disk_blocks_freed"], &all["disk_bytes_freed"]),
+        (&json!(2), &json!(8192))
+    );
+    let kept = reset(r#"{"keep_disk": true}"#).await.json();
+    assert_eq!(kept["disk_blocks_freed"], 0);
+    reset(r#"{"keep_disk": "yes"}"#)
+        .await
+        .error(StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
 async fn cache_prompt_false_reaches_the_engine_and_must_be_a_boolean() {
     let service = FakeService::hello();
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "cache_prompt": false});

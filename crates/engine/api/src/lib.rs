@@ -26,4 +26,4 @@ pub use request::{
     TokenizeRequest, ToolCall, ToolChoice, ToolDefinition, RESERVED_TEMPLATE_VARIABLES,
 };
 pub use service::{InferenceService, RequestField, ServiceSlot, SubmitError};
-pub use stats::{CacheReset, EngineStats, KvGroupStats};
+pub use stats::{CacheReset, DiskCacheStats, EngineStats, KvGroupStats};

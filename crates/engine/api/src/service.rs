@@ -88,8 +88,9 @@ pub trait InferenceService: Send + Sync + 'static {
     fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError>;
     /// The engine's counters and gauges now.
     fn stats(&self) -> EngineStats;
-    /// Frees every prefix-cache block no running request holds.
-    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError>;
+    /// Frees every prefix-cache block no running request holds and,
+    /// unless `keep_disk`, deletes the disk tier's block files.
+    fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError>;
     /// Whether the engine serves requests yet (`GET /health` answers 503
     /// `starting` until then): false while the model loads and warms up.
     fn ready(&self) -> bool {
@@ -156,8 +157,8 @@ impl InferenceService for ServiceSlot {
     fn stats(&self) -> EngineStats {
         self.engine().map(|e| e.stats()).unwrap_or_default()
     }
-    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
-        self.engine()?.reset_prefix_cache()
+    fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
+        self.engine()?.reset_prefix_cache(keep_disk)
     }
     fn ready(&self) -> bool {
         self.engine.get().is_some_and(|e| e.ready())

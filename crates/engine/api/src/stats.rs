@@ -8,6 +8,38 @@ pub struct CacheReset {
     pub blocks_freed: usize,
     /// Their K/V size in bytes.
     pub bytes_freed: usize,
+    /// Block files deleted from the disk tier (0 when it is off or kept).
+    pub disk_blocks_freed: u64,
+    /// Their size in bytes.
+    pub disk_bytes_freed: u64,
+}
+
+/// The prefix cache's disk tier (`--prompt-cache-dir`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskCacheStats {
+    /// Block files of this model and configuration on disk.
+    pub blocks: u64,
+    /// Their size, in bytes.
+    pub bytes: u64,
+    /// The size bound (`--prompt-cache-disk-size`), in bytes.
+    pub capacity_bytes: u64,
+    /// Blocks read back from disk into the KV pool.
+    pub hits: u64,
+    /// Blocks written, and their bytes.
+    pub writes: u64,
+    pub write_bytes: u64,
+    /// Files removed to stay within the size bound.
+    pub evictions: u64,
+    /// Files skipped and deleted: corrupt, truncated, foreign header,
+    /// unreadable.
+    pub skipped: u64,
+    /// Files of another model or configuration found in the directory at
+    /// start (left alone).
+    pub foreign: u64,
+    /// Writes that failed; the first one turns writes off.
+    pub write_errors: u64,
+    /// Whether writes are on.
+    pub writable: bool,
 }
 
 /// A snapshot of the engine's scheduler and KV cache, updated every step.
@@ -79,6 +111,8 @@ pub struct EngineStats {
     /// window, each with its own pool), in group order; the `kv_blocks_*`
     /// fields above are their sums.
     pub kv_groups: Vec<KvGroupStats>,
+    /// The prefix cache's disk tier; `None` when it is off.
+    pub disk: Option<DiskCacheStats>,
 }
 
 /// One KV group's pool ([`EngineStats::kv_groups`]).

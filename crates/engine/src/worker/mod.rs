@@ -74,8 +74,12 @@ pub(crate) enum ToolCallOutput {
 pub(crate) enum Message {
     /// A request to run.
     Job(Box<Job>),
-    /// Free unreferenced prefix-cache blocks; the outcome goes back.
-    ResetPrefixCache(mpsc::Sender<CacheReset>),
+    /// Free unreferenced prefix-cache blocks and, unless `keep_disk`, the
+    /// disk tier's files; the outcome goes back.
+    ResetPrefixCache {
+        reply: mpsc::Sender<CacheReset>,
+        keep_disk: bool,
+    },
 }
 
 /// The worker's options.
@@ -244,6 +248,17 @@ impl<'m> Worker<'m> {
             self.reclaim();
             self.publish();
         }
+        // A clean stop: every cached block not on disk yet goes there, so
+        // the next start is warm.
+        if self.kv.disk_stats().is_some() {
+            let started = Instant::now();
+            let saved = self.kv.save_to_disk();
+            tracing::info!(
+                blocks = saved,
+                seconds = started.elapsed().as_secs_f64(),
+                "prompt cache saved to disk"
+            );
+        }
         // Dropping the runner tells a tensor-parallel group's other ranks
         // to stop.
         tracing::info!("engine thread stopping");
@@ -252,18 +267,29 @@ impl<'m> Worker<'m> {
     fn handle(&mut self, message: Message) {
         match message {
             Message::Job(job) => self.waiting.push_back(*job),
-            Message::ResetPrefixCache(reply) => {
+            Message::ResetPrefixCache { reply, keep_disk } => {
                 self.reclaim();
                 let r = self.kv.reset_prefix_cache();
                 if let Some(d) = &mut self.drafter {
                     d.kv.reset_prefix_cache();
                 }
-                tracing::info!(blocks_freed = r.blocks_freed, "prefix cache reset");
+                let (disk_blocks, disk_bytes) = if keep_disk {
+                    (0, 0)
+                } else {
+                    self.kv.reset_disk_tier()
+                };
+                tracing::info!(
+                    blocks_freed = r.blocks_freed,
+                    disk_blocks_freed = disk_blocks,
+                    "prefix cache reset"
+                );
                 // Stats first: whoever gets the reply reads them next.
                 self.publish();
                 let _ = reply.send(CacheReset {
                     blocks_freed: r.blocks_freed,
                     bytes_freed: r.bytes_freed,
+                    disk_blocks_freed: disk_blocks,
+                    disk_bytes_freed: disk_bytes,
                 });
             }
         }
@@ -312,6 +338,19 @@ impl<'m> Worker<'m> {
         c.prefix_cache_tokens_reused = prefix.tokens_reused;
         c.prefix_cache_inserts = prefix.inserts;
         c.prefix_cache_evictions = prefix.evictions;
+        c.disk = self.kv.disk_stats().map(|d| crate::api::DiskCacheStats {
+            blocks: d.blocks,
+            bytes: d.bytes,
+            capacity_bytes: d.capacity_bytes,
+            hits: d.hits,
+            writes: d.writes,
+            write_bytes: d.write_bytes,
+            evictions: d.evictions,
+            skipped: d.skipped,
+            foreign: d.foreign,
+            write_errors: d.write_errors,
+            writable: d.writable,
+        });
         c.kv_groups = self
             .kv
             .groups()

@@ -20,6 +20,7 @@
 
 mod admission;
 mod config;
+mod disk;
 mod positions;
 mod prefix;
 mod reserve;
@@ -38,6 +39,7 @@ use crate::sequence::{BlockCopy, SequenceBlocks};
 use crate::storage::{DenseStorage, KvLayout, PagedStorage};
 
 pub use config::{KvCacheConfig, PrefixCacheConfig, ResetOutcome, StorageBackend};
+pub use disk::DiskTierConfig;
 pub use reserve::{RowReserve, StepReservation};
 
 /// An opaque handle on one sequence's KV. Dropping it releases the
@@ -107,6 +109,8 @@ pub struct KvCache {
     /// Block copies made since last taken, when recording (tensor
     /// parallelism's rank 0: see replica.rs).
     pub(crate) copy_log: Option<Vec<BlockCopy>>,
+    /// The prefix cache's disk tier, when open (disk.rs).
+    pub(crate) disk: Option<disk::DiskTier>,
 }
 
 impl KvCache {
@@ -204,6 +208,7 @@ impl KvCache {
             released: Rc::default(),
             prefix,
             copy_log: None,
+            disk: None,
         })
     }
 

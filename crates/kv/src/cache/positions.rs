@@ -86,6 +86,9 @@ impl KvCache {
                 }
             };
             grown += 1;
+            // Evicted cached blocks still hold their K/V: save them before
+            // the copy or the step writes into them.
+            super::disk::save_evicted(&mut self.disk, &self.config.layout, g, group);
             if let (Some(p), Some(copy)) = (&mut group.paged, appended.copy) {
                 if let Some(log) = &mut self.copy_log {
                     log.push(copy);

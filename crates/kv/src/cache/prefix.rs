@@ -45,6 +45,10 @@ impl KvCache {
         tokens: &[u32],
         chunk: usize,
     ) -> Result<(KvSequence, usize), KvError> {
+        if self.prefix.is_none() {
+            return Ok((self.new_sequence(), 0));
+        }
+        self.load_from_disk(tokens, chunk)?;
         let Some((cache, cfg)) = &mut self.prefix else {
             return Ok((self.new_sequence(), 0));
         };
@@ -149,10 +153,11 @@ impl KvCache {
     /// prefix cache's capacity, in each group.
     pub(super) fn enforce_prefix_capacity(&mut self) {
         let Some((_, cfg)) = &self.prefix else { return };
-        for g in &mut self.groups {
+        for (i, g) in self.groups.iter_mut().enumerate() {
             let evictable = g.pool.counts().evictable;
             if evictable > cfg.capacity_blocks {
                 g.pool.evict_cached(evictable - cfg.capacity_blocks);
+                super::disk::save_evicted(&mut self.disk, &self.config.layout, i, g);
             }
         }
     }

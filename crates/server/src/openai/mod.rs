@@ -366,6 +366,55 @@ pub struct CacheStats {
     pub running: usize,
     /// Requests queued.
     pub waiting: usize,
+    /// The disk tier (`--prompt-cache-dir`); `null` when it is off.
+    pub disk: Option<DiskCacheStats>,
+}
+
+/// `disk` of [`CacheStats`]: the prefix cache's disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct DiskCacheStats {
+    /// Block files of this model and configuration on disk.
+    pub blocks: u64,
+    /// Their size, in bytes.
+    pub bytes: u64,
+    /// The size bound (`--prompt-cache-disk-size`), in bytes.
+    pub capacity_bytes: u64,
+    /// Blocks read back from disk into the KV pool.
+    pub hits: u64,
+    /// Blocks written to disk.
+    pub writes: u64,
+    /// Bytes written to disk.
+    pub write_bytes: u64,
+    /// Files removed to stay within the size bound.
+    pub evictions: u64,
+    /// Files skipped (and deleted): corrupt, truncated, foreign header or
+    /// unreadable.
+    pub skipped: u64,
+    /// Files of another model or configuration in the directory at start
+    /// (left alone).
+    pub foreign: u64,
+    /// Writes that failed; the first one turns writes off (RAM only).
+    pub write_errors: u64,
+    /// Whether writes are on.
+    pub writable: bool,
+}
+
+impl From<&mlxcel_engine_api::DiskCacheStats> for DiskCacheStats {
+    fn from(d: &mlxcel_engine_api::DiskCacheStats) -> Self {
+        Self {
+            blocks: d.blocks,
+            bytes: d.bytes,
+            capacity_bytes: d.capacity_bytes,
+            hits: d.hits,
+            writes: d.writes,
+            write_bytes: d.write_bytes,
+            evictions: d.evictions,
+            skipped: d.skipped,
+            foreign: d.foreign,
+            write_errors: d.write_errors,
+            writable: d.writable,
+        }
+    }
 }
 
 /// `blocks` of [`CacheStats`].
@@ -417,6 +466,7 @@ impl From<&mlxcel_engine_api::EngineStats> for CacheStats {
             evictions: s.prefix_cache_evictions,
             running: s.running,
             waiting: s.waiting,
+            disk: s.disk.as_ref().map(DiskCacheStats::from),
         }
     }
 }
@@ -431,8 +481,36 @@ pub struct CacheReset {
     pub blocks_freed: usize,
     /// Bytes freed.
     pub bytes_freed: usize,
+    /// Block files deleted from the disk tier (0 when it is off or kept).
+    pub disk_blocks_freed: u64,
+    /// Their size in bytes.
+    pub disk_bytes_freed: u64,
     /// The statistics after the reset.
     pub stats: CacheStats,
+}
+
+/// The optional body of `POST /v1/cache/reset` (other fields are
+/// ignored, as the route took no body before).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, ToSchema)]
+pub struct CacheResetRequest {
+    /// Keep the disk tier's block files (default false: they are deleted
+    /// too).
+    #[serde(default)]
+    pub keep_disk: bool,
+}
+
+impl CacheResetRequest {
+    /// Reads an optional body: empty (or only whitespace) is the default.
+    ///
+    /// # Errors
+    /// A body that is not such a JSON object ([`crate::error::ApiError::MalformedJson`]).
+    pub fn parse(body: &[u8]) -> Result<Self, crate::error::ApiError> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self::default());
+        }
+        serde_json::from_slice(body)
+            .map_err(|e| crate::error::ApiError::MalformedJson(e.to_string()))
+    }
 }
 
 /// The body of `GET /health`.

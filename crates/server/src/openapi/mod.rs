@@ -61,8 +61,8 @@ use crate::openai::responses::{
 };
 use crate::openai::tokenize::{DetokenizeBody, DetokenizeResponse, TokenizeBody, TokenizeResponse};
 use crate::openai::{
-    BlockCounts, CacheReset, CacheStats, Health, ModelCard, ModelList, PromptTokensDetails,
-    UsageBody,
+    BlockCounts, CacheReset, CacheResetRequest, CacheStats, DiskCacheStats, Health, ModelCard,
+    ModelList, PromptTokensDetails, UsageBody,
 };
 use crate::responses::ResponseDeleted;
 
@@ -134,8 +134,10 @@ pub use schemas::{
             ModelList,
             ModelCard,
             CacheStats,
+            DiskCacheStats,
             BlockCounts,
             CacheReset,
+            CacheResetRequest,
             Health,
             ErrorBody,
             ErrorDetail,

@@ -170,10 +170,13 @@ impl InferenceService for FakeService {
         Ok(ids)
     }
 
-    fn reset_prefix_cache(&self) -> Result<CacheReset, SubmitError> {
+    fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
+        let disk = if keep_disk { 0 } else { 2 };
         Ok(CacheReset {
             blocks_freed: 3,
             bytes_freed: 3 * 1024,
+            disk_blocks_freed: disk,
+            disk_bytes_freed: disk * 4096,
         })
     }
 
@@ -228,6 +231,19 @@ impl InferenceService for FakeService {
                     blocks_cached: 0,
                 },
             ],
+            disk: Some(mlxcel_engine_api::DiskCacheStats {
+                blocks: 5,
+                bytes: 5 * 1100,
+                capacity_bytes: 1 << 20,
+                hits: 4,
+                writes: 6,
+                write_bytes: 6 * 1100,
+                evictions: 1,
+                skipped: 2,
+                foreign: 3,
+                write_errors: 0,
+                writable: true,
+            }),
             ..EngineStats::default()
         }
     }

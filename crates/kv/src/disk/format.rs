@@ -1,0 +1,231 @@
+//! The file format of one KV block on disk.
+//!
+//! A file is a fixed header followed by the payload, every integer
+//! little-endian:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 8 | magic `MLXCKVB\0` |
+//! | 4 | format version ([`FORMAT_VERSION`]) |
+//! | 8 | tier key ([`BlockMeta::key`]: model, dtype, block size, groups) |
+//! | 16 | block hash (`u128`) |
+//! | 4 | KV group index |
+//! | 4 | block size, in tokens |
+//! | 4 | layers in the group |
+//! | 4 | K/V heads |
+//! | 4 | head dimension |
+//! | 4 | KV dtype code (MLX's) |
+//! | 8 | payload length, in bytes |
+//! | 8 | checksum: XXH3-64 (seed 0) of every byte before it, then the payload |
+//!
+//! The payload is, per layer of the group in order, the block's keys then
+//! its values, `[block_size, kv_heads, head_dim]` float32 each (float16 and
+//! bfloat16 K/V convert to float32 and back exactly).
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::hash::BlockHash;
+
+/// The first bytes of every block file.
+pub const MAGIC: [u8; 8] = *b"MLXCKVB\0";
+
+/// The version of the layout above; a file of another version is skipped.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Bytes of the header, checksum included.
+pub const HEADER_BYTES: usize = 8 + 4 + 8 + 16 + 4 * 6 + 8 + 8;
+
+/// What a block file says about its contents (its header without the
+/// checksum).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockMeta {
+    /// Everything that makes a block valid besides its hash (model
+    /// fingerprint, dtype, block size, KV groups, format), hashed; files
+    /// of another key are never served.
+    pub key: u64,
+    /// The block's chained content hash.
+    pub hash: BlockHash,
+    /// The KV group whose layers the payload holds.
+    pub group: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Layers of the group.
+    pub layers: u32,
+    /// K/V heads per layer.
+    pub kv_heads: u32,
+    /// Features per head.
+    pub head_dim: u32,
+    /// MLX dtype code of the K/V the block came from.
+    pub dtype: u32,
+}
+
+impl BlockMeta {
+    /// Payload bytes of such a block: K and V of every layer, float32.
+    pub fn payload_bytes(&self) -> u64 {
+        2 * u64::from(self.layers)
+            * u64::from(self.block_size)
+            * u64::from(self.kv_heads)
+            * u64::from(self.head_dim)
+            * 4
+    }
+
+    /// Bytes of the whole file.
+    pub fn file_bytes(&self) -> u64 {
+        HEADER_BYTES as u64 + self.payload_bytes()
+    }
+
+    /// The header of a file holding `payload`.
+    pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
+        let mut h = Vec::with_capacity(HEADER_BYTES);
+        h.extend_from_slice(&MAGIC);
+        h.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        h.extend_from_slice(&self.key.to_le_bytes());
+        h.extend_from_slice(&self.hash.0.to_le_bytes());
+        for v in [
+            self.group,
+            self.block_size,
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+        ] {
+            h.extend_from_slice(&v.to_le_bytes());
+        }
+        h.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        let sum = checksum(&h, payload);
+        h.extend_from_slice(&sum.to_le_bytes());
+        h
+    }
+}
+
+/// Why a block file was not served.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FormatError {
+    /// Shorter than its header says (a torn or truncated write).
+    #[error("truncated block file: {got} bytes, {want} expected")]
+    Truncated {
+        /// Bytes read.
+        got: u64,
+        /// Bytes the header (or the expected block) needs.
+        want: u64,
+    },
+    /// Not a block file, or one of another format version.
+    #[error("not a block file of format version {FORMAT_VERSION}")]
+    BadMagic,
+    /// A header that describes another block (another model's key, block
+    /// size, group or hash).
+    #[error("block file of another key or shape")]
+    Foreign,
+    /// The checksum does not match the bytes.
+    #[error("block file checksum mismatch")]
+    Checksum,
+}
+
+fn checksum(header: &[u8], payload: &[u8]) -> u64 {
+    let mut x = Xxh3::new();
+    x.update(header);
+    x.update(payload);
+    x.digest()
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut a = [0; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Checks a whole file's bytes against the block `want` describes and
+/// returns its payload.
+///
+/// # Errors
+/// A short file, another magic or version, a header describing another
+/// block, a checksum mismatch.
+pub fn decode<'a>(bytes: &'a [u8], want: &BlockMeta) -> Result<&'a [u8], FormatError> {
+    let expected = want.file_bytes();
+    if (bytes.len() as u64) < expected {
+        return Err(FormatError::Truncated {
+            got: bytes.len() as u64,
+            want: expected,
+        });
+    }
+    if bytes[..8] != MAGIC || u32_at(bytes, 8) != FORMAT_VERSION {
+        return Err(FormatError::BadMagic);
+    }
+    let mut hash = [0; 16];
+    hash.copy_from_slice(&bytes[20..36]);
+    let got = BlockMeta {
+        key: u64_at(bytes, 12),
+        hash: BlockHash(u128::from_le_bytes(hash)),
+        group: u32_at(bytes, 36),
+        block_size: u32_at(bytes, 40),
+        layers: u32_at(bytes, 44),
+        kv_heads: u32_at(bytes, 48),
+        head_dim: u32_at(bytes, 52),
+        dtype: u32_at(bytes, 56),
+    };
+    if got != *want || u64_at(bytes, 60) != want.payload_bytes() {
+        return Err(FormatError::Foreign);
+    }
+    if bytes.len() as u64 != expected {
+        return Err(FormatError::Truncated {
+            got: bytes.len() as u64,
+            want: expected,
+        });
+    }
+    let (header, payload) = bytes.split_at(HEADER_BYTES);
+    if checksum(&header[..HEADER_BYTES - 8], payload) != u64_at(header, HEADER_BYTES - 8) {
+        return Err(FormatError::Checksum);
+    }
+    Ok(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> BlockMeta {
+        BlockMeta {
+            key: 11,
+            hash: BlockHash(0x1234),
+            group: 0,
+            block_size: 2,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            dtype: 10,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_every_corruption_is_caught() {
+        let m = meta();
+        let payload: Vec<u8> = (0..m.payload_bytes() as u8).collect();
+        let mut file = m.encode(&payload);
+        assert_eq!(file.len(), HEADER_BYTES);
+        file.extend_from_slice(&payload);
+        assert_eq!(decode(&file, &m).unwrap(), &payload[..]);
+        // A flipped payload byte, a flipped header byte, a short file.
+        let mut bad = file.clone();
+        bad[HEADER_BYTES + 3] ^= 1;
+        assert_eq!(decode(&bad, &m), Err(FormatError::Checksum));
+        let mut bad = file.clone();
+        bad[56] ^= 1;
+        assert_eq!(decode(&bad, &m), Err(FormatError::Foreign));
+        assert!(matches!(
+            decode(&file[..file.len() - 1], &m),
+            Err(FormatError::Truncated { .. })
+        ));
+        let mut bad = file.clone();
+        bad[0] = b'X';
+        assert_eq!(decode(&bad, &m), Err(FormatError::BadMagic));
+        // Another model's key.
+        let other = BlockMeta { key: 12, ..m };
+        assert_eq!(decode(&file, &other), Err(FormatError::Foreign));
+    }
+}
