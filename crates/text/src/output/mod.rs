@@ -18,6 +18,9 @@
 //!   [`OutputPiece::CallArguments`] fragments, streamed as generated; a
 //!   call that does not parse, or names a function that was not offered,
 //!   is sent as text, unchanged. Whitespace between calls is dropped.
+//!   Where a format's markup is special tokens, which the detokenizer
+//!   skips (Mistral v11, Gemma 4), the engine hands them to
+//!   [`OutputFilter::push_special_token`], and they are read as text.
 //! - **Forced calls.** Under a named or required `tool_choice` the engine
 //!   puts the start of the call in the prompt ([`forced_call_prefix`]) and
 //!   constrains only what follows; the filter is seeded with that same
@@ -138,6 +141,9 @@ pub struct OutputFilter {
     /// Reads a harmony reply (gpt-oss) before everything else: its
     /// reasoning, its calls; its content goes on through the stop strings.
     harmony: Option<HarmonyReader>,
+    /// Special tokens read as text of the reply: the markup of the tool-call
+    /// format ([`ToolCallFormat::special_markers`]), when calls are parsed.
+    markers: &'static [&'static str],
 }
 
 impl OutputFilter {
@@ -155,25 +161,35 @@ impl OutputFilter {
     ///
     /// Harmony ([`ToolCallFormat::Harmony`]) is read whether or not tools
     /// are offered (it carries the reasoning too), from the text and the
-    /// special tokens ([`OutputFilter::push_special`]).
+    /// special tokens ([`OutputFilter::push_special`]). With tools, the
+    /// special tokens of the format's markup (Mistral v11's, Gemma 4's)
+    /// are read as text of the reply.
     pub fn with_format(stop: &[String], tools: &[ToolDefinition], format: ToolCallFormat) -> Self {
         let harmony = (format == ToolCallFormat::Harmony).then(|| HarmonyReader::new(tools));
+        let tool_calls = if tools.is_empty() {
+            None
+        } else {
+            format.parser(tools)
+        };
         Self {
             stop: StopStrings::new(stop),
-            tool_calls: if tools.is_empty() {
-                None
+            markers: if tool_calls.is_some() {
+                format.special_markers()
             } else {
-                format.parser(tools)
+                &[]
             },
+            tool_calls,
             reasoning: None,
             harmony,
         }
     }
 
     /// Whether this filter reads special tokens ([`OutputFilter::push_special`]):
-    /// true for a harmony reply, whose markers are special tokens.
+    /// true for a harmony reply, whose markers are special tokens, and for
+    /// calls in a format whose markup is special tokens
+    /// ([`ToolCallFormat::special_markers`]).
     pub fn reads_special_tokens(&self) -> bool {
-        self.harmony.is_some()
+        self.harmony.is_some() || !self.markers.is_empty()
     }
 
     /// Feeds generated token `id` to [`OutputFilter::push_special`] when it
@@ -192,11 +208,16 @@ impl OutputFilter {
 
     /// Feeds a generated special token, `token` its text (such as
     /// `<|channel|>`), after the text before it went through
-    /// [`OutputFilter::push`]. Only a harmony filter reads them; others
-    /// skip them, as the detokenizer does.
+    /// [`OutputFilter::push`]. A harmony filter reads them all; a filter
+    /// of calls whose markup is special tokens reads those as text (as if
+    /// the detokenizer had written them); others skip them, as the
+    /// detokenizer does.
     pub fn push_special(&mut self, token: &str) -> Filtered {
         if self.stop.stopped() {
             return Filtered::default();
+        }
+        if self.markers.contains(&token) {
+            return self.push(token);
         }
         match self.harmony.as_mut().map(|h| h.marker(token)) {
             Some(pieces) => self.route_harmony(pieces),
@@ -265,6 +286,7 @@ impl OutputFilter {
             tool_calls,
             reasoning: None,
             harmony,
+            markers: &[],
         }
     }
 
@@ -280,6 +302,7 @@ impl OutputFilter {
             tool_calls: (!tool_names.is_empty()).then(|| parser(tool_names)),
             reasoning: None,
             harmony: None,
+            markers: &[],
         }
     }
 
