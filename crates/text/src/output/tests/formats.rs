@@ -225,6 +225,77 @@ fn gemma4_broken_arguments_are_closed_and_the_rest_is_text() {
 }
 
 #[test]
+fn gemma4_variants_of_the_notation() {
+    // Whitespace and newlines between tokens, quoted keys (both ways), a
+    // JSON string value, multibyte text, a name with a dot and a dash.
+    let reply = "<|tool_call>call:fs.read-file{ path : <|\"|>/tmp/é ü 😀<|\"|> ,\n\
+                 <|\"|>odd key<|\"|>:1, \"q\":\"a\\\"b\" , xs: [ 1 , 2 ] }<tool_call|>";
+    let (text, calls) = both_ways(G, &["fs.read-file"], reply);
+    assert_eq!(text, "");
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].0, "fs.read-file");
+    assert_eq!(
+        json(&calls[0].1),
+        serde_json::json!({"path": "/tmp/é ü 😀", "odd key": 1, "q": "a\"b", "xs": [1, 2]})
+    );
+    // Arguments as a JSON object inside the braces (the template writes
+    // string arguments back that way, and models copy it).
+    let doubled = "<|tool_call>call:post{{\"data\": \"x}\", \"n\": [1]}}<tool_call|>";
+    let (text, calls) = both_ways(G, &["post"], doubled);
+    assert_eq!(text, "");
+    assert_eq!(calls, [call("post", "{\"data\": \"x}\", \"n\": [1]}")]);
+}
+
+/// A seeded run of replies made of the format's `pieces` (separated by
+/// `·`), cut at random: no panic, calls are made, and a reply in which no
+/// call was made comes back as its text.
+fn fuzz(format: ToolCallFormat, pieces: &str) {
+    use rand_chacha::rand_core::{RngCore, SeedableRng};
+    let pieces: Vec<&str> = pieces.split('·').collect();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+    let tools = definitions(&["f", "g"]);
+    let mut made = 0;
+    for round in 0..3000 {
+        let len = 1 + rng.next_u32() as usize % 12;
+        let reply: String = (0..len)
+            .map(|_| pieces[rng.next_u32() as usize % pieces.len()])
+            .collect();
+        let mut cuts: Vec<usize> = (0..3)
+            .map(|_| rng.next_u32() as usize % (reply.len() + 1))
+            .filter(|&c| reply.is_char_boundary(c))
+            .collect();
+        cuts.sort_unstable();
+        let mut f = OutputFilter::with_format(&[], &tools, format);
+        let mut sent = Sent::default();
+        let mut from = 0;
+        for cut in cuts.into_iter().chain([reply.len()]) {
+            sent.take(f.push(&reply[from..cut]));
+            from = cut;
+        }
+        sent.take(f.finish());
+        if sent.calls.is_empty() {
+            assert_eq!(sent.text, reply, "round {round}");
+        }
+        made += sent.calls.len();
+    }
+    assert!(made > 300, "{made} calls");
+}
+
+#[test]
+fn gemma4_random_replies_never_lose_text() {
+    let pieces = "<|tool_call>call:f{·a:·<|tool_call>·<tool_call|>·<|\"|>·call:·f·g·h·{·}·[·]·:·,\
+                  ·a·1·true· ·\n·\"·<·|·é";
+    fuzz(G, pieces);
+}
+
+#[test]
+fn mistral_v11_random_replies_never_lose_text() {
+    let pieces = "[TOOL_CALLS]f[ARGS]{·[TOOL_CALLS]·[ARGS]·[CALL_ID]·f·g·h·{·}·[·]·\"·:·,·a·1\
+                  · ·\n·\\\\·é";
+    fuzz(M, pieces);
+}
+
+#[test]
 fn gemma4_cut_calls_keep_their_arguments_so_far() {
     let (text, calls) = both_ways(G, &["f"], "<|tool_call>call:f{a:<|\"|>half a str");
     assert_eq!(text, "");

@@ -98,6 +98,8 @@ pub struct Gemma4Parser {
     held: String,
     state: State,
     calls: usize,
+    /// After `call:NAME{{..}`: the outer `}` is still to come (dropped).
+    owed_brace: bool,
 }
 
 impl ToolCallParser for Gemma4Parser {
@@ -108,6 +110,7 @@ impl ToolCallParser for Gemma4Parser {
             held: String::new(),
             state: State::Outside,
             calls: 0,
+            owed_brace: false,
         }
     }
 
@@ -223,8 +226,15 @@ impl Gemma4Parser {
             State::AfterCall => {
                 let ws = self.held.len() - self.held.trim_start().len();
                 self.held.drain(..ws);
+                if self.owed_brace && self.held.starts_with('}') {
+                    self.held.drain(..1);
+                    self.owed_brace = false;
+                    self.state = State::AfterCall;
+                    return true;
+                }
                 if self.held.starts_with(GEMMA4_CALL_CLOSE) {
                     self.held.drain(..GEMMA4_CALL_CLOSE.len());
+                    self.owed_brace = false;
                     return true;
                 }
                 if GEMMA4_CALL_CLOSE.starts_with(self.held.as_str()) {
@@ -236,6 +246,7 @@ impl Gemma4Parser {
                     self.held.clear();
                 }
                 // No closing marker: what follows is read outside.
+                self.owed_brace = false;
                 true
             }
         }
@@ -281,6 +292,9 @@ impl Gemma4Parser {
                 '}' | ']' => close_one(out, frames, expect, first, &mut self.held),
                 _ => Move::Broken,
             },
+            Expect::Member if first == '{' && frames.len() == 1 && top.members == 0 => {
+                self.read_doubled(out, frames, last)
+            }
             Expect::Member if matches!(first, '}' | ']') => {
                 // An empty container, or a trailing comma.
                 close_one(out, frames, expect, first, &mut self.held)
@@ -307,6 +321,32 @@ impl Gemma4Parser {
             Expect::Value => self.read_value(out, frames, expect, last),
             Expect::Text => Move::Broken,
         }
+    }
+
+    /// `call:NAME{{..}}`: the arguments as a JSON object inside the braces
+    /// (what the template writes back for arguments given as a JSON
+    /// string, and models then imitate). Sent when the object ends; the
+    /// outer `}` is dropped after it.
+    fn read_doubled(&mut self, out: &mut Filtered, frames: &mut Vec<Frame>, last: bool) -> Move {
+        let Some(end) = JsonScan::default().feed(&self.held) else {
+            if last {
+                // Cut inside the object: as far as it came.
+                let held = std::mem::take(&mut self.held);
+                out.arguments(held.get(1..).unwrap_or_default());
+            }
+            return Move::Wait;
+        };
+        if !serde_json::from_str::<serde_json::Value>(&self.held[..end])
+            .is_ok_and(|v| v.is_object())
+        {
+            return Move::Broken;
+        }
+        let object: String = self.held.drain(..end).collect();
+        // The object's own `{` is the one already sent.
+        out.arguments(object.get(1..).unwrap_or_default());
+        frames.clear();
+        self.owed_brace = true;
+        Move::Go
     }
 
     /// A value starts at `held` (whitespace skipped).
@@ -408,6 +448,7 @@ impl Gemma4Parser {
             }
         }
         self.held.clear();
+        self.owed_brace = false;
     }
 
     /// Sends text outside any call: never under a forced choice, and not
@@ -491,10 +532,15 @@ fn read_key(held: &str) -> Key {
         return Key::Incomplete;
     }
     match held.find([':', ',', '{', '}', '[', ']', '<', '\n']) {
-        Some(at) if held[at..].starts_with(':') && !held[..at].trim().is_empty() => Key::Found {
-            key: held[..at].trim().to_owned(),
-            end: at + 1,
-        },
+        Some(at) if held[at..].starts_with(':') && !held[..at].trim().is_empty() => {
+            let key = held[..at].trim();
+            // A JSON-quoted key, as some replies write one, is unquoted.
+            let key = match key.starts_with('"') {
+                true => serde_json::from_str::<String>(key).unwrap_or_else(|_| key.to_owned()),
+                false => key.to_owned(),
+            };
+            Key::Found { key, end: at + 1 }
+        }
         Some(_) => Key::Other,
         None => Key::Incomplete,
     }
