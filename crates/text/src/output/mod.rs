@@ -43,7 +43,7 @@ pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 pub use tool_calls::ToolCallFormat;
-use tool_calls::{HermesParser, Qwen3CoderParser, ToolCallParser};
+use tool_calls::{HermesParser, MistralParser, Qwen3CoderParser, ToolCallParser};
 
 /// One piece of a choice's visible output.
 #[derive(Debug, Clone, PartialEq)]
@@ -262,31 +262,34 @@ impl OutputFilter {
     /// comes from that format's forced prefix: harmony's
     /// ([`harmony::forced_call_prefix`]) for [`ToolCallFormat::Harmony`],
     /// the XML one ([`tool_calls::qwen3_coder::xml_forced_call_prefix`]) for
-    /// [`ToolCallFormat::Qwen3CoderXml`], [`forced_call_prefix`] for the
-    /// others.
+    /// [`ToolCallFormat::Qwen3CoderXml`], Mistral's
+    /// ([`tool_calls::mistral::mistral_forced_call_prefix`]) for
+    /// [`ToolCallFormat::MistralV11`] (its markers, special tokens, are
+    /// read as text), [`forced_call_prefix`] for the others.
     pub fn forced_in(
         format: ToolCallFormat,
         stop: &[String],
         tools: &[ToolDefinition],
         prefix: &str,
     ) -> Self {
+        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
         let (tool_calls, harmony): (Option<Box<dyn ToolCallParser>>, _) = match format {
             ToolCallFormat::Harmony => (None, Some(HarmonyReader::forced(tools, prefix))),
+            ToolCallFormat::MistralV11 => {
+                (Some(Box::new(MistralParser::forced(&names, prefix))), None)
+            }
             ToolCallFormat::Qwen3CoderXml => (
                 Some(Box::new(Qwen3CoderParser::forced_with_tools(tools, prefix))),
                 None,
             ),
-            _ => {
-                let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-                return Self::forced(stop, &names, prefix);
-            }
+            _ => return Self::forced(stop, &names, prefix),
         };
         Self {
             stop: StopStrings::new(stop),
             tool_calls,
             reasoning: None,
             harmony,
-            markers: &[],
+            markers: format.special_markers(),
         }
     }
 

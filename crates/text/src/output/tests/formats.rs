@@ -413,16 +413,54 @@ fn mistral_v11_cut_calls_keep_their_arguments_so_far() {
 }
 
 #[test]
-fn forced_replies_in_the_new_formats_keep_the_tool_call_fallback() {
-    // The engine forces `<tool_call>` calls for these formats.
-    for format in [G, M] {
-        let prefix = forced_call_prefix(Some("f"));
-        let tools = definitions(&["f"]);
-        let mut f = OutputFilter::forced_in(format, &[], &tools, &prefix);
-        let sent = run(&mut f, &["{\"a\": 1}", "}\n</tool_call>"]);
-        assert_eq!(
-            summary(&sent),
-            (String::new(), vec![call("f", "{\"a\": 1}")])
-        );
-    }
+fn forced_gemma4_replies_keep_the_tool_call_fallback() {
+    // The engine forces `<tool_call>` calls for Gemma 4.
+    let prefix = forced_call_prefix(Some("f"));
+    let tools = definitions(&["f"]);
+    let mut f = OutputFilter::forced_in(G, &[], &tools, &prefix);
+    let sent = run(&mut f, &["{\"a\": 1}", "}\n</tool_call>"]);
+    assert_eq!(
+        summary(&sent),
+        (String::new(), vec![call("f", "{\"a\": 1}")])
+    );
+}
+
+#[test]
+fn forced_mistral_v11_replies_continue_their_prefix() {
+    use crate::output::tool_calls::mistral::mistral_forced_call_prefix;
+    let tools = definitions(&["f", "g"]);
+    // A named function: the prefix holds the name, the model the arguments.
+    let named = mistral_forced_call_prefix(Some("f"));
+    assert_eq!(named, "[TOOL_CALLS]f[ARGS]");
+    let mut f = OutputFilter::forced_in(M, &[], &tools, &named);
+    let sent = run(&mut f, &["{\"a\":", " 1}"]);
+    assert_eq!(
+        summary(&sent),
+        (String::new(), vec![call("f", "{\"a\": 1}")])
+    );
+    // Required: the model writes names, markers as special tokens, and
+    // calls again.
+    let required = mistral_forced_call_prefix(None);
+    let mut f = OutputFilter::forced_in(M, &[], &tools, &required);
+    assert!(f.reads_special_tokens());
+    let mut sent = Sent::default();
+    sent.take(f.push("f"));
+    sent.take(f.push_special("[ARGS]"));
+    sent.take(f.push("{}"));
+    sent.take(f.push_special("[TOOL_CALLS]"));
+    sent.take(f.push("g"));
+    sent.take(f.push_special("[ARGS]"));
+    sent.take(f.push("{\"x\": [2]}"));
+    sent.take(f.finish());
+    assert_eq!(
+        summary(&sent),
+        (
+            String::new(),
+            vec![call("f", "{}"), call("g", "{\"x\": [2]}")]
+        )
+    );
+    // Cut before the name was complete: nothing, no wrapper text.
+    let mut f = OutputFilter::forced_in(M, &[], &tools, &required);
+    let sent = run(&mut f, &["f"]);
+    assert_eq!(summary(&sent), (String::new(), vec![]));
 }

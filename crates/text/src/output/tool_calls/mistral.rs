@@ -35,6 +35,20 @@ pub const MISTRAL_ARGS: &str = "[ARGS]";
 /// Opens a call's id, in the variants that write one (a special token).
 pub const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 
+/// The start of a forced reply in this format, put after the prompt's
+/// generation prompt: `[TOOL_CALLS]NAME[ARGS]` for a call to `name`
+/// (`tool_choice` naming a function: the model then writes the arguments
+/// object), or `[TOOL_CALLS]` for a call to any function (`tool_choice:
+/// "required"`: the model writes the name on,
+/// [`crate::constraint::Grammar::MistralCalls`]). The tokenizer reads the
+/// markers in the prompt as its special tokens.
+pub fn mistral_forced_call_prefix(name: Option<&str>) -> String {
+    match name {
+        Some(name) => format!("{MISTRAL_TOOL_CALLS}{name}{MISTRAL_ARGS}"),
+        None => MISTRAL_TOOL_CALLS.to_owned(),
+    }
+}
+
 /// Where the parser is.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum State {
