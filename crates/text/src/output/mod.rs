@@ -192,6 +192,19 @@ impl OutputFilter {
         self.harmony.is_some() || !self.markers.is_empty()
     }
 
+    /// Whether generated token `id` is a special token this filter reads as
+    /// text of the reply (a marker of the tool-call format,
+    /// [`ToolCallFormat::special_markers`]): the detokenizer should then
+    /// release the text before it
+    /// ([`crate::detokenizer::IncrementalDetokenizer::push_marker`]).
+    pub fn reads_marker(&self, tokenizer: &TextTokenizer, id: u32) -> bool {
+        !self.markers.is_empty()
+            && tokenizer.is_special_token(id)
+            && tokenizer
+                .id_to_token(id)
+                .is_some_and(|token| self.markers.contains(&token.as_str()))
+    }
+
     /// Feeds generated token `id` to [`OutputFilter::push_special`] when it
     /// is a special token of `tokenizer` and this filter reads them (call
     /// it after the token's text went through [`OutputFilter::push`]; the
