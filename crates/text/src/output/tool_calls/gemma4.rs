@@ -17,8 +17,10 @@
 //! control characters escaped, so braces, colons, commas, quotes or
 //! `call:` inside a string are text of the string. A bare value that is
 //! not JSON is kept as a string (`True`, `False` and `None` are read as
-//! Python writes them); a key may also be a `<|"|>` string, a value a JSON
-//! string.
+//! Python writes them); a key may also be a `<|"|>` string or a JSON
+//! string, a value a JSON string. `call:NAME{{..}}`, a JSON object inside
+//! the braces (what the template writes back for arguments given as a JSON
+//! string, which models then copy), is read as that object.
 //!
 //! **Streaming.** The call is committed when `<|tool_call>call:NAME{` has
 //! been read and `NAME` is an offered function: [`OutputPiece::CallStart`]
