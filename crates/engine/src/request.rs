@@ -21,6 +21,7 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
+use mlxcel_text::output::tool_calls::mistral::mistral_forced_call_prefix;
 use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
 use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
@@ -346,7 +347,8 @@ impl RequestBuilder {
 /// The grammar a request's output must follow: a required or named tool
 /// call over `tools` (then the reply's start goes in the prompt,
 /// [`forced_call_prefix`], or the model's own for a `format` of
-/// [`ToolCallFormat::Harmony`] or [`ToolCallFormat::Qwen3CoderXml`],
+/// [`ToolCallFormat::Harmony`], [`ToolCallFormat::Qwen3CoderXml`] or
+/// [`ToolCallFormat::MistralV11`],
 /// with a grammar of that format: the model generates only the rest of the
 /// call, for a named function only its arguments, and the output filter
 /// builds the call from it), or its `response_format`.
@@ -381,6 +383,7 @@ fn constraint_of(
             .collect()
     };
     let xml = format == ToolCallFormat::Qwen3CoderXml;
+    let mistral = format == ToolCallFormat::MistralV11;
     let (grammar, only) = match &request.tool_choice {
         ToolChoice::Required if !tools.is_empty() && harmony => {
             (Grammar::HarmonyCall { tools: schemas() }, None)
@@ -389,6 +392,13 @@ fn constraint_of(
             Grammar::XmlCalls {
                 tools: schemas(),
                 named: false,
+                single: !request.parallel_tool_calls,
+            },
+            None,
+        ),
+        ToolChoice::Required if !tools.is_empty() && mistral => (
+            Grammar::MistralCalls {
+                tools: schemas(),
                 single: !request.parallel_tool_calls,
             },
             None,
@@ -433,6 +443,7 @@ fn constraint_of(
         reply: Some(match format {
             ToolCallFormat::Harmony => harmony::forced_call_prefix(only.map(String::as_str)),
             ToolCallFormat::Qwen3CoderXml => xml_forced_call_prefix(only.map(String::as_str)),
+            ToolCallFormat::MistralV11 => mistral_forced_call_prefix(only.map(String::as_str)),
             _ => forced_call_prefix(only.map(String::as_str)),
         }),
     }))

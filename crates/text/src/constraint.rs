@@ -79,6 +79,9 @@ struct TokInner {
     /// Whether harmony's `<|constrain|>` and `<|message|>` are special
     /// tokens (gpt-oss): harmony grammars then name the tokens.
     harmony_special: bool,
+    /// The ids of Mistral's `[TOOL_CALLS]` and `[ARGS]` when they are
+    /// special tokens (v11 tokenizers): Mistral grammars name the tokens.
+    mistral_markers: Option<(u32, u32)>,
 }
 
 impl GrammarTokenizer {
@@ -133,6 +136,9 @@ impl GrammarTokenizer {
             && trie.get_special_token("</tool_call>").is_some();
         let harmony_special = trie.get_special_token("<|constrain|>").is_some()
             && trie.get_special_token("<|message|>").is_some();
+        let mistral_markers = trie
+            .get_special_token("[TOOL_CALLS]")
+            .zip(trie.get_special_token("[ARGS]"));
         let mut factory = ParserFactory::new_simple(&env).map_err(tok_err)?;
         factory.quiet();
         Ok(Self {
@@ -142,6 +148,7 @@ impl GrammarTokenizer {
                 vocab_size,
                 tool_tags_special,
                 harmony_special,
+                mistral_markers,
             }),
         })
     }
@@ -241,6 +248,22 @@ pub enum Grammar {
         /// `(name, parameters JSON Schema)` of each function.
         tools: Vec<(String, Json)>,
     },
+    /// Tool calls in Mistral's v11 format (`tool_choice: "required"`),
+    /// continuing a reply that already holds `[TOOL_CALLS]` (the engine
+    /// puts it in the prompt,
+    /// [`crate::output::tool_calls::mistral::mistral_forced_call_prefix`]):
+    /// a function's name, `[ARGS]`, then arguments valid against its
+    /// parameters schema; the reply may end after any call or, with
+    /// `[TOOL_CALLS]`, call again (unless `single`). The markers are the
+    /// tokenizer's special tokens when it has them. (A named function needs
+    /// no grammar of its own: its prefix ends with `[ARGS]`, and
+    /// [`Grammar::JsonSchema`] constrains the arguments.)
+    MistralCalls {
+        /// `(name, parameters JSON Schema)` of each function.
+        tools: Vec<(String, Json)>,
+        /// At most one call (`parallel_tool_calls: false`).
+        single: bool,
+    },
     /// Tool calls in Qwen3-Coder's XML format, continuing a reply that
     /// already holds `<tool_call>\n<function=` (`tool_choice: "required"`:
     /// a function's name, `>\n`, then its parameters) or
@@ -270,7 +293,7 @@ impl Grammar {
     /// Compiles the grammar without a tokenizer, to reject a bad schema early
     /// (at the HTTP edge). Errors: [`ConstraintError::InvalidGrammar`].
     pub fn validate(&self) -> Result<(), ConstraintError> {
-        let init = GrammarInit::Serialized(self.to_llg(false, false)?);
+        let init = GrammarInit::Serialized(self.to_llg(false, false, None)?);
         match init.validate(None, ParserLimits::default()).into_error() {
             Some(e) => Err(ConstraintError::InvalidGrammar(e)),
             None => Ok(()),
@@ -280,11 +303,13 @@ impl Grammar {
     /// The llguidance grammar; `special_tags`: name `<tool_call>` and
     /// `</tool_call>` as special tokens rather than as text;
     /// `harmony_special`: the same for harmony's `<|constrain|>` and
-    /// `<|message|>`.
+    /// `<|message|>`; `mistral_markers`: the ids of Mistral's
+    /// `[TOOL_CALLS]` and `[ARGS]` special tokens (else their text).
     fn to_llg(
         &self,
         special_tags: bool,
         harmony_special: bool,
+        mistral_markers: Option<(u32, u32)>,
     ) -> Result<TopLevelGrammar, ConstraintError> {
         match self {
             Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(with_layout(
@@ -300,6 +325,9 @@ impl Grammar {
                 tools,
                 harmony_special,
             )?)),
+            Grammar::MistralCalls { tools, single } => Ok(TopLevelGrammar::from_lark(
+                mistral_calls_lark(tools, *single, mistral_markers)?,
+            )),
             Grammar::XmlCalls {
                 tools,
                 named,
@@ -458,6 +486,40 @@ fn harmony_call_lark(tools: &[(String, Json)], special: bool) -> Result<String, 
     Ok(lark)
 }
 
+/// A Lark grammar (llguidance dialect) for Mistral v11 calls after
+/// `[TOOL_CALLS]` (see [`Grammar::MistralCalls`]); `markers`: the ids of
+/// `[TOOL_CALLS]` and `[ARGS]` as special tokens, else they are text.
+fn mistral_calls_lark(
+    tools: &[(String, Json)],
+    single: bool,
+    markers: Option<(u32, u32)>,
+) -> Result<String, ConstraintError> {
+    if tools.is_empty() {
+        return Err(ConstraintError::InvalidGrammar(
+            "tool calls required but no tools given".into(),
+        ));
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let (calls, args) = match markers {
+        Some((calls, args)) => (format!("<[{calls}]>"), format!("<[{args}]>")),
+        None => (lit("[TOOL_CALLS]"), lit("[ARGS]")),
+    };
+    let mut lark = if single {
+        String::from("start: call\n")
+    } else {
+        format!("start: call ({calls} call)*\n")
+    };
+    let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+    lark.push_str(&format!("call: {}\n", alts.join(" | ")));
+    for (i, (name, params)) in tools.iter().enumerate() {
+        let schema = with_layout(params.clone())?;
+        let schema = serde_json::to_string(&schema)
+            .map_err(|e| ConstraintError::InvalidGrammar(e.to_string()))?;
+        lark.push_str(&format!("call_{i}: {} {args} %json {schema}\n", lit(name)));
+    }
+    Ok(lark)
+}
+
 /// A Lark grammar (llguidance dialect) for Qwen3-Coder XML calls (see
 /// [`Grammar::XmlCalls`]).
 ///
@@ -575,7 +637,11 @@ impl ConstrainedDecoder {
     /// Errors: [`ConstraintError::InvalidGrammar`] with llguidance's message
     /// when the grammar or schema does not compile (front ends answer 400).
     pub fn new(tok: &GrammarTokenizer, grammar: &Grammar) -> Result<Self, ConstraintError> {
-        let top = grammar.to_llg(tok.inner.tool_tags_special, tok.inner.harmony_special)?;
+        let top = grammar.to_llg(
+            tok.inner.tool_tags_special,
+            tok.inner.harmony_special,
+            tok.inner.mistral_markers,
+        )?;
         let parser = tok
             .inner
             .factory

@@ -58,6 +58,26 @@ impl IncrementalDetokenizer {
         if tok.has_byte_fallback() && (tok.is_byte_fallback_token(id) || tok.is_special_token(id)) {
             return Ok(String::new());
         }
+        self.release(tok)
+    }
+
+    /// [`Self::push`] of a special token that the output filter reads as
+    /// text of the reply (a tool-call marker such as Gemma 4's `<|"|>`,
+    /// [`crate::output::OutputFilter::reads_marker`]): a run of byte tokens
+    /// before it is decoded now instead of being held past it, so its text
+    /// reaches the filter before the marker does. (Bytes of one character
+    /// on both sides of the marker would come out as U+FFFD; a model does
+    /// not write those.)
+    ///
+    /// Errors: [`TextError::Decode`] from the tokenizer.
+    pub fn push_marker(&mut self, tok: &TextTokenizer, id: u32) -> Result<String, TextError> {
+        self.ids.push(id);
+        self.release(tok)
+    }
+
+    /// The text of the tokens not yet sent, when it does not end inside a
+    /// character.
+    fn release(&mut self, tok: &TextTokenizer) -> Result<String, TextError> {
         let (sent, all) = self.decode_windows(tok)?;
         if all.len() > sent.len() && !all.ends_with(REPLACEMENT) {
             if let Some(delta) = all.strip_prefix(sent.as_str()) {
@@ -238,6 +258,28 @@ mod tests {
         let text = "ü€😀 中文 ok";
         let ids: Vec<u32> = text.bytes().map(|b| spm_bytes[b as usize]).collect();
         assert_eq!(stream(&spm, &ids).concat(), text);
+    }
+
+    #[test]
+    fn a_marker_releases_the_bytes_before_it() {
+        let tok = load("spm");
+        // "🙂" is four byte tokens here; the BOS `<s>` stands in for a
+        // marker.
+        let ids = tok.encode("a🙂", false).unwrap();
+        let marker = tok.token_to_id("<s>").unwrap();
+        assert!(tok.is_special_token(marker));
+        let mut detok = IncrementalDetokenizer::new();
+        let before: String = ids
+            .iter()
+            .map(|&id| detok.push(&tok, id).unwrap())
+            .collect();
+        assert_eq!(before, "a");
+        // Held by a plain push (the run goes on past a special token)...
+        let mut held = detok.clone();
+        assert_eq!(held.push(&tok, marker).unwrap(), "");
+        // ...released before the marker by `push_marker`.
+        assert_eq!(detok.push_marker(&tok, marker).unwrap(), "🙂");
+        assert_eq!(detok.flush(&tok).unwrap(), "");
     }
 
     #[test]

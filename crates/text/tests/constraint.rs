@@ -534,6 +534,75 @@ fn tool_tags_use_added_tokens_when_the_tokenizer_has_them() {
     assert!(calls.len() >= 2, "{}", w.text);
 }
 
+/// Mistral v11 tokenizers have `[TOOL_CALLS]` and `[ARGS]` as special
+/// tokens: a required call writes those tokens (never their spelled-out
+/// text), and the Mistral reader makes calls of the reply.
+#[test]
+fn mistral_calls_use_the_marker_tokens() {
+    use mlxcel_engine_api::ToolDefinition;
+    use mlxcel_text::output::tool_calls::mistral::mistral_forced_call_prefix;
+    use mlxcel_text::output::ToolCallFormat;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("constraint-mistral-markers");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = model_dir();
+    let mut json: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    for (id, marker) in [(49152, "[TOOL_CALLS]"), (49153, "[ARGS]")] {
+        json["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": id, "content": marker, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    }
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    ] {
+        if src.join(f).is_file() {
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
+        }
+    }
+    let (_, gt) = load(&dir, 0);
+    let grammar = Grammar::MistralCalls {
+        tools: vec![("get_weather".into(), weather_schema())],
+        single: false,
+    };
+    grammar.validate().unwrap();
+    // EOS may end the reply after any call; its bias outweighs the one
+    // `[TOOL_CALLS]` gets for its `]` most of the time: the walks end, and
+    // some call again first.
+    let w = (0..60)
+        .map(|seed| walk(&gt, &grammar, seed, 2.3))
+        .find(|w| w.ids.contains(&49152))
+        .expect("a walk that calls twice");
+    assert!(w.ids.contains(&49153), "{}", w.text);
+    let plain: Vec<u8> = w
+        .ids
+        .iter()
+        .filter(|&&t| t < 49152)
+        .flat_map(|&t| gt.token_bytes(t))
+        .collect();
+    let plain = String::from_utf8_lossy(&plain);
+    assert!(
+        !plain.contains("[ARGS]") && !plain.contains("[TOOL_CALLS]"),
+        "{}",
+        w.text
+    );
+    let tools = [ToolDefinition {
+        name: "get_weather".into(),
+        description: None,
+        parameters: weather_schema(),
+    }];
+    let prefix = mistral_forced_call_prefix(None);
+    let filter = OutputFilter::forced_in(ToolCallFormat::MistralV11, &[], &tools, &prefix);
+    let (calls, other) = calls_of(filter, &w.text);
+    assert_eq!(other, "", "{}", w.text);
+    assert!(calls.len() >= 2, "{}", w.text);
+    calls.iter().for_each(|(_, args)| check_weather_args(args));
+}
+
 #[test]
 fn handles_cross_threads() {
     fn send<T: Send>() {}

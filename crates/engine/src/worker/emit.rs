@@ -194,6 +194,10 @@ impl Worker<'_> {
         let tokenizer = &text.tokenizer;
         let mut piece = if is_eos {
             String::new()
+        } else if s.filter.reads_marker(tokenizer, token) {
+            // A tool-call marker the filter reads: the text before it goes
+            // first (a run of byte tokens is not held past it).
+            s.detok.push_marker(tokenizer, token)?
         } else {
             s.detok.push(tokenizer, token)?
         };

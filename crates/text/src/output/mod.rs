@@ -18,6 +18,9 @@
 //!   [`OutputPiece::CallArguments`] fragments, streamed as generated; a
 //!   call that does not parse, or names a function that was not offered,
 //!   is sent as text, unchanged. Whitespace between calls is dropped.
+//!   Where a format's markup is special tokens, which the detokenizer
+//!   skips (Mistral v11, Gemma 4), the engine hands them to
+//!   [`OutputFilter::push_special_token`], and they are read as text.
 //! - **Forced calls.** Under a named or required `tool_choice` the engine
 //!   puts the start of the call in the prompt ([`forced_call_prefix`]) and
 //!   constrains only what follows; the filter is seeded with that same
@@ -40,7 +43,7 @@ pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 pub use tool_calls::ToolCallFormat;
-use tool_calls::{HermesParser, Qwen3CoderParser, ToolCallParser};
+use tool_calls::{HermesParser, MistralParser, Qwen3CoderParser, ToolCallParser};
 
 /// One piece of a choice's visible output.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,6 +141,9 @@ pub struct OutputFilter {
     /// Reads a harmony reply (gpt-oss) before everything else: its
     /// reasoning, its calls; its content goes on through the stop strings.
     harmony: Option<HarmonyReader>,
+    /// Special tokens read as text of the reply: the markup of the tool-call
+    /// format ([`ToolCallFormat::special_markers`]), when calls are parsed.
+    markers: &'static [&'static str],
 }
 
 impl OutputFilter {
@@ -155,25 +161,48 @@ impl OutputFilter {
     ///
     /// Harmony ([`ToolCallFormat::Harmony`]) is read whether or not tools
     /// are offered (it carries the reasoning too), from the text and the
-    /// special tokens ([`OutputFilter::push_special`]).
+    /// special tokens ([`OutputFilter::push_special`]). With tools, the
+    /// special tokens of the format's markup (Mistral v11's, Gemma 4's)
+    /// are read as text of the reply.
     pub fn with_format(stop: &[String], tools: &[ToolDefinition], format: ToolCallFormat) -> Self {
         let harmony = (format == ToolCallFormat::Harmony).then(|| HarmonyReader::new(tools));
+        let tool_calls = if tools.is_empty() {
+            None
+        } else {
+            format.parser(tools)
+        };
         Self {
             stop: StopStrings::new(stop),
-            tool_calls: if tools.is_empty() {
-                None
+            markers: if tool_calls.is_some() {
+                format.special_markers()
             } else {
-                format.parser(tools)
+                &[]
             },
+            tool_calls,
             reasoning: None,
             harmony,
         }
     }
 
     /// Whether this filter reads special tokens ([`OutputFilter::push_special`]):
-    /// true for a harmony reply, whose markers are special tokens.
+    /// true for a harmony reply, whose markers are special tokens, and for
+    /// calls in a format whose markup is special tokens
+    /// ([`ToolCallFormat::special_markers`]).
     pub fn reads_special_tokens(&self) -> bool {
-        self.harmony.is_some()
+        self.harmony.is_some() || !self.markers.is_empty()
+    }
+
+    /// Whether generated token `id` is a special token this filter reads as
+    /// text of the reply (a marker of the tool-call format,
+    /// [`ToolCallFormat::special_markers`]): the detokenizer should then
+    /// release the text before it
+    /// ([`crate::detokenizer::IncrementalDetokenizer::push_marker`]).
+    pub fn reads_marker(&self, tokenizer: &TextTokenizer, id: u32) -> bool {
+        !self.markers.is_empty()
+            && tokenizer.is_special_token(id)
+            && tokenizer
+                .id_to_token(id)
+                .is_some_and(|token| self.markers.contains(&token.as_str()))
     }
 
     /// Feeds generated token `id` to [`OutputFilter::push_special`] when it
@@ -192,11 +221,16 @@ impl OutputFilter {
 
     /// Feeds a generated special token, `token` its text (such as
     /// `<|channel|>`), after the text before it went through
-    /// [`OutputFilter::push`]. Only a harmony filter reads them; others
-    /// skip them, as the detokenizer does.
+    /// [`OutputFilter::push`]. A harmony filter reads them all; a filter
+    /// of calls whose markup is special tokens reads those as text (as if
+    /// the detokenizer had written them); others skip them, as the
+    /// detokenizer does.
     pub fn push_special(&mut self, token: &str) -> Filtered {
         if self.stop.stopped() {
             return Filtered::default();
+        }
+        if self.markers.contains(&token) {
+            return self.push(token);
         }
         match self.harmony.as_mut().map(|h| h.marker(token)) {
             Some(pieces) => self.route_harmony(pieces),
@@ -241,30 +275,34 @@ impl OutputFilter {
     /// comes from that format's forced prefix: harmony's
     /// ([`harmony::forced_call_prefix`]) for [`ToolCallFormat::Harmony`],
     /// the XML one ([`tool_calls::qwen3_coder::xml_forced_call_prefix`]) for
-    /// [`ToolCallFormat::Qwen3CoderXml`], [`forced_call_prefix`] for the
-    /// others.
+    /// [`ToolCallFormat::Qwen3CoderXml`], Mistral's
+    /// ([`tool_calls::mistral::mistral_forced_call_prefix`]) for
+    /// [`ToolCallFormat::MistralV11`] (its markers, special tokens, are
+    /// read as text), [`forced_call_prefix`] for the others.
     pub fn forced_in(
         format: ToolCallFormat,
         stop: &[String],
         tools: &[ToolDefinition],
         prefix: &str,
     ) -> Self {
+        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
         let (tool_calls, harmony): (Option<Box<dyn ToolCallParser>>, _) = match format {
             ToolCallFormat::Harmony => (None, Some(HarmonyReader::forced(tools, prefix))),
+            ToolCallFormat::MistralV11 => {
+                (Some(Box::new(MistralParser::forced(&names, prefix))), None)
+            }
             ToolCallFormat::Qwen3CoderXml => (
                 Some(Box::new(Qwen3CoderParser::forced_with_tools(tools, prefix))),
                 None,
             ),
-            _ => {
-                let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-                return Self::forced(stop, &names, prefix);
-            }
+            _ => return Self::forced(stop, &names, prefix),
         };
         Self {
             stop: StopStrings::new(stop),
             tool_calls,
             reasoning: None,
             harmony,
+            markers: format.special_markers(),
         }
     }
 
@@ -280,6 +318,7 @@ impl OutputFilter {
             tool_calls: (!tool_names.is_empty()).then(|| parser(tool_names)),
             reasoning: None,
             harmony: None,
+            markers: &[],
         }
     }
 

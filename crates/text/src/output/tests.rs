@@ -1,6 +1,8 @@
 use super::*;
 use crate::reasoning::ReasoningSplitter;
 
+mod formats;
+
 /// A call as the pieces built it.
 #[derive(Debug, Clone, PartialEq)]
 struct Call {
@@ -501,7 +503,10 @@ fn mistral_json_replies_that_are_not_calls_are_text() {
         ToolCallFormat::MistralJson
     );
     let v11 = "[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}";
-    assert_eq!(ToolCallFormat::from_template(v11), ToolCallFormat::Hermes);
+    assert_eq!(
+        ToolCallFormat::from_template(v11),
+        ToolCallFormat::MistralV11
+    );
 }
 
 // --- Qwen3-Coder's XML calls -----------------------------------------------

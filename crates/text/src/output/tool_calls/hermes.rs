@@ -473,7 +473,7 @@ impl HermesParser {
 /// tracks nesting and string state only (the grammar, or the final parse,
 /// checks the rest).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct JsonScan {
+pub(crate) struct JsonScan {
     depth: u32,
     in_string: bool,
     escaped: bool,
@@ -482,7 +482,7 @@ struct JsonScan {
 impl JsonScan {
     /// Reads `text`, which continues what was read before; the byte
     /// offset just past the value's end when it ends in `text`.
-    fn feed(&mut self, text: &str) -> Option<usize> {
+    pub(crate) fn feed(&mut self, text: &str) -> Option<usize> {
         for (i, b) in text.bytes().enumerate() {
             if self.in_string {
                 if self.escaped {

@@ -6,16 +6,22 @@
 //! one parser ([`ToolCallFormat`], picked from the chat template): the
 //! Hermes / Qwen `<tool_call>` JSON format, Llama 3.1-3.3's bare JSON
 //! calls and Mistral's v3 JSON list ([`hermes`]); Qwen3-Coder's XML calls
-//! ([`qwen3_coder`]).
+//! ([`qwen3_coder`]); Mistral's v11 `[TOOL_CALLS]NAME[ARGS]{..}` calls
+//! ([`mistral`]); Gemma 4's `<|tool_call>call:NAME{..}<tool_call|>` calls
+//! ([`gemma4`]).
 
 use mlxcel_engine_api::ToolDefinition;
 
 use super::OutputPiece;
 
+pub mod gemma4;
 pub mod hermes;
+pub mod mistral;
 pub mod qwen3_coder;
 
+pub use gemma4::Gemma4Parser;
 pub use hermes::HermesParser;
+pub use mistral::MistralParser;
 pub use qwen3_coder::Qwen3CoderParser;
 
 /// The tool-call format a model writes, as its chat template shows it.
@@ -37,6 +43,13 @@ pub enum ToolCallFormat {
     /// </function>\n</tool_call>` (Qwen3-Coder's chat template; values read
     /// as the tools' parameter schemas say, [`qwen3_coder`]).
     Qwen3CoderXml,
+    /// `[TOOL_CALLS]NAME[ARGS]{..}`, repeated for several calls, perhaps
+    /// with `[CALL_ID]ID` before `[ARGS]` (Mistral's v11 tokenizers:
+    /// Mistral Small 3.1/3.2, Devstral, Magistral; [`mistral`]).
+    MistralV11,
+    /// `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`, one
+    /// block per call (Gemma 4; arguments rewritten as JSON, [`gemma4`]).
+    Gemma4,
     /// OpenAI's harmony format (gpt-oss): messages on channels, calls as
     /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`.
     /// Read by [`crate::output::harmony::HarmonyReader`] from text and
@@ -46,24 +59,31 @@ pub enum ToolCallFormat {
 
 impl ToolCallFormat {
     /// The format the chat template `source` teaches: harmony when it
-    /// writes `<|channel|>` (gpt-oss); Qwen3-Coder's XML
+    /// writes `<|channel|>` (gpt-oss); Gemma 4's when it writes
+    /// `<|tool_call>`; Qwen3-Coder's XML
     /// when it writes `<function=` and `<parameter=` (checked first: that
     /// template writes `<tool_call>` too); Hermes when it writes
     /// `<tool_call>`; Llama 3's JSON when it is a Llama 3 template
     /// (`<|start_header_id|>`) that writes calls with `"parameters"`;
-    /// Mistral's v3 list when it writes `[TOOL_CALLS]` and not `[ARGS]`
-    /// (the v11 format, not read yet); else Hermes.
+    /// Mistral's v11 calls when it writes `[TOOL_CALLS]` and `[ARGS]`, its
+    /// v3 list when it writes `[TOOL_CALLS]` alone; else Hermes.
     pub fn from_template(source: &str) -> Self {
         if source.contains("<|channel|>") {
             ToolCallFormat::Harmony
+        } else if source.contains(gemma4::GEMMA4_CALL_OPEN) {
+            ToolCallFormat::Gemma4
         } else if source.contains("<function=") && source.contains("<parameter=") {
             ToolCallFormat::Qwen3CoderXml
         } else if source.contains("<tool_call>") {
             ToolCallFormat::Hermes
         } else if source.contains("<|start_header_id|>") && source.contains("\"parameters\"") {
             ToolCallFormat::Llama3Json
-        } else if source.contains("[TOOL_CALLS]") && !source.contains("[ARGS]") {
-            ToolCallFormat::MistralJson
+        } else if source.contains(mistral::MISTRAL_TOOL_CALLS) {
+            if source.contains(mistral::MISTRAL_ARGS) {
+                ToolCallFormat::MistralV11
+            } else {
+                ToolCallFormat::MistralJson
+            }
         } else {
             ToolCallFormat::Hermes
         }
@@ -79,8 +99,32 @@ impl ToolCallFormat {
             ToolCallFormat::Llama3Json => Box::new(HermesParser::llama3_json(&names)),
             ToolCallFormat::MistralJson => Box::new(HermesParser::mistral_json(&names)),
             ToolCallFormat::Qwen3CoderXml => Box::new(Qwen3CoderParser::with_tools(tools)),
+            ToolCallFormat::MistralV11 => Box::new(MistralParser::new(&names)),
+            ToolCallFormat::Gemma4 => Box::new(Gemma4Parser::new(&names)),
             ToolCallFormat::Harmony => return None,
         })
+    }
+
+    /// The special tokens of this format's markup, which the output filter
+    /// reads as text of the reply (the detokenizer skips special tokens):
+    /// Mistral v11's `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]`, Gemma 4's
+    /// `<|tool_call>`, `<tool_call|>` and `<|"|>`. None for the other
+    /// formats (harmony reads its markers itself; Mistral v3's
+    /// `[TOOL_CALLS]` only opens the list, which is read without it).
+    pub fn special_markers(self) -> &'static [&'static str] {
+        match self {
+            ToolCallFormat::MistralV11 => &[
+                mistral::MISTRAL_TOOL_CALLS,
+                mistral::MISTRAL_ARGS,
+                mistral::MISTRAL_CALL_ID,
+            ],
+            ToolCallFormat::Gemma4 => &[
+                gemma4::GEMMA4_CALL_OPEN,
+                gemma4::GEMMA4_CALL_CLOSE,
+                gemma4::GEMMA4_QUOTE,
+            ],
+            _ => &[],
+        }
     }
 }
 
