@@ -106,12 +106,29 @@ pub fn collect_tokens(
             GenerationEvent::Failed { message, .. } => return Err(message),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
-            | GenerationEvent::ToolCallArguments { .. }) => {
-                return Err(format!("unexpected tool call {other:?}"))
+            | GenerationEvent::ToolCallArguments { .. }
+            | GenerationEvent::Embedding { .. }) => {
+                return Err(format!("unexpected event {other:?}"))
             }
         }
     }
     Err("stream ended without Finished".into())
+}
+
+/// Drains an embedding request's stream: its vector and usage, or the
+/// failure.
+pub fn collect_embedding(
+    mut stream: mlxcel_engine::api::EventStream,
+) -> Result<(Vec<f32>, mlxcel_engine::api::Usage), String> {
+    use mlxcel_engine::api::GenerationEvent;
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::Embedding { vector, usage } => return Ok((vector, usage)),
+            GenerationEvent::Failed { message, .. } => return Err(message),
+            other => return Err(format!("unexpected event {other:?}")),
+        }
+    }
+    Err("stream ended without Embedding".into())
 }
 
 /// Waits until the engine has nothing running or waiting; its stats then.
