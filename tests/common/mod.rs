@@ -121,14 +121,12 @@ pub fn collect_embedding(
     mut stream: mlxcel_engine::api::EventStream,
 ) -> Result<(Vec<f32>, mlxcel_engine::api::Usage), String> {
     use mlxcel_engine::api::GenerationEvent;
-    while let Some(event) = stream.blocking_recv() {
-        match event {
-            GenerationEvent::Embedding { vector, usage } => return Ok((vector, usage)),
-            GenerationEvent::Failed { message, .. } => return Err(message),
-            other => return Err(format!("unexpected event {other:?}")),
-        }
+    match stream.blocking_recv() {
+        Some(GenerationEvent::Embedding { vector, usage }) => Ok((vector, usage)),
+        Some(GenerationEvent::Failed { message, .. }) => Err(message),
+        Some(other) => Err(format!("unexpected event {other:?}")),
+        None => Err("stream ended without Embedding".into()),
     }
-    Err("stream ended without Embedding".into())
 }
 
 /// Waits until the engine has nothing running or waiting; its stats then.
