@@ -52,6 +52,10 @@ pub async fn embeddings(
     let service = state.service();
     let request = ValidatedEmbeddingsRequest::parse(body, service.model_id())?;
     let Some(model) = service.embedding_model() else {
+        if !service.ready() {
+            // Whether it will serve embeddings is known once it has loaded.
+            return Err(ApiError::Unavailable("the model is still loading".into()));
+        }
         return Err(ApiError::EngineRejected {
             message: format!(
                 "The model `{}` does not serve embeddings: serve an embedding checkpoint \

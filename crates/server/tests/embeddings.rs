@@ -172,3 +172,15 @@ async fn bad_requests_are_refused_naming_the_field() {
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("--embeddings"), "{message}");
 }
+
+#[tokio::test]
+async fn while_the_model_loads_the_answer_is_503() {
+    let slot = mlxcel_engine_api::ServiceSlot::new(MODEL.into(), 4096);
+    let app = mlxcel_http::router(mlxcel_http::AppState::new(std::sync::Arc::new(slot)));
+    let request = axum::http::Request::post("/v1/embeddings")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(json!({"input": "a"}).to_string()))
+        .unwrap();
+    let r = send(app, request).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.json());
+}
