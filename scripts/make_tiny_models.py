@@ -20,6 +20,14 @@ tokenizer and chat template files are copied from
 the server can serve, with head counts (4 query, 2 K/V) that split over
 two tensor-parallel ranks (tests/tensor_parallel.rs).
 
+``qwen3`` also gets ``embedding.json``: the reference of the embedding
+test (tests/embeddings.rs). Its model is loaded back from the saved
+``model.safetensors`` and run as mlx_lm runs the bare decoder
+(``model.model(inputs)``: final hidden states after the final norm, no
+head, no cache), and each prompt of ``EMBED_PROMPTS`` is pooled two ways,
+last token and mean over tokens, each L2-normalised (as
+sentence-transformers' ``Pooling`` then ``Normalize`` modules do).
+
 Idempotent: a family whose directory already holds a golden made by this
 version of the script is skipped.
 """
@@ -296,6 +304,37 @@ def greedy(model) -> tuple[list[float], list[int]]:
     return first, tokens
 
 
+EMBED_VERSION = 1
+# Token-id prompts of the embedding golden: the family prompt, a short one,
+# and one long enough to span several prefill chunks of 16.
+EMBED_PROMPTS = [PROMPT, PROMPT[:7], [(i * 53 + 5) % VOCAB for i in range(70)]]
+
+
+def embedding_golden(d: Path, module: str) -> None:
+    """Writes ``embedding.json`` for the checkpoint in ``d`` (see above)."""
+    golden = d / "embedding.json"
+    if golden.is_file() and json.loads(golden.read_text()).get("version") == EMBED_VERSION:
+        return
+    config = json.loads((d / "config.json").read_text())
+    models = importlib.import_module(f"mlx_lm.models.{module}")
+    model = models.Model(models.ModelArgs.from_dict(config))
+    model.load_weights(str(d / "model.safetensors"))
+
+    def unit(v):
+        return (v / mx.linalg.norm(v)).tolist()
+
+    cases = []
+    for prompt in EMBED_PROMPTS:
+        hidden = model.model(mx.array([prompt]))[0].astype(mx.float32)
+        cases.append(
+            {"prompt": prompt, "last": unit(hidden[-1]), "mean": unit(mx.mean(hidden, axis=0))}
+        )
+    golden.write_text(
+        json.dumps({"version": EMBED_VERSION, "mlx_lm_module": module, "cases": cases})
+    )
+    print(f"[tiny-models] {d.name}: embedding golden of {len(cases)} prompts")
+
+
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "target/tiny-models")
     for name, (module, overrides) in FAMILIES.items():
@@ -329,6 +368,7 @@ def main() -> None:
             )
         )
         print(f"[tiny-models] {name}: greedy {tokens}")
+    embedding_golden(out / "qwen3", FAMILIES["qwen3"][0])
 
 
 if __name__ == "__main__":

@@ -173,6 +173,12 @@ pub struct ModelArgs {
     /// or forge another role's.
     #[arg(long)]
     pub special_tokens_in_content: bool,
+    /// Serve `POST /v1/embeddings` from this model even though it is no
+    /// embedding checkpoint: each input's last-token final hidden state,
+    /// L2-normalised. An embedding checkpoint (sentence-transformers
+    /// pooling files, e.g. Qwen3-Embedding) serves them without this flag.
+    #[arg(long)]
+    pub embeddings: bool,
     /// Turn the prompt prefix cache off (it needs paged storage).
     #[arg(long)]
     pub no_prompt_cache: bool,
@@ -346,6 +352,7 @@ impl ModelArgs {
         };
         c.cudnn_attention = self.cudnn_attention;
         c.special_tokens_in_content = self.special_tokens_in_content;
+        c.embeddings = self.embeddings;
         c.reasoning_parser = match self.reasoning_parser {
             ReasoningParserArg::Auto => ReasoningParser::Auto,
             ReasoningParserArg::Think => ReasoningParser::Think,

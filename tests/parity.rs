@@ -34,7 +34,8 @@ fn run(engine: &Engine, messages: Vec<ChatMessage>) -> (Vec<u32>, String, Finish
             GenerationEvent::Failed { message, .. } => panic!("failed: {message}"),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
-            | GenerationEvent::ToolCallArguments { .. }) => {
+            | GenerationEvent::ToolCallArguments { .. }
+            | GenerationEvent::Embedding { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }
         }

@@ -287,7 +287,8 @@ fn chat_turn(e: &Engine, messages: &[ChatMessage]) -> (String, mlxcel_engine::ap
             GenerationEvent::Failed { message, .. } => panic!("failed: {message}"),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
-            | GenerationEvent::ToolCallArguments { .. }) => {
+            | GenerationEvent::ToolCallArguments { .. }
+            | GenerationEvent::Embedding { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }
         }

@@ -48,7 +48,8 @@ fn run(engine: &Engine, request: GenerationRequest) -> Vec<Choice> {
             } => out[index].3 = Some((reason, usage)),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
-            | GenerationEvent::ToolCallArguments { .. }) => {
+            | GenerationEvent::ToolCallArguments { .. }
+            | GenerationEvent::Embedding { .. }) => {
                 panic!("unexpected tool call {other:?}")
             }
             GenerationEvent::Failed { message, .. } => panic!("failed: {message}"),

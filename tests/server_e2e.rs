@@ -489,6 +489,9 @@ fn server_answers_like_the_goldens() {
     check_error(&r, 400, Some("suffix"));
     let r = post_json(port, "/infill", &json!({"input_extra": [{"filename": 3}]}));
     check_error(&r, 400, Some("input_extra[0].filename"));
+    // Embeddings need an embedding checkpoint or --embeddings.
+    let r = post_json(port, "/v1/embeddings", &json!({"input": "hi"}));
+    check_error(&r, 400, Some("model"));
     check_non_streaming(port, &paris);
 }
 
@@ -553,10 +556,108 @@ fn parse_with_prometheus_client(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// Decodes standard base64 (padding allowed).
+fn unbase64(text: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        b'/' => 63,
+        _ => panic!("not base64: {c}"),
+    };
+    let bytes: Vec<u8> = text.bytes().filter(|&c| c != b'=').collect();
+    let mut out = Vec::new();
+    for chunk in bytes.chunks(4) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &c)| n | u32::from(value(c)) << (18 - 6 * i));
+        out.extend(&n.to_be_bytes()[1..chunk.len()]);
+    }
+    out
+}
+
+/// `/v1/embeddings` under `--embeddings` against mlx_lm's last-token
+/// hidden states (tests/goldens/smollm2_embeddings.json,
+/// scripts/make_embedding_golden.py): texts and token ids, float and
+/// base64, `dimensions`, usage.
+fn check_embeddings(port: u16) {
+    let golden: Value =
+        serde_json::from_str(include_str!("goldens/smollm2_embeddings.json")).expect("golden");
+    let cases = golden["cases"].as_array().expect("cases");
+    let floats = |v: &Value| -> Vec<f32> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|x| x.as_f64().expect("number") as f32)
+            .collect()
+    };
+    let diff = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    };
+    let texts: Vec<&Value> = cases.iter().map(|c| &c["text"]).collect();
+    let ids: Vec<&Value> = cases.iter().map(|c| &c["ids"]).collect();
+    let tokens: usize = ids.iter().map(|i| i.as_array().map_or(0, Vec::len)).sum();
+    for input in [json!(texts), json!(ids)] {
+        let r = post_json(
+            port,
+            "/v1/embeddings",
+            &json!({"model": "smollm2", "input": input}),
+        );
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        assert_eq!(v["usage"]["prompt_tokens"], tokens, "{}", v["usage"]);
+        assert_eq!(v["usage"]["total_tokens"], tokens);
+        for (i, c) in cases.iter().enumerate() {
+            let d = diff(&floats(&v["data"][i]["embedding"]), &floats(&c["last"]));
+            eprintln!("embedding {i}: {d:.2e} from mlx_lm");
+            assert!(d < 1e-4, "embedding {i}: {d}");
+        }
+    }
+    let want = floats(&cases[0]["last"]);
+    let body = json!({"input": texts[0], "encoding_format": "base64"});
+    let v = post_json(port, "/v1/embeddings", &body).json();
+    let bytes = unbase64(v["data"][0]["embedding"].as_str().expect("base64"));
+    let decoded: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert!(diff(&decoded, &want) < 1e-4);
+    let v = post_json(
+        port,
+        "/v1/embeddings",
+        &json!({"input": texts[0], "dimensions": 64}),
+    )
+    .json();
+    let got = floats(&v["data"][0]["embedding"]);
+    let norm = want[..64].iter().map(|x| x * x).sum::<f32>().sqrt();
+    let truncated: Vec<f32> = want[..64].iter().map(|x| x / norm).collect();
+    assert!(diff(&got, &truncated) < 1e-4);
+    let r = post_json(
+        port,
+        "/v1/embeddings",
+        &json!({"input": texts[0], "dimensions": 577}),
+    );
+    check_error(&r, 400, Some("dimensions"));
+    // (First, so that no earlier input was submitted and then cancelled:
+    // the metrics below count cancellations.)
+    let long = "word ".repeat(9000);
+    let r = post_json(port, "/v1/embeddings", &json!({"input": [long, "a"]}));
+    check_error(&r, 400, Some("input[0]"));
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+}
+
 #[test]
 fn server_reuses_prompts_reports_cached_tokens_and_exports_metrics() {
-    let server = start_server();
+    // `--embeddings` too: embedding requests beside the chat turns.
+    let server = start_server_with(&["--embeddings"]);
     let port = server.port;
+    check_embeddings(port);
     let mut messages = vec![
         json!({"role": "system", "content": "You are a helpful assistant who answers briefly."}),
     ];
@@ -804,9 +905,10 @@ fn hostile_requests_get_4xx_and_the_server_stays_healthy() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2026);
     let bodies = hostile_bodies(&mut rng);
     assert!(bodies.len() >= 200, "{} bodies", bodies.len());
-    // Chat, and llama-server's /infill (whose unknown fields are ignored:
-    // a valid body still needs FIM tokens SmolLM2 lacks).
-    let routes = ["/v1/chat/completions", "/infill"];
+    // Chat, llama-server's /infill (whose unknown fields are ignored:
+    // a valid body still needs FIM tokens SmolLM2 lacks), and embeddings
+    // (a valid body still needs --embeddings).
+    let routes = ["/v1/chat/completions", "/infill", "/v1/embeddings"];
     for (i, (ct, body)) in bodies.iter().enumerate() {
         let route = routes[i % routes.len()];
         let r = request(port, "POST", route, *ct, body);

@@ -89,6 +89,7 @@ fn embedding_rows_run_as_their_tokens() {
             StepRow {
                 input: RowInput::Tokens(tokens),
                 logits: 0..tokens.len(),
+                hidden: 0..0,
             }
         }
         let pair = |second: StepRow<'_>| {
@@ -106,6 +107,7 @@ fn embedding_rows_run_as_their_tokens() {
         let got = pair(StepRow {
             input: RowInput::Embeddings(&embedded),
             logits: 0..b.len(),
+            hidden: 0..0,
         });
         let same = max_diff(&got, &want);
         let alone = |tokens: &[u32]| {
@@ -136,6 +138,7 @@ fn logits_at_every_position_match_each_prefix() {
     let row = StepRow {
         input: RowInput::Tokens(&prompt[4..]),
         logits: 0..5,
+        hidden: 0..0,
     };
     let all = run(model.as_ref(), &mut kv, &[(&seq, row)]);
     let vocab = all.len() / 5;
@@ -151,6 +154,7 @@ fn logits_at_every_position_match_each_prefix() {
     let bad = StepRow {
         input: RowInput::Tokens(&prompt[..2]),
         logits: 0..3,
+        hidden: 0..0,
     };
     let seq = kv.new_sequence();
     let reservation = kv

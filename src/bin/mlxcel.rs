@@ -312,7 +312,8 @@ fn generate_once(
                 Some(
                     GenerationEvent::PromptLogprobs { .. }
                     | GenerationEvent::ToolCallStart { .. }
-                    | GenerationEvent::ToolCallArguments { .. },
+                    | GenerationEvent::ToolCallArguments { .. }
+                    | GenerationEvent::Embedding { .. },
                 ) => {}
                 None => anyhow::bail!("the engine stopped before the request finished"),
             }

@@ -106,12 +106,27 @@ pub fn collect_tokens(
             GenerationEvent::Failed { message, .. } => return Err(message),
             other @ (GenerationEvent::PromptLogprobs { .. }
             | GenerationEvent::ToolCallStart { .. }
-            | GenerationEvent::ToolCallArguments { .. }) => {
-                return Err(format!("unexpected tool call {other:?}"))
+            | GenerationEvent::ToolCallArguments { .. }
+            | GenerationEvent::Embedding { .. }) => {
+                return Err(format!("unexpected event {other:?}"))
             }
         }
     }
     Err("stream ended without Finished".into())
+}
+
+/// Drains an embedding request's stream: its vector and usage, or the
+/// failure.
+pub fn collect_embedding(
+    mut stream: mlxcel_engine::api::EventStream,
+) -> Result<(Vec<f32>, mlxcel_engine::api::Usage), String> {
+    use mlxcel_engine::api::GenerationEvent;
+    match stream.blocking_recv() {
+        Some(GenerationEvent::Embedding { vector, usage }) => Ok((vector, usage)),
+        Some(GenerationEvent::Failed { message, .. }) => Err(message),
+        Some(other) => Err(format!("unexpected event {other:?}")),
+        None => Err("stream ended without Embedding".into()),
+    }
 }
 
 /// Waits until the engine has nothing running or waiting; its stats then.

@@ -135,6 +135,8 @@ def mlxcel_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlxcelSe
         "--port", "0",
         "--api-key", api_key,
         "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
+        # /v1/embeddings answers 200 too (Schemathesis checks its schema).
+        "--embeddings",
     ]
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")}
     env.pop("MLXCEL_API_KEY", None)

@@ -45,6 +45,7 @@ def before_load_schema(context: schemathesis.HookContext, raw_schema: dict[str, 
         "CreateMessageRequest",
         "TokenizeRequest",
         "DetokenizeRequest",
+        "CreateEmbeddingRequest",
     ):
         properties = schemas.get(name, {}).get("properties")
         if properties is not None and "model" in properties:
@@ -68,6 +69,14 @@ def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwar
     ``before_call`` sees the cases of every phase (coverage cases too), unlike
     the generation-time ``map_body``. Only values above the limits change, so
     invalid values (0, negatives, wrong types) still reach the server."""
+    if case.operation.path == "/v1/embeddings" and isinstance(case.body, dict):
+        # Each input is a prefill of its own: at most MAX_PROMPTS of them.
+        inputs = case.body.get("input")
+        if isinstance(inputs, list) and len(inputs) > MAX_PROMPTS and not all(
+            isinstance(t, int) for t in inputs
+        ):
+            case.body["input"] = inputs[:MAX_PROMPTS]
+        return
     if case.operation.path not in _GENERATION_PATHS or not isinstance(case.body, dict):
         return
     body = case.body

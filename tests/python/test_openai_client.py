@@ -608,3 +608,23 @@ def test_tokenize_counts_the_prompt_tokens_of_the_same_chat_request(client, mode
         completion = client.completions.create(model=model, prompt=text, max_tokens=1)
         assert counted["count"] == completion.usage.prompt_tokens
         assert http.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"].endswith(text)
+
+
+# --- embeddings (the server runs with --embeddings) -------------------------
+
+
+def test_embeddings_float_and_base64_agree_and_are_unit_length(client, model):
+    texts = ["The capital of France is Paris.", "Embeddings map text to vectors."]
+    floats = client.embeddings.create(model=model, input=texts, encoding_format="float")
+    # The client's default asks for base64 and decodes it itself.
+    decoded = client.embeddings.create(model=model, input=texts)
+    assert [d.index for d in floats.data] == [0, 1]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
+    for a, b in zip(floats.data, decoded.data):
+        assert len(a.embedding) == len(b.embedding) == 576
+        assert math.isclose(math.sqrt(sum(x * x for x in a.embedding)), 1.0, rel_tol=1e-4)
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-6
+    short = client.embeddings.create(model=model, input=texts[0], dimensions=32)
+    assert len(short.data[0].embedding) == 32
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=model, input="")

@@ -111,6 +111,11 @@ pub struct EngineConfig {
     /// Where MLX's CUDA backend keeps compiled kernels across restarts (a
     /// subdirectory per MLX version is used); `None`: MLX's default.
     pub kernel_cache_dir: Option<PathBuf>,
+    /// Serve `/v1/embeddings` from any decoder (`--embeddings`): the last
+    /// token's final hidden state, L2-normalised. An embedding checkpoint
+    /// (sentence-transformers pooling files) serves them without it, pooled
+    /// as its files say.
+    pub embeddings: bool,
     /// Tensor parallelism (`--tensor-parallel`): this process's rank of
     /// the group. Rank 0 runs this engine; other ranks run
     /// [`crate::run_follower`]. Forces the paged KV
@@ -168,6 +173,7 @@ impl EngineConfig {
             cudnn_attention: false,
             kernel_cache_dir: None,
             chat_template: None,
+            embeddings: false,
             tensor_parallel: None,
             #[cfg(feature = "fault-injection")]
             fault: crate::fault::FaultInjection::default(),

@@ -145,6 +145,7 @@ impl<'m> Drafter<'m> {
                         real: n,
                         host_logits: 0..0,
                         device_argmax: if behind(i) { 0..0 } else { n - 1..n },
+                        hidden: 0..0,
                     }
                 })
                 .collect(),
@@ -182,6 +183,7 @@ impl<'m> Drafter<'m> {
                         real: 1,
                         host_logits: 0..0,
                         device_argmax: 0..1,
+                        hidden: 0..0,
                     })
                     .collect(),
             };

@@ -10,8 +10,8 @@ use mlxcel_mlx::Dtype;
 use mlxcel_model::WeightMode;
 
 use crate::api::{
-    CacheReset, EngineStats, EventStream, GenerationRequest, InferenceService, Prompt,
-    RequestField, SubmitError, TokenizeRequest, ToolDefinition,
+    CacheReset, EmbeddingModel, EmbeddingRequest, EngineStats, EventStream, GenerationRequest,
+    InferenceService, Pooling, Prompt, RequestField, SubmitError, TokenizeRequest, ToolDefinition,
 };
 use crate::request::{Encoding, RequestBuilder};
 use crate::runner::RunnerHealth;
@@ -104,6 +104,28 @@ impl InferenceService for Engine {
             return Err(SubmitError::Unavailable(reason));
         }
         let (job, stream) = self.requests.job(request)?;
+        self.send(Message::Job(Box::new(job)))?;
+        Ok(stream)
+    }
+
+    fn embedding_model(&self) -> Option<EmbeddingModel> {
+        self.requests
+            .limits
+            .embedding
+            .map(|(pooling, dimensions)| EmbeddingModel {
+                pooling: match pooling {
+                    mlxcel_model::pooling::Pooling::LastToken => Pooling::LastToken,
+                    mlxcel_model::pooling::Pooling::Mean => Pooling::Mean,
+                },
+                dimensions,
+            })
+    }
+
+    fn embed(&self, request: EmbeddingRequest) -> Result<EventStream, SubmitError> {
+        if let Some(reason) = self.unhealthy() {
+            return Err(SubmitError::Unavailable(reason));
+        }
+        let (job, stream) = self.requests.embedding_job(request)?;
         self.send(Message::Job(Box::new(job)))?;
         Ok(stream)
     }

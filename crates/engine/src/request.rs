@@ -27,9 +27,11 @@ use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
 use mlxcel_text::reasoning::ReasoningSplitter;
 use mlxcel_text::{Text, TextError};
 
+use mlxcel_model::pooling::Pooling;
+
 use crate::api::{
-    EventStream, GenerationRequest, Prompt, RequestField, ResponseFormat, SubmitError,
-    TokenizeRequest, ToolChoice, ToolDefinition,
+    EmbeddingRequest, EventStream, GenerationRequest, Prompt, RequestField, ResponseFormat,
+    SamplingParams, SubmitError, TokenizeRequest, ToolChoice, ToolDefinition,
 };
 use crate::worker::{Job, ToolCallOutput};
 
@@ -73,6 +75,9 @@ pub(crate) struct Limits {
     pub(crate) special_tokens_in_content: bool,
     /// Chat replies are split into reasoning and content.
     pub(crate) split_reasoning: bool,
+    /// How embeddings are pooled and their length (the hidden size), when
+    /// the model serves them.
+    pub(crate) embedding: Option<(Pooling, usize)>,
 }
 
 /// Builds the engine's jobs from requests (see the module docs).
@@ -210,6 +215,58 @@ impl RequestBuilder {
             tool_calls,
             reasoning,
             stop_ids,
+            embedding: None,
+        };
+        Ok((job, stream))
+    }
+
+    /// The job of an embedding request: its prompt encoded as a text
+    /// completion's, prefill only, no sampling; it ends with one
+    /// `Embedding` event.
+    ///
+    /// # Errors
+    /// [`SubmitError::InvalidRequest`] for a model that serves no
+    /// embeddings, a prompt that is not text or token ids, an empty one,
+    /// ids outside the vocabulary; [`SubmitError::ContextLengthExceeded`].
+    pub(crate) fn embedding_job(
+        &self,
+        request: EmbeddingRequest,
+    ) -> Result<(Job, EventStream), SubmitError> {
+        let Some((pooling, _)) = self.limits.embedding else {
+            return Err(SubmitError::InvalidRequest {
+                message: "this model does not serve embeddings (start the server with \
+                          --embeddings to serve them from any model)"
+                    .into(),
+                field: None,
+            });
+        };
+        if !matches!(request.prompt, Prompt::Text(_) | Prompt::Tokens(_)) {
+            return Err(invalid(
+                RequestField::Prompt,
+                "an embedding's input is text or token ids".into(),
+            ));
+        }
+        let prompt = self.encode(&request.prompt, &[], &serde_json::Map::new(), Encoding::RUN)?;
+        if prompt.is_empty() {
+            return Err(invalid(RequestField::Prompt, "the input is empty".into()));
+        }
+        self.check_token_ids(&prompt)?;
+        let mut generation = GenerationRequest::new(request.prompt, SamplingParams::greedy(), 1);
+        generation.cache_prompt = request.cache_prompt;
+        generation.speculative = false;
+        // Admission charges the prompt and one more token.
+        generation.max_tokens = self.max_tokens(prompt.len(), 1, 1)?;
+        let (events, stream) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            request: generation,
+            submitted: Instant::now(),
+            events,
+            constraints: Vec::new(),
+            tool_calls: ToolCallOutput::Off,
+            reasoning: None,
+            stop_ids: Vec::new(),
+            embedding: Some(pooling),
         };
         Ok((job, stream))
     }

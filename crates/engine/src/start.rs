@@ -66,6 +66,7 @@ impl Engine {
             config.pipeline = false;
         }
         let shard = config.tensor_parallel.map(|tp| tp.shard);
+        let embedding = embedding_pooling(&config, &checkpoint)?;
         let opened = Opened::new(&config, checkpoint, shard)?;
         let model_config = opened.model_config.clone();
         let text = Arc::new(load_text(
@@ -146,6 +147,7 @@ impl Engine {
             admission: loaded.admission,
             special_tokens_in_content: config.special_tokens_in_content,
             split_reasoning,
+            embedding: embedding.map(|pooling| (pooling, model_config.hidden_size)),
         };
         let engine = Engine {
             model_id,
@@ -380,4 +382,32 @@ fn same_vocabulary(a: &Text, b: &Text) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// How the model serves embeddings: as its sentence-transformers files
+/// say (an embedding checkpoint), else last-token pooling under
+/// `--embeddings`, else not at all. GGUF files carry no pooling files.
+///
+/// # Errors
+/// Unreadable pooling files, or a pooling mode other than last-token and
+/// mean (named in the message).
+fn embedding_pooling(
+    config: &EngineConfig,
+    checkpoint: &crate::loader::Checkpoint,
+) -> Result<Option<mlxcel_model::pooling::Pooling>, EngineError> {
+    let read = match checkpoint.gguf() {
+        Some(_) => None,
+        None => mlxcel_model::pooling::read_pooling(checkpoint.path())?,
+    };
+    let pooling = read.or(config
+        .embeddings
+        .then_some(mlxcel_model::pooling::Pooling::LastToken));
+    if let Some(p) = pooling {
+        tracing::info!(
+            pooling = p.as_str(),
+            from_checkpoint = read.is_some(),
+            "serving embeddings"
+        );
+    }
+    Ok(pooling)
 }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod gguf;
 pub mod layers;
 pub mod moe;
+pub mod pooling;
 pub mod profile;
 pub mod rope;
 pub mod step;
@@ -17,7 +18,7 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use layers::WeightMode;
-pub use step::{AttentionPath, RowInput, Step, StepMismatch, StepRow};
+pub use step::{AttentionPath, RowInput, Step, StepGraph, StepMismatch, StepRow};
 pub use tensor_parallel::TensorParallel;
 pub use weights::Weights;
 
@@ -83,7 +84,9 @@ pub trait Model: Send {
     /// positions `kv.new_positions(r)`, already reserved in the cache) and
     /// returns its float32 next-token logits `[wanted positions, vocab]`
     /// (per row in row order, the positions of its [`StepRow::logits`];
-    /// see [`Step::logit_indices`]), **not evaluated**: the caller evaluates them together
+    /// see [`Step::logit_indices`]) and the final hidden states of the
+    /// positions of the rows' [`StepRow::hidden`] ([`StepGraph`]),
+    /// **not evaluated**: the caller evaluates them together
     /// with `kv.storage()` (the K/V of every token, pad tokens too, are
     /// written through `kv`), synchronously or with `async_eval`. The caller
     /// rewinds pads and, on error, the whole step.
@@ -101,7 +104,7 @@ pub trait Model: Send {
         ids: Option<&Array>,
         kv: &mut dyn AttentionKv,
         path: AttentionPath,
-    ) -> Result<Array, ModelError>;
+    ) -> Result<StepGraph, ModelError>;
 
     /// [`Model::build_step`] from the rows' host tokens, evaluated (logits
     /// and the cache's writes).
@@ -114,7 +117,7 @@ pub trait Model: Send {
         kv: &mut dyn AttentionKv,
         path: AttentionPath,
     ) -> Result<Array, ModelError> {
-        let logits = self.build_step(rows, None, kv, path)?;
+        let logits = self.build_step(rows, None, kv, path)?.logits;
         let mut outputs: Vec<&Array> = vec![&logits];
         outputs.extend(kv.storage());
         mlxcel_mlx::eval(&outputs)?;

@@ -50,6 +50,11 @@ pub struct StepRow<'a> {
     /// logprobs), every draft position of a verification row (speculative
     /// decoding), nothing for a prefill chunk before the last.
     pub logits: Range<usize>,
+    /// Positions in the row whose final hidden state (after the final
+    /// norm, before the head) is wanted: an embedding request's last token
+    /// (last-token pooling) or every token (mean pooling); empty for any
+    /// other row.
+    pub hidden: Range<usize>,
 }
 
 impl<'a> StepRow<'a> {
@@ -58,8 +63,22 @@ impl<'a> StepRow<'a> {
         StepRow {
             input: RowInput::Tokens(tokens),
             logits: logits_at.map_or(0..0, |i| i..i + 1),
+            hidden: 0..0,
         }
     }
+}
+
+/// What [`crate::Model::build_step`] returns, **not evaluated**.
+#[derive(Debug)]
+pub struct StepGraph {
+    /// Float32 next-token logits `[wanted positions, vocab]`, per row in
+    /// row order the positions of its [`StepRow::logits`] (`[0, vocab]`
+    /// when no row wants any).
+    pub logits: Array,
+    /// Float32 final hidden states `[hidden positions, hidden_size]`, per
+    /// row in row order the positions of its [`StepRow::hidden`]; `None`
+    /// when no row wants any.
+    pub hidden: Option<Array>,
 }
 
 /// How the step's attention reads the cache.
@@ -135,7 +154,7 @@ impl Step {
         for (r, row) in rows.iter().enumerate() {
             let pos = kv.new_positions(r);
             let len = row.input.len();
-            if pos.len() != len || len == 0 || row.logits.end > len {
+            if pos.len() != len || len == 0 || row.logits.end > len || row.hidden.end > len {
                 return Err(StepMismatch::Row {
                     row: r,
                     tokens: len,
@@ -176,6 +195,15 @@ impl Step {
             .collect()
     }
 
+    /// Packed indices of the tokens whose final hidden state is wanted, in
+    /// row order (each row's [`StepRow::hidden`]).
+    pub fn hidden_indices(&self, rows: &[StepRow<'_>]) -> Vec<i32> {
+        rows.iter()
+            .zip(&self.rows)
+            .flat_map(|(row, span)| row.hidden.clone().map(move |i| (span.start + i) as i32))
+            .collect()
+    }
+
     /// Whether every row's input is token ids.
     pub fn all_tokens(rows: &[StepRow<'_>]) -> bool {
         rows.iter().all(|r| matches!(r.input, RowInput::Tokens(_)))
@@ -191,7 +219,7 @@ pub enum StepMismatch {
     #[error("{rows} rows for a KV view of {view_rows}")]
     RowCount { rows: usize, view_rows: usize },
     /// A row's token count differs from the positions reserved for it, or
-    /// it wants logits past its end.
+    /// it wants logits (or hidden states) past its end.
     #[error("row {row}: {tokens} tokens, {positions} positions reserved, logits at {logits:?}")]
     Row {
         row: usize,

@@ -17,8 +17,8 @@ use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsN
 use mlxcel_model::moe::{MoeSpec, SparseMoe};
 use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
-    AttentionPath, LoadOptions, Model, ModelConfig, ModelError, RowInput, Step, StepMismatch,
-    StepRow, Weights,
+    AttentionPath, LoadOptions, Model, ModelConfig, ModelError, RowInput, Step, StepGraph,
+    StepMismatch, StepRow, Weights,
 };
 
 /// What a family's decoder is, beyond the shared config.
@@ -454,7 +454,7 @@ impl Model for Decoder {
         ids: Option<&Array>,
         kv: &mut dyn AttentionKv,
         path: AttentionPath,
-    ) -> Result<Array, ModelError> {
+    ) -> Result<StepGraph, ModelError> {
         let built = std::time::Instant::now();
         profile::restart_clock();
         let step = Step::new(rows, kv, path)?;
@@ -463,15 +463,16 @@ impl Model for Decoder {
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, i, kv, &step, &self.residual_scale)?;
         }
-        // Only the wanted positions go through the final norm and the head.
+        // Only the wanted positions go through the final norm (and the
+        // head, for logits).
+        let hidden = self.final_hidden(&h, &step.hidden_indices(rows))?;
         let wanted = step.logit_indices(rows);
         if wanted.is_empty() {
-            // Nothing samples (a prefill chunk before the last): the graph
-            // is the cache's writes alone.
-            return Ok(mlxcel_mlx::zeros(
-                &[0, self.config.vocab_size as i32],
-                Dtype::Float32,
-            )?);
+            // Nothing samples (a prefill chunk before the last, an
+            // embedding row): the graph is the cache's writes (and any
+            // hidden states) alone.
+            let logits = mlxcel_mlx::zeros(&[0, self.config.vocab_size as i32], Dtype::Float32)?;
+            return Ok(StepGraph { logits, hidden });
         }
         let idx = Array::from_i32(&wanted, &[wanted.len() as i32])?;
         let last = self.norm.forward(&h.take(&idx, 1)?)?;
@@ -487,6 +488,24 @@ impl Model for Decoder {
         if profile::mode() == profile::ProfileMode::Steps {
             profile::record("model.build", built);
         }
-        Ok(logits)
+        Ok(StepGraph { logits, hidden })
+    }
+}
+
+impl Decoder {
+    /// The final hidden states (after the final norm) of the packed
+    /// positions `idx` of the last layer's output `h` `[1, tokens,
+    /// hidden]`: float32 `[idx.len(), hidden]`, `None` for no position.
+    fn final_hidden(&self, h: &Array, idx: &[i32]) -> Result<Option<Array>, ModelError> {
+        if idx.is_empty() {
+            return Ok(None);
+        }
+        let at = Array::from_i32(idx, &[idx.len() as i32])?;
+        let normed = self.norm.forward(&h.take(&at, 1)?)?;
+        Ok(Some(
+            normed
+                .reshape(&[idx.len() as i32, -1])?
+                .astype(Dtype::Float32)?,
+        ))
     }
 }

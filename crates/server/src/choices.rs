@@ -148,6 +148,9 @@ impl Choices {
                     message: message.clone(),
                 })
             }
+            // Only embedding requests get one; no completion route
+            // submits them.
+            GenerationEvent::Embedding { .. } => return Ok(None),
             GenerationEvent::Delta { index, .. }
             | GenerationEvent::PromptLogprobs { index, .. }
             | GenerationEvent::ToolCallStart { index, .. }
@@ -229,7 +232,7 @@ impl Choices {
                     stop_sequence,
                 }
             }
-            GenerationEvent::Failed { .. } => return Ok(None),
+            GenerationEvent::Failed { .. } | GenerationEvent::Embedding { .. } => return Ok(None),
         };
         Ok(Some(piece))
     }
@@ -279,7 +282,7 @@ fn globalize(mut event: GenerationEvent, prompt: usize, n: usize) -> GenerationE
                 usize::MAX
             };
         }
-        GenerationEvent::Failed { .. } => {}
+        GenerationEvent::Failed { .. } | GenerationEvent::Embedding { .. } => {}
     }
     event
 }

@@ -243,6 +243,9 @@ pub enum Route {
     /// `/infill` (llama-server's names): the prompt is `input_prefix`, the
     /// suffix `input_suffix`.
     Infill,
+    /// `/v1/embeddings`: the prompt is `input`, or `input[i]` when the
+    /// request had several.
+    Embeddings { input: Option<usize> },
 }
 
 impl Route {
@@ -256,6 +259,8 @@ impl Route {
             (Self::Detokenize, _) => "tokens".to_owned(),
             (Self::Infill, RequestField::Prompt) => "input_prefix".to_owned(),
             (Self::Infill, RequestField::Suffix) => "input_suffix".to_owned(),
+            (Self::Embeddings { input: Some(i) }, _) => format!("input[{i}]"),
+            (Self::Embeddings { input: None }, _) => "input".to_owned(),
             (_, field) => field.chat_name().to_owned(),
         }
     }

@@ -16,7 +16,8 @@
 //! `POST /detokenize` count and decode against the served tokenizer.
 //! `POST /v1/messages` and `POST /v1/messages/count_tokens` ([`anthropic`],
 //! Anthropic's Messages API) run through the same chat path and answer
-//! errors in Anthropic's shape.
+//! errors in Anthropic's shape. `POST /v1/embeddings` ([`embeddings`])
+//! embeds text or token ids with the served model.
 //! [`shutdown`] lets open requests finish (or fail, at the deadline) when
 //! [`serve`] stops.
 
@@ -25,6 +26,7 @@ pub mod auth;
 mod choices;
 mod completions;
 pub mod cors;
+pub mod embeddings;
 pub mod error;
 mod extract;
 mod infill;
@@ -237,6 +239,7 @@ fn api_routes() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
             axum::routing::delete(responses::delete_response),
         ),
         (Method::POST, "/infill", post(infill::infill)),
+        (Method::POST, "/v1/embeddings", post(embeddings::embeddings)),
         (
             Method::POST,
             "/v1/messages",

@@ -486,6 +486,11 @@ impl Metrics {
                     .inc_by(usage.completion_tokens as u64);
                 Some("finished")
             }
+            GenerationEvent::Embedding { usage, .. } => {
+                self.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+                self.cached_tokens.inc_by(usage.cached_tokens as u64);
+                Some("finished")
+            }
             GenerationEvent::Failed { kind, .. } => {
                 // A failed request may fail each of its choices: count it
                 // once.

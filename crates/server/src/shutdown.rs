@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use mlxcel_engine_api::{
-    CacheReset, EngineStats, EventStream, FailureKind, GenerationEvent, GenerationRequest,
-    InferenceService, SubmitError, TokenizeRequest,
+    CacheReset, EmbeddingModel, EmbeddingRequest, EngineStats, EventStream, FailureKind,
+    GenerationEvent, GenerationRequest, InferenceService, SubmitError, TokenizeRequest,
 };
 use tokio::sync::watch;
 
@@ -51,6 +51,20 @@ impl DrainingService {
     }
 }
 
+impl DrainingService {
+    /// `events`, failed at the shutdown deadline.
+    fn drained(&self, events: EventStream) -> EventStream {
+        // Handlers submit from the runtime's blocking pool; a caller
+        // outside any runtime (a test) gets the engine's stream as is.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return events;
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        runtime.spawn(forward(events, tx, self.phase.clone()));
+        rx
+    }
+}
+
 impl InferenceService for DrainingService {
     fn model_id(&self) -> &str {
         self.inner.model_id()
@@ -65,14 +79,19 @@ impl InferenceService for DrainingService {
             return Err(SubmitError::Unavailable(REFUSED_MESSAGE.to_owned()));
         }
         let events = self.inner.submit(request)?;
-        // Handlers submit from the runtime's blocking pool; a caller
-        // outside any runtime (a test) gets the engine's stream as is.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Ok(events);
-        };
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        runtime.spawn(forward(events, tx, self.phase.clone()));
-        Ok(rx)
+        Ok(self.drained(events))
+    }
+
+    fn embedding_model(&self) -> Option<EmbeddingModel> {
+        self.inner.embedding_model()
+    }
+
+    fn embed(&self, request: EmbeddingRequest) -> Result<EventStream, SubmitError> {
+        if *self.phase.borrow() != Phase::Serving {
+            return Err(SubmitError::Unavailable(REFUSED_MESSAGE.to_owned()));
+        }
+        let events = self.inner.embed(request)?;
+        Ok(self.drained(events))
     }
 
     fn detokenize(&self, tokens: &[u32]) -> Result<String, SubmitError> {

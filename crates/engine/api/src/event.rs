@@ -121,6 +121,11 @@ pub enum GenerationEvent {
         /// tool calls).
         stop_sequence: Option<String>,
     },
+    /// An embedding request's answer ([`crate::EmbeddingRequest`]); the
+    /// request ends. `vector` is float32 `[hidden_size]`, pooled as the
+    /// model's [`crate::EmbeddingModel`] says and L2-normalised; `usage`
+    /// counts the prompt (no completion tokens).
+    Embedding { vector: Vec<f32>, usage: Usage },
     /// The request failed inside the engine (every choice ends); nothing
     /// else was affected, unless `kind` says the engine can serve no more
     /// ([`FailureKind::GroupBroken`]).

@@ -22,8 +22,11 @@ pub use event::{
     TokenLogprob, Usage,
 };
 pub use request::{
-    ChatMessage, GenerationRequest, Infill, InfillFile, Prompt, ResponseFormat, SamplingParams,
-    TokenizeRequest, ToolCall, ToolChoice, ToolDefinition, RESERVED_TEMPLATE_VARIABLES,
+    ChatMessage, EmbeddingRequest, GenerationRequest, Infill, InfillFile, Prompt, ResponseFormat,
+    SamplingParams, TokenizeRequest, ToolCall, ToolChoice, ToolDefinition,
+    RESERVED_TEMPLATE_VARIABLES,
 };
-pub use service::{InferenceService, RequestField, ServiceSlot, SubmitError};
+pub use service::{
+    EmbeddingModel, InferenceService, Pooling, RequestField, ServiceSlot, SubmitError,
+};
 pub use stats::{CacheReset, DiskCacheStats, EngineStats, KvGroupStats};

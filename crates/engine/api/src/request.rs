@@ -150,6 +150,20 @@ pub struct TokenizeRequest {
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
+/// A prompt to embed (`/v1/embeddings`): its final hidden states pooled
+/// into one L2-normalised vector ([`crate::EmbeddingModel`]). Runs through
+/// the engine like any prompt, prefill only, batched with other requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingRequest {
+    /// Text (encoded with the tokenizer's special tokens, as completions
+    /// encode a prompt) or token ids; never chat messages or an infill.
+    pub prompt: Prompt,
+    /// Read the prompt's prefix from the prefix cache (last-token pooling
+    /// only: mean pooling needs every position, so it computes the whole
+    /// prompt) and donate its blocks to it.
+    pub cache_prompt: bool,
+}
+
 /// Sampling parameters of one request. Validated by the front end.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {

@@ -3,7 +3,7 @@
 //! request can be refused ([`SubmitError`], [`RequestField`]).
 
 use crate::event::EventStream;
-use crate::request::{GenerationRequest, TokenizeRequest};
+use crate::request::{EmbeddingRequest, GenerationRequest, TokenizeRequest};
 use crate::stats::{CacheReset, EngineStats};
 
 /// The part of a [`GenerationRequest`] an engine refusal is about: the
@@ -42,6 +42,25 @@ impl RequestField {
             Self::Suffix => "suffix",
         }
     }
+}
+
+/// How an embedding's token states are pooled into one vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last token's final hidden state (Qwen3-Embedding style; what
+    /// `--embeddings` gives any decoder).
+    LastToken,
+    /// The mean of every token's final hidden state.
+    Mean,
+}
+
+/// What a model that serves embeddings gives ([`InferenceService::embedding_model`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingModel {
+    /// How token states become one vector (then L2-normalised).
+    pub pooling: Pooling,
+    /// The vector's length: the model's hidden size.
+    pub dimensions: usize,
 }
 
 /// Why a request was refused before it ran.
@@ -88,6 +107,24 @@ pub trait InferenceService: Send + Sync + 'static {
     fn tokenize(&self, request: &TokenizeRequest) -> Result<Vec<u32>, SubmitError>;
     /// The engine's counters and gauges now.
     fn stats(&self) -> EngineStats;
+    /// Whether and how the model serves embeddings (an embedding
+    /// checkpoint, or any decoder under `--embeddings`); `None`: it does
+    /// not.
+    fn embedding_model(&self) -> Option<EmbeddingModel> {
+        None
+    }
+    /// Tokenize and queue a prompt to embed; its one
+    /// [`crate::GenerationEvent::Embedding`] (or `Failed`) arrives on the
+    /// stream. Errors: a model that serves no embeddings, an empty prompt
+    /// or ids outside the vocabulary (`InvalidRequest`, field `Prompt`), a
+    /// prompt past the context (`ContextLengthExceeded`).
+    fn embed(&self, request: EmbeddingRequest) -> Result<EventStream, SubmitError> {
+        let _ = request;
+        Err(SubmitError::InvalidRequest {
+            message: "this model does not serve embeddings".into(),
+            field: None,
+        })
+    }
     /// Frees every prefix-cache block no running request holds and,
     /// unless `keep_disk`, deletes the disk tier's block files.
     fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError>;
@@ -159,6 +196,12 @@ impl InferenceService for ServiceSlot {
     }
     fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
         self.engine()?.reset_prefix_cache(keep_disk)
+    }
+    fn embedding_model(&self) -> Option<EmbeddingModel> {
+        self.engine.get().and_then(|e| e.embedding_model())
+    }
+    fn embed(&self, request: EmbeddingRequest) -> Result<EventStream, SubmitError> {
+        self.engine()?.embed(request)
     }
     fn ready(&self) -> bool {
         self.engine.get().is_some_and(|e| e.ready())

@@ -17,7 +17,7 @@ use std::time::Instant;
 use mlxcel_kv::{KvCache, KvSequence, RowReserve, StorageBackend};
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::profile;
-use mlxcel_model::{AttentionPath, Model, StepRow};
+use mlxcel_model::{AttentionPath, Model, StepGraph, StepRow};
 
 use super::{
     BatchRow, DecodeInput, InFlight, Pending, RowOutput, StepBatch, StepOutput, StepRunner,
@@ -148,12 +148,12 @@ impl<'m> LocalRunner<'m> {
         let rows = batch.model_rows();
         let mut view = kv.step(&kv_rows)?;
         profile::record("engine.prepare", started);
-        let logits = self.model.build_step(&rows, None, &mut view, self.path)?;
+        let graph = self.model.build_step(&rows, None, &mut view, self.path)?;
         hook.built(&rows)?;
         // Once built (and, under tensor parallelism, sent), the hook sees
         // how the evaluation ended, a panic included.
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            read_back(&logits, &batch.rows, mlxcel_kv::AttentionKv::storage(&view))
+            read_back(&graph, &batch.rows, mlxcel_kv::AttentionKv::storage(&view))
         }))
         .unwrap_or_else(|panic| Err(StepError::from_panic(&*panic)));
         hook.evaluated(outcome)
@@ -230,7 +230,8 @@ impl StepRunner for LocalRunner<'_> {
             let mut view = kv.step(&kv_rows)?;
             let logits = self
                 .model
-                .build_step(&rows, device_ids.as_ref(), &mut view, self.path)?;
+                .build_step(&rows, device_ids.as_ref(), &mut view, self.path)?
+                .logits;
             let tokens = logits.argmax(-1, false)?.astype(Dtype::Uint32)?;
             let mut outputs = vec![&tokens];
             outputs.extend(mlxcel_kv::AttentionKv::storage(&view));
@@ -294,15 +295,16 @@ impl Placement {
     }
 }
 
-/// Evaluates a step (its logits `[wanted positions, vocab]` and the cache
-/// `storage`) with the device positions reduced to their greedy token
-/// there, and reads back those tokens and the host positions' logits: one
-/// device round trip.
+/// Evaluates a step (its logits `[wanted positions, vocab]`, any hidden
+/// states and the cache `storage`) with the device positions reduced to
+/// their greedy token there, and reads back those tokens, the host
+/// positions' logits and the hidden states: one device round trip.
 fn read_back(
-    logits: &Array,
+    graph: &StepGraph,
     rows: &[BatchRow<'_>],
     storage: Vec<&Array>,
 ) -> Result<StepOutput, StepError> {
+    let logits = &graph.logits;
     let place = Placement::of(rows);
     let take = |idx: &[i32]| -> Result<Option<Array>, mlxcel_mlx::Error> {
         if idx.is_empty() {
@@ -319,27 +321,36 @@ fn read_back(
         None => None,
     };
     let host = take(&place.host)?;
-    let mut outputs: Vec<&Array> = tokens.iter().chain(host.iter()).collect();
+    let mut outputs: Vec<&Array> = tokens
+        .iter()
+        .chain(host.iter())
+        .chain(graph.hidden.iter())
+        .collect();
     outputs.extend(storage);
     profile::region("model.eval", || mlxcel_mlx::eval(&outputs))?;
-    let (tokens, host) = profile::region("engine.logits_to_host", || {
+    let to_f32 = |a: &Option<Array>| a.as_ref().map_or(Ok(Vec::new()), |a| a.to_vec_f32());
+    let (tokens, host, hidden) = profile::region("engine.logits_to_host", || {
         Ok::<_, mlxcel_mlx::Error>((
             match &tokens {
                 Some(t) => t.to_vec_u32()?,
                 None => Vec::new(),
             },
-            match &host {
-                Some(h) => h.to_vec_f32()?,
-                None => Vec::new(),
-            },
+            to_f32(&host)?,
+            to_f32(&graph.hidden)?,
         ))
     })?;
     let vocab = host.len().checked_div(place.host.len()).unwrap_or(0);
-    let (mut t, mut h) = (0, 0);
+    let hidden_positions: usize = rows.iter().map(|r| r.hidden.len()).sum();
+    let width = hidden.len().checked_div(hidden_positions).unwrap_or(0);
+    let (mut t, mut h, mut s) = (0, 0, 0);
     let rows = rows
         .iter()
         .map(|row| {
-            let (nt, nh) = (row.device_argmax.len(), row.host_logits.len());
+            let (nt, nh, ns) = (
+                row.device_argmax.len(),
+                row.host_logits.len(),
+                row.hidden.len(),
+            );
             let out = RowOutput {
                 tokens: tokens.get(t..t + nt).unwrap_or_default().to_vec(),
                 logits: host
@@ -347,9 +358,14 @@ fn read_back(
                     .unwrap_or_default()
                     .to_vec(),
                 vocab: if nh > 0 { vocab } else { 0 },
+                hidden: hidden
+                    .get(s * width..(s + ns) * width)
+                    .unwrap_or_default()
+                    .to_vec(),
             };
             t += nt;
             h += nh;
+            s += ns;
             out
         })
         .collect();
@@ -390,6 +406,7 @@ mod tests {
             real: 5,
             host_logits: host,
             device_argmax: device,
+            hidden: 0..0,
         };
         // A scored prompt sampled on the device, a prefill chunk wanting
         // nothing, a verification row sampled on the host.
@@ -426,6 +443,7 @@ mod tests {
                 real,
                 host_logits: host,
                 device_argmax: device,
+                hidden: 0..0,
             }],
         };
         // A gap between host and device positions, a range past the real

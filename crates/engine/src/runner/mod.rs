@@ -21,7 +21,9 @@
 //! runner calls: several tokens per row with logits at each (verification
 //! of draft tokens: a row's `host_logits` / `device_argmax` ranges cover
 //! them, and [`RowOutput`] carries a token or a logits row per position),
-//! rows whose input is embeddings ([`RowInput::Embeddings`]). Per-layer
+//! rows whose input is embeddings ([`RowInput::Embeddings`]), rows that
+//! want final hidden states instead of logits (embedding requests:
+//! [`BatchRow::hidden`], [`RowOutput::hidden`]). Per-layer
 //! state that is not K/V is declared by the model
 //! (`Model::layer_states`, `mlxcel_kv::LayerState::Recurrent`) and
 //! refused at start-up for now: its storage, its reads through the KV
@@ -60,6 +62,11 @@ pub(crate) struct BatchRow<'a> {
     /// so only the token id comes back. Follows `host_logits` when both
     /// are non-empty (`host_logits.end == device_argmax.start`).
     pub(crate) device_argmax: Range<usize>,
+    /// Positions (in `0..real`) whose final hidden state (after the final
+    /// norm, before the head) comes back to the host, float32 `[hidden]`
+    /// each: an embedding request's rows (its last token, or every token
+    /// for mean pooling).
+    pub(crate) hidden: Range<usize>,
 }
 
 impl BatchRow<'_> {
@@ -93,6 +100,7 @@ impl<'a> StepBatch<'a> {
             .map(|r| StepRow {
                 input: r.input,
                 logits: r.wanted(),
+                hidden: r.hidden.clone(),
             })
             .collect()
     }
@@ -108,12 +116,13 @@ impl<'a> StepBatch<'a> {
                 && r.real <= r.padded()
                 && r.host_logits.end <= r.real
                 && r.device_argmax.end <= r.real
+                && r.hidden.end <= r.real
                 && (r.host_logits.is_empty()
                     || r.device_argmax.is_empty()
                     || r.host_logits.end == r.device_argmax.start);
             if !ok {
                 return Err(StepError::Internal(
-                    "a step row's logits ranges do not fit its tokens",
+                    "a step row's logits or hidden ranges do not fit its tokens",
                 ));
             }
         }
@@ -130,6 +139,9 @@ pub(crate) struct RowOutput {
     pub(crate) logits: Vec<f32>,
     /// Logits per position (the model's vocabulary); 0 when none came back.
     pub(crate) vocab: usize,
+    /// Float32 final hidden states `[hidden.len(), hidden_size]`,
+    /// row-major (the row's `hidden` positions); empty when none.
+    pub(crate) hidden: Vec<f32>,
 }
 
 impl RowOutput {

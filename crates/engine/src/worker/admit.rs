@@ -57,8 +57,12 @@ impl Worker<'_> {
         mut job: Job,
         worst_blocks: Vec<usize>,
     ) -> Result<Sequence, (Job, mlxcel_kv::KvError)> {
-        // A scored prompt is computed whole: cached tokens have no logits.
-        let (kv, cached) = if job.request.cache_prompt && job.request.prompt_logprobs.is_none() {
+        // A scored prompt is computed whole: cached tokens have no logits;
+        // so is a mean-pooled embedding: cached tokens have no hidden
+        // states (a last-token one recomputes its last token on any hit).
+        let whole = job.request.prompt_logprobs.is_some()
+            || job.embedding == Some(mlxcel_model::pooling::Pooling::Mean);
+        let (kv, cached) = if job.request.cache_prompt && !whole {
             // Each KV group starts where a cold run is at the last chunk
             // boundary (`KvCache::new_sequence_for_prompt_chunked`).
             let chunk = self.config.scheduler.prefill_chunk_size;

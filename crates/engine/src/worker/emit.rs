@@ -63,6 +63,10 @@ impl Worker<'_> {
                 self.emit_verified(seq);
                 continue;
             }
+            if self.running[seq].job.embedding.is_some() {
+                self.emit_embedding(seq);
+                continue;
+            }
             let Some(next) = out.next_token() else {
                 self.fail(seq, &StepError::Internal("no sample for a sampling row"));
                 continue;

@@ -22,6 +22,7 @@ use crate::draft::Drafter;
 use crate::runner::{InFlight, StepRunner};
 
 mod admit;
+mod embed;
 mod emit;
 mod pipeline;
 mod sequence;
@@ -48,6 +49,9 @@ pub(crate) struct Job {
     /// Token ids that end a choice besides the model's EOS ids (a
     /// fill-in-the-middle prompt's control tokens), handled as EOS.
     pub(crate) stop_ids: Vec<u32>,
+    /// `Some`: an embedding request (prefill only, its final hidden states
+    /// pooled this way into one `Embedding` event; see `worker/embed.rs`).
+    pub(crate) embedding: Option<mlxcel_model::pooling::Pooling>,
 }
 
 /// How a job's output filter reads tool calls.

@@ -158,6 +158,7 @@ impl Worker<'_> {
                 real: 1,
                 host_logits: 0..0,
                 device_argmax: 0..1,
+                hidden: 0..0,
             })
             .collect();
         let input = match after {

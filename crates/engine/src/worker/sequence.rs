@@ -56,6 +56,10 @@ pub(super) struct Sequence {
     /// Prompt logprobs found so far (requests with `prompt_logprobs`),
     /// sent once the prompt is computed.
     pub(super) prompt_logprobs: Vec<crate::api::SampledLogprobs>,
+    /// An embedding request's pooled hidden states so far (the sum of
+    /// every position's for mean pooling, the last one's for last-token
+    /// pooling); empty before its first.
+    pub(super) pooled: Vec<f32>,
     pub(super) span: tracing::Span,
 }
 
@@ -77,13 +81,16 @@ impl Sequence {
 impl Sequence {
     /// Whether its next token can be sampled on the device: a greedy
     /// choice with no logit processors, grammar, logprobs or choices still
-    /// to fork (each of those needs the logits row on the host).
+    /// to fork (each of those needs the logits row on the host), and not
+    /// an embedding request (which samples nothing: this keeps it out of
+    /// the decode pipeline and speculation).
     pub(super) fn samples_on_device(&self) -> bool {
         self.forks.is_empty()
             && self.sampler.is_greedy()
             && self.processor.is_noop()
             && self.constraint.is_none()
             && self.job.request.logprobs.is_none()
+            && self.job.embedding.is_none()
     }
 }
 
@@ -161,6 +168,7 @@ impl Sequence {
             timings: start.timings,
             first_token_at: None,
             prompt_logprobs: Vec::new(),
+            pooled: Vec::new(),
             span: start.span,
             job,
         }

@@ -38,6 +38,10 @@ impl Sequence {
                 (0..row.real, 0..0)
             });
         }
+        if self.job.embedding.is_some() {
+            // Hidden states instead (`Sequence::hidden_wanted`).
+            return Ok((0..0, 0..0));
+        }
         let scored = self.scored_in_row(row.real);
         if !row.sample {
             return Ok((0..scored, 0..0));
@@ -192,6 +196,7 @@ impl Worker<'_> {
                     real: r.real,
                     host_logits,
                     device_argmax,
+                    hidden: s.hidden_wanted(r),
                 })
             })
             .collect::<Result<Vec<_>, StepError>>()?;
@@ -239,6 +244,7 @@ impl Worker<'_> {
     fn after_forward(&mut self, plan: &StepPlan, output: &StepOutput) {
         self.count(plan);
         self.score_prompts(plan, output);
+        self.pool_hidden(plan, output);
         for (r, out) in plan.rows.iter().zip(&output.rows) {
             let kept = match r.draft {
                 0 => Ok(r.real),

@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod completion;
+pub mod embeddings;
 pub mod infill;
 pub mod message;
 pub mod request;

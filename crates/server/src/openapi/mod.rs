@@ -49,6 +49,9 @@ use crate::openai::chat::{
     FunctionCall, FunctionDelta, ToolCallBody, ToolCallDelta, TopLogprob,
 };
 use crate::openai::completion::{LegacyLogprobs, TextChoice};
+use crate::openai::embeddings::{
+    EmbeddingList, EmbeddingObject, EmbeddingUsage, EmbeddingVector, EmbeddingsBody,
+};
 use crate::openai::infill::{InfillBody, InfillExtraFile, InfillResponse};
 use crate::openai::request::{ChatCompletionRequest, CompletionRequest};
 use crate::openai::response_object::{
@@ -93,6 +96,7 @@ pub use schemas::{
         crate::responses::retrieve_response,
         crate::responses::delete_response,
         crate::infill::infill,
+        crate::embeddings::embeddings,
         crate::anthropic::create_message,
         crate::anthropic::count_tokens,
         crate::tokenize::tokenize,
@@ -112,6 +116,11 @@ pub use schemas::{
             InfillBody,
             InfillExtraFile,
             InfillResponse,
+            EmbeddingsBody,
+            EmbeddingList,
+            EmbeddingObject,
+            EmbeddingVector,
+            EmbeddingUsage,
             ChatCompletionObject,
             ChatCompletionChunkObject,
             TextCompletionObject,

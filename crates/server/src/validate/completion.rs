@@ -106,16 +106,25 @@ impl ValidatedCompletionRequest {
 
 /// `prompt`: lists must not be empty, token ids must be u32s.
 fn parse_prompt(prompt: request::Prompt) -> Result<Vec<Prompt>, ValidationError> {
+    parse_prompts(prompt, "prompt")
+}
+
+/// A completions-style prompt field named `field` (`prompt`, or
+/// embeddings' `input`): lists must not be empty, token ids must be u32s.
+pub(super) fn parse_prompts(
+    prompt: request::Prompt,
+    field: &str,
+) -> Result<Vec<Prompt>, ValidationError> {
     match prompt {
         request::Prompt::Text(text) => Ok(vec![Prompt::Text(text)]),
-        request::Prompt::Texts(texts) if texts.is_empty() => Err(empty("prompt")),
+        request::Prompt::Texts(texts) if texts.is_empty() => Err(empty(field)),
         request::Prompt::Texts(texts) => Ok(texts.into_iter().map(Prompt::Text).collect()),
-        request::Prompt::Tokens(ids) => Ok(vec![Prompt::Tokens(token_ids("prompt", ids)?)]),
+        request::Prompt::Tokens(ids) => Ok(vec![Prompt::Tokens(token_ids(field, ids)?)]),
         request::Prompt::TokenLists(lists) => lists
             .into_iter()
             .enumerate()
             .map(|(i, ids)| {
-                let param = format!("prompt[{i}]");
+                let param = format!("{field}[{i}]");
                 if ids.is_empty() {
                     return Err(empty(&param));
                 }

@@ -13,6 +13,7 @@
 
 mod chat;
 mod completion;
+mod embeddings;
 mod infill;
 mod messages;
 mod params;
@@ -22,6 +23,7 @@ mod tools;
 
 pub use chat::ValidatedChatRequest;
 pub use completion::ValidatedCompletionRequest;
+pub use embeddings::{ValidatedEmbeddingsRequest, MAX_INPUTS};
 pub use infill::ValidatedInfillRequest;
 pub use messages::ValidatedMessagesRequest;
 pub use responses::{ConversationItem, ValidatedResponsesRequest};

@@ -8,9 +8,9 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use mlxcel_engine_api::{
-    CacheReset, EngineStats, EventStream, FinishReason, GenerationEvent, GenerationRequest,
-    InferenceService, Prompt, RequestField, SampledLogprobs, SubmitError, Timings, TokenLogprob,
-    TokenizeRequest, Usage,
+    CacheReset, EmbeddingModel, EmbeddingRequest, EngineStats, EventStream, FinishReason,
+    GenerationEvent, GenerationRequest, InferenceService, Pooling, Prompt, RequestField,
+    SampledLogprobs, SubmitError, Timings, TokenLogprob, TokenizeRequest, Usage,
 };
 use mlxcel_http::{router, AppState, HttpConfig};
 use serde_json::Value;
@@ -36,6 +36,10 @@ pub struct FakeService {
     pub requests: Mutex<Vec<GenerationRequest>>,
     /// The senders kept open (only with `hold_open`).
     pub senders: Mutex<Vec<UnboundedSender<GenerationEvent>>>,
+    /// Serves embeddings of this many numbers ([`FakeService::embedding`]).
+    pub embedding_dims: Option<usize>,
+    /// Every embedding request, in order.
+    pub embeds: Mutex<Vec<EmbeddingRequest>>,
 }
 
 impl FakeService {
@@ -88,7 +92,27 @@ impl FakeService {
             refuse_after: 0,
             requests: Mutex::new(Vec::new()),
             senders: Mutex::new(Vec::new()),
+            embedding_dims: None,
+            embeds: Mutex::new(Vec::new()),
         }
+    }
+
+    /// An engine that embeds into `dims` numbers (last-token pooling): a
+    /// prompt of `k` tokens (text: one per character) gets the unit vector
+    /// along `[k, k + 1, ..., k + dims - 1]`; ids from [`VOCAB`] on are
+    /// refused naming the prompt.
+    pub fn embedding(dims: usize) -> Arc<Self> {
+        Arc::new(Self {
+            embedding_dims: Some(dims),
+            ..Self::base(Vec::new())
+        })
+    }
+
+    /// The fake's vector for a prompt of `k` tokens in `dims` numbers.
+    pub fn fake_vector(k: usize, dims: usize) -> Vec<f32> {
+        let v: Vec<f64> = (0..dims).map(|i| (k + i) as f64).collect();
+        let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        v.iter().map(|x| (x / norm) as f32).collect()
     }
 
     pub fn last_request(&self) -> GenerationRequest {
@@ -168,6 +192,51 @@ impl InferenceService for FakeService {
             ids.extend([1, 2, 3]);
         }
         Ok(ids)
+    }
+
+    fn embedding_model(&self) -> Option<EmbeddingModel> {
+        self.embedding_dims.map(|dimensions| EmbeddingModel {
+            pooling: Pooling::LastToken,
+            dimensions,
+        })
+    }
+
+    fn embed(&self, request: EmbeddingRequest) -> Result<EventStream, SubmitError> {
+        let dims = self
+            .embedding_dims
+            .ok_or_else(|| SubmitError::InvalidRequest {
+                message: "no embeddings".into(),
+                field: None,
+            })?;
+        self.embeds.lock().unwrap().push(request.clone());
+        let k = match &request.prompt {
+            Prompt::Text(text) => text.chars().count(),
+            Prompt::Tokens(ids) if ids.iter().any(|&t| t >= VOCAB) => {
+                return Err(SubmitError::InvalidRequest {
+                    message: "token outside the vocabulary".into(),
+                    field: Some(RequestField::Prompt),
+                })
+            }
+            Prompt::Tokens(ids) => ids.len(),
+            _ => 0,
+        };
+        if k > 4096 {
+            return Err(SubmitError::ContextLengthExceeded {
+                prompt_tokens: k,
+                context_length: 4096,
+            });
+        }
+        let (tx, rx) = unbounded_channel();
+        tx.send(GenerationEvent::Embedding {
+            vector: Self::fake_vector(k, dims),
+            usage: Usage {
+                prompt_tokens: k,
+                completion_tokens: 0,
+                cached_tokens: 0,
+            },
+        })
+        .unwrap();
+        Ok(rx)
     }
 
     fn reset_prefix_cache(&self, keep_disk: bool) -> Result<CacheReset, SubmitError> {
@@ -259,7 +328,7 @@ fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> 
         | GenerationEvent::ToolCallStart { index, .. }
         | GenerationEvent::ToolCallArguments { index, .. }
         | GenerationEvent::Finished { index, .. } => *index,
-        GenerationEvent::Failed { .. } => 0,
+        GenerationEvent::Failed { .. } | GenerationEvent::Embedding { .. } => 0,
     };
     if n == 1 || script.iter().any(|e| index_of(e) != 0) {
         return script.to_vec();
@@ -273,7 +342,7 @@ fn choices_script(script: &[GenerationEvent], n: usize) -> Vec<GenerationEvent> 
                     | GenerationEvent::ToolCallStart { index, .. }
                     | GenerationEvent::ToolCallArguments { index, .. }
                     | GenerationEvent::Finished { index, .. } => *index = choice,
-                    GenerationEvent::Failed { .. } => {}
+                    GenerationEvent::Failed { .. } | GenerationEvent::Embedding { .. } => {}
                 }
                 event
             })

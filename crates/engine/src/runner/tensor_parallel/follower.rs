@@ -65,7 +65,7 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
                 let rows = step.model_rows();
                 let mut run = || -> Result<(), StepError> {
                     let mut view = kv.step(&step.layout)?;
-                    let logits = model.build_step(&rows, None, &mut view, step.path)?;
+                    let logits = model.build_step(&rows, None, &mut view, step.path)?.logits;
                     let mut outputs = vec![&logits];
                     outputs.extend(mlxcel_kv::AttentionKv::storage(&view));
                     mlxcel_mlx::eval(&outputs)?;

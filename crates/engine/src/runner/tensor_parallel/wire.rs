@@ -90,6 +90,9 @@ impl WireStep {
             .map(|r| StepRow {
                 input: RowInput::Tokens(&r.tokens),
                 logits: r.logits.clone(),
+                // Hidden states are read on rank 0 only, after the last
+                // layer's all-reduce: the other ranks need not build them.
+                hidden: 0..0,
             })
             .collect()
     }
@@ -177,6 +180,7 @@ mod tests {
         let rows = [StepRow {
             input: RowInput::Tokens(&tokens),
             logits: 1..3,
+            hidden: 0..0,
         }];
         let layout = StepLayout {
             copies: vec![CopyLayout {

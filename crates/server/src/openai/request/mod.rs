@@ -27,7 +27,7 @@
 //! - here: what both share ([`SharedFields`], [`Stop`], [`StreamOptions`])
 //!   and the two conventions ([`Unknown`], [`Tag`]).
 
-mod schemas;
+pub(crate) mod schemas;
 
 use std::collections::BTreeMap;
 use std::fmt;

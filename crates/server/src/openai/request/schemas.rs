@@ -92,7 +92,7 @@ fn chat_template_kwargs_json() -> Value {
     })
 }
 
-pub(super) fn prompt_schema() -> RefOr<Schema> {
+pub(crate) fn prompt_schema() -> RefOr<Schema> {
     with_json(prompt_json())
 }
 
