@@ -28,8 +28,7 @@
 
 use mlxcel_engine_api::ToolCall;
 
-use super::{new_call_id, ToolCallParser};
-use crate::output::stop::partial_suffix;
+use super::{emit_outside_text, new_call_id, release_outside, ToolCallParser};
 use crate::output::{Filtered, OutputPiece};
 
 /// Opening tag of a Hermes-style tool call.
@@ -258,26 +257,11 @@ impl HermesParser {
                 }
             }
             CallState::Outside => {
-                if let Some(start) = self.held.find(TOOL_CALL_OPEN) {
-                    let before: String = self.held.drain(..start).collect();
-                    self.emit_text(out, &before);
-                    self.held.drain(..TOOL_CALL_OPEN.len());
+                let seen = (self.forced, self.calls);
+                if release_outside(&mut self.held, TOOL_CALL_OPEN, out, seen, last) {
                     self.call = CallState::Header;
                     return true;
                 }
-                let keep = if last {
-                    0
-                } else {
-                    partial_suffix(&self.held, TOOL_CALL_OPEN)
-                };
-                let cut = self.held.len() - keep;
-                // Whitespace after a call waits: it is dropped unless text
-                // follows.
-                if self.calls > 0 && !last && self.held[..cut].trim().is_empty() {
-                    return false;
-                }
-                let text: String = self.held.drain(..cut).collect();
-                self.emit_text(out, &text);
                 false
             }
             CallState::Header => match parse_header(&self.held) {
@@ -462,10 +446,7 @@ impl HermesParser {
     /// wrapper text, such as the start of a next call cut by `max_tokens`),
     /// and not whitespace after a call.
     fn emit_text(&self, out: &mut Filtered, text: &str) {
-        if self.forced || (self.calls > 0 && text.trim().is_empty()) {
-            return;
-        }
-        out.text_piece(text);
+        emit_outside_text(out, text, self.forced, self.calls);
     }
 }
 

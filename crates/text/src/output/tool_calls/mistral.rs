@@ -23,8 +23,7 @@
 //! call is content; whitespace between calls is dropped. A reply cut inside
 //! a call leaves its arguments as far as they came.
 
-use super::{new_call_id, ToolCallParser};
-use crate::output::stop::partial_suffix;
+use super::{emit_outside_text, new_call_id, release_outside, ToolCallParser};
 use crate::output::tool_calls::hermes::JsonScan;
 use crate::output::{Filtered, OutputPiece};
 
@@ -121,25 +120,11 @@ impl MistralParser {
     fn step(&mut self, out: &mut Filtered, last: bool) -> bool {
         match self.state {
             State::Outside => {
-                if let Some(at) = self.held.find(MISTRAL_TOOL_CALLS) {
-                    let before: String = self.held.drain(..at).collect();
-                    self.emit_text(out, &before);
-                    self.held.drain(..MISTRAL_TOOL_CALLS.len());
+                let seen = (self.forced, self.calls);
+                if release_outside(&mut self.held, MISTRAL_TOOL_CALLS, out, seen, last) {
                     self.state = State::Head;
                     return true;
                 }
-                let keep = if last {
-                    0
-                } else {
-                    partial_suffix(&self.held, MISTRAL_TOOL_CALLS)
-                };
-                let cut = self.held.len() - keep;
-                // Whitespace after a call waits: dropped unless text follows.
-                if self.calls > 0 && !last && self.held[..cut].trim().is_empty() {
-                    return false;
-                }
-                let text: String = self.held.drain(..cut).collect();
-                self.emit_text(out, &text);
                 false
             }
             State::Head => match read_head(&self.held) {
@@ -193,10 +178,7 @@ impl MistralParser {
     /// Sends text outside any call: never under a forced choice, and not
     /// whitespace after a call.
     fn emit_text(&self, out: &mut Filtered, text: &str) {
-        if self.forced || (self.calls > 0 && text.trim().is_empty()) {
-            return;
-        }
-        out.text_piece(text);
+        emit_outside_text(out, text, self.forced, self.calls);
     }
 }
 

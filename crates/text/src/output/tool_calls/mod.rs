@@ -12,7 +12,8 @@
 
 use mlxcel_engine_api::ToolDefinition;
 
-use super::OutputPiece;
+use super::{Filtered, OutputPiece};
+use crate::output::stop::partial_suffix;
 
 pub mod gemma4;
 pub mod hermes;
@@ -161,6 +162,45 @@ pub trait ToolCallParser: std::fmt::Debug + Send {
 
     /// Tool calls found so far.
     fn calls(&self) -> usize;
+}
+
+/// Text outside any call, as every parser streams it: nothing in a forced
+/// reply (its text is the call's), and whitespace between calls is
+/// dropped.
+pub(crate) fn emit_outside_text(out: &mut Filtered, text: &str, forced: bool, calls: usize) {
+    if forced || (calls > 0 && text.trim().is_empty()) {
+        return;
+    }
+    out.text_piece(text);
+}
+
+/// A parser's move outside any call over its `held` text: the text before
+/// the call marker `open` goes out ([`emit_outside_text`]) and the marker
+/// is consumed (true: a call starts). Without the marker, everything but a
+/// suffix that may still become the marker goes out (all of it when
+/// `last`), except whitespace after a call, which waits: dropped unless
+/// text follows (false: more text is needed).
+pub(crate) fn release_outside(
+    held: &mut String,
+    open: &str,
+    out: &mut Filtered,
+    (forced, calls): (bool, usize),
+    last: bool,
+) -> bool {
+    if let Some(at) = held.find(open) {
+        let before: String = held.drain(..at).collect();
+        emit_outside_text(out, &before, forced, calls);
+        held.drain(..open.len());
+        return true;
+    }
+    let keep = if last { 0 } else { partial_suffix(held, open) };
+    let cut = held.len() - keep;
+    if calls > 0 && !last && held[..cut].trim().is_empty() {
+        return false;
+    }
+    let text: String = held.drain(..cut).collect();
+    emit_outside_text(out, &text, forced, calls);
+    false
 }
 
 /// `call_` and 24 random hex digits.

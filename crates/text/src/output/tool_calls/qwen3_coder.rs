@@ -44,7 +44,7 @@
 
 use mlxcel_engine_api::ToolDefinition;
 
-use super::{new_call_id, ToolCallParser};
+use super::{emit_outside_text, new_call_id, release_outside, ToolCallParser};
 use crate::output::stop::partial_suffix;
 use crate::output::{Filtered, OutputPiece};
 
@@ -228,25 +228,11 @@ impl Qwen3CoderParser {
     fn step(&mut self, out: &mut Filtered, last: bool) -> bool {
         match self.state {
             State::Outside => {
-                if let Some(at) = self.held.find(XML_CALL_OPEN) {
-                    let before: String = self.held.drain(..at).collect();
-                    self.emit_text(out, &before);
-                    self.held.drain(..XML_CALL_OPEN.len());
+                let seen = (self.forced, self.calls);
+                if release_outside(&mut self.held, XML_CALL_OPEN, out, seen, last) {
                     self.state = State::Open;
                     return true;
                 }
-                let keep = if last {
-                    0
-                } else {
-                    partial_suffix(&self.held, XML_CALL_OPEN)
-                };
-                let cut = self.held.len() - keep;
-                // Whitespace after a call waits: dropped unless text follows.
-                if self.calls > 0 && !last && self.held[..cut].trim().is_empty() {
-                    return false;
-                }
-                let text: String = self.held.drain(..cut).collect();
-                self.emit_text(out, &text);
                 false
             }
             State::Open => match self.read_function() {
@@ -443,10 +429,7 @@ impl Qwen3CoderParser {
     /// Sends text outside any call: never under a forced choice, and not
     /// whitespace after a call.
     fn emit_text(&self, out: &mut Filtered, text: &str) {
-        if self.forced || (self.calls > 0 && text.trim().is_empty()) {
-            return;
-        }
-        out.text_piece(text);
+        emit_outside_text(out, text, self.forced, self.calls);
     }
 }
 
