@@ -152,9 +152,8 @@ impl<'m> Drafter<'m> {
         };
         let first = self.run(&batch)?;
         let mut drafting = Vec::new();
-        for (&i, token) in order.iter().zip(first) {
-            let end = batch_end(&batch, &order, i);
-            out[i].computed = rows[i].computed + end;
+        for ((&i, row), token) in order.iter().zip(&batch.rows).zip(first) {
+            out[i].computed = rows[i].computed + row.real;
             match token {
                 Some(t) if !behind(i) => {
                     out[i].draft.push(t);
@@ -216,13 +215,4 @@ pub(crate) struct Proposal {
     pub(crate) draft: Vec<u32>,
     /// Tokens whose K/V the draft cache holds now.
     pub(crate) computed: usize,
-}
-
-/// The input length of row `i` in the first step `batch` (rows in
-/// `order`).
-fn batch_end(batch: &StepBatch<'_>, order: &[usize], i: usize) -> usize {
-    order
-        .iter()
-        .position(|&j| j == i)
-        .map_or(0, |p| batch.rows[p].real)
 }
