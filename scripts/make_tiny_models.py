@@ -107,6 +107,23 @@ QWEN3_MOE = {
     "norm_topk_prob": True,
 }
 
+# A tiny Qwen3.5 (hybrid): 4 layers, Gated DeltaNet in layers 0 and 2,
+# gated attention (RoPE over a quarter of each 32-wide head) in 1 and 3;
+# the text model's keys nested under `text_config`, as Qwen3.5's
+# multimodal checkpoints have them.
+QWEN3_5_TEXT = {
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "full_attention_interval": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
 # name -> (mlx_lm module, config overrides)
 FAMILIES = {
     "llama": ("llama", {"model_type": "llama", "tie_word_embeddings": False}),
@@ -228,6 +245,22 @@ FAMILIES = {
         },
     ),
     "gpt_oss": ("gpt_oss", GPT_OSS),
+    "qwen3_5": ("qwen3_5", {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}),
+    # Qwen3.5-MoE: every layer sparse (8 experts of 32, 2 per token, scores
+    # renormalised), a shared expert of 64 behind a sigmoid gate.
+    "qwen3_5_moe": (
+        "qwen3_5_moe",
+        {
+            "model_type": "qwen3_5_moe",
+            "text_config": {
+                **QWEN3_5_TEXT,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 64,
+            },
+        },
+    ),
     # gpt-oss, 4-bit (group 32): the experts' biases beside gather_qmm.
     "gpt_oss_q4": ("gpt_oss", {**GPT_OSS, "quantization": {"group_size": 32, "bits": 4}}),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
@@ -345,6 +378,12 @@ def main() -> None:
         d.mkdir(parents=True, exist_ok=True)
         mx.random.seed(7)
         config = {**BASE, **overrides}
+        if "text_config" in overrides:
+            # Nested: the text model's keys under text_config.
+            config = {
+                "model_type": overrides["model_type"],
+                "text_config": {**BASE, **overrides["text_config"]},
+            }
         model = build(module, config)
         weights = dict(tree_flatten(model.parameters()))
         if name in PER_EXPERT:

@@ -210,6 +210,22 @@ fn quantized_gpt_oss_matches_mlx_lm() {
     check_family("gpt_oss_q4");
 }
 
+/// Qwen3.5 (hybrid): Gated DeltaNet layers (their convolution and
+/// recurrent state through the KV view, on both storages) between gated
+/// attention layers with partial RoPE; the text model nested under
+/// `text_config` and `language_model.` in the checkpoint.
+#[test]
+fn qwen3_5_matches_mlx_lm() {
+    check_family("qwen3_5");
+}
+
+/// Qwen3.5-MoE: the hybrid layers with a sparse block (a shared expert
+/// behind a sigmoid gate, top-k scores renormalised by default).
+#[test]
+fn qwen3_5_moe_matches_mlx_lm() {
+    check_family("qwen3_5_moe");
+}
+
 /// A real checkpoint (on the storage the engine serves it with: paged, in
 /// its KV groups) that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
@@ -266,7 +282,7 @@ fn qwen2_5_coder_real_weights_match_mlx_lm() {
 /// decode steps do not.
 #[test]
 fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
-    engine_answers_alike("qwen3_moe");
+    engine_answers_alike("qwen3_moe", None);
 }
 
 /// [`a_mixture_of_experts_answers_alike_alone_batched_and_warm`] on
@@ -274,10 +290,22 @@ fn a_mixture_of_experts_answers_alike_alone_batched_and_warm() {
 /// windowed layer whose KV group keeps only its window beside a full one.
 #[test]
 fn gpt_oss_answers_alike_alone_batched_and_warm() {
-    engine_answers_alike("gpt_oss");
+    engine_answers_alike("gpt_oss", None);
 }
 
-fn engine_answers_alike(model: &str) {
+/// [`a_mixture_of_experts_answers_alike_alone_batched_and_warm`] on
+/// Qwen3.5: recurrent states batched across decode rows and kept per
+/// sequence. A repeated prompt resumes at its last block boundary (32 of
+/// 40 tokens: the cold run's first chunk ended there, leaving a state
+/// snapshot) and answers as the cold run.
+#[test]
+fn qwen3_5_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("qwen3_5", Some(32));
+}
+
+/// Runs `model`'s golden prompt alone, batched and warm; a repeat of the
+/// prompt reuses `cached` tokens (`None`: all but the last).
+fn engine_answers_alike(model: &str, cached: Option<usize>) {
     use common::{collect_tokens, greedy_request};
     use mlxcel_engine::api::{InferenceService, Prompt};
     use mlxcel_engine::{Engine, EngineConfig};
@@ -328,7 +356,8 @@ fn engine_answers_alike(model: &str) {
     assert_eq!(first, want, "first cached run");
     let (warm, usage) =
         collect_tokens(e.submit(request(&prompt, true)).expect("submit")).expect("run");
-    assert_eq!(usage.cached_tokens, prompt.len() - 1, "a whole-prompt hit");
+    let cached = cached.unwrap_or(prompt.len() - 1);
+    assert_eq!(usage.cached_tokens, cached, "a repeated prompt's hit");
     assert_eq!(warm, want, "warm = cold");
 }
 

@@ -35,6 +35,7 @@ fn prefill(model: &dyn Model, kv: &mut KvCache, prompt: &[u32], cache: bool) -> 
     };
     let mut computed = cached;
     let config = SchedulerConfig {
+        snapshot_block: 0,
         prefill_chunk_size: 512,
         prefill_tile: 0,
     };

@@ -4,7 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-use mlxcel_kv::{KvCache, KvCacheConfig, KvGroupConfig, KvSequence, RowReserve, StorageBackend};
+use mlxcel_kv::{
+    KvCache, KvCacheConfig, KvGroupConfig, KvSequence, LayerState, RecurrentConfig, RowReserve,
+    StorageBackend,
+};
 use mlxcel_model::{AttentionPath, Model, StepRow};
 use serde_json::Value;
 
@@ -134,19 +137,31 @@ pub fn check_model(
         };
         // Grouped: the engine's KV groups, one per window, each trimmed to
         // its window after every step (a window group holds only its keys).
-        let mut kv = if grouped {
-            let mut groups = KvGroupConfig::from_layer_windows(&model.layer_windows(), None);
-            for g in &mut groups {
-                g.num_blocks = blocks;
-            }
-            let config = KvCacheConfig {
-                num_blocks: blocks * groups.len(),
-                ..config
-            };
-            KvCache::with_groups(config, groups).expect("kv")
-        } else {
-            KvCache::new(config).expect("kv")
+        // Recurrent layers keep their state beside the groups.
+        let recurrent = RecurrentConfig {
+            layers: model
+                .layer_states()
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| matches!(s, LayerState::Recurrent { .. }))
+                .map(|(l, _)| l)
+                .collect(),
+            ..RecurrentConfig::default()
         };
+        let mut groups = if grouped {
+            KvGroupConfig::from_layer_windows(&model.layer_windows(), None)
+        } else {
+            KvGroupConfig::from_layer_windows(&vec![None; model.layer_windows().len()], None)
+        };
+        for g in &mut groups {
+            g.num_blocks = blocks;
+            g.layers.retain(|l| !recurrent.layers.contains(l));
+        }
+        let config = KvCacheConfig {
+            num_blocks: blocks * groups.len(),
+            ..config
+        };
+        let mut kv = KvCache::with_layer_states(config, groups, recurrent).expect("kv");
         let backend = if grouped {
             format!("{backend}, {} KV groups", kv.groups().count())
         } else {

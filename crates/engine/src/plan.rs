@@ -4,7 +4,7 @@
 
 use mlxcel_kv::{
     Admission, GroupAdmission, KvCache, KvCacheConfig, KvGroupConfig, KvLayout, LayerState,
-    PrefixCacheConfig, StorageBackend,
+    PrefixCacheConfig, RecurrentConfig, StorageBackend,
 };
 use mlxcel_model::Model;
 
@@ -71,6 +71,7 @@ impl EnginePlan {
         Ok(EnginePlan {
             worker: WorkerConfig {
                 scheduler: SchedulerConfig {
+                    snapshot_block: 0,
                     prefill_chunk_size: config.prefill_chunk_size,
                     prefill_tile: tile,
                 },
@@ -107,16 +108,16 @@ impl EnginePlan {
     pub(crate) fn kv_cache(&self, model: &dyn Model) -> Result<KvCache, EngineError> {
         let layout = model.kv_layout();
         let states = model.layer_states();
-        if let Some(layer) = states
-            .iter()
-            .position(|s| matches!(s, LayerState::Recurrent { .. }))
-        {
-            return Err(EngineError::Config(format!(
-                "layer {layer} keeps a recurrent state; the KV cache stores attention K/V only"
-            )));
-        }
+        let recurrent = self.recurrent_config(&states)?;
         let windows: Vec<Option<usize>> = states.iter().map(LayerState::window).collect();
         let mut groups = KvGroupConfig::from_layer_windows(&windows, self.worker.max_kv_size);
+        // Recurrent layers keep no K/V: they leave the attention groups.
+        for g in &mut groups {
+            g.layers.retain(|l| !recurrent.layers.contains(l));
+        }
+        if groups.len() > 1 {
+            groups.retain(|g| !g.layers.is_empty());
+        }
         let mut backend = self.backend;
         if groups.len() > 1 {
             if self.tensor_parallel {
@@ -191,7 +192,47 @@ impl EnginePlan {
             );
         }
         tracing::info!(budget_bytes = budget, blocks = num_blocks, groups = groups.len(), backend = %backend, "allocating KV cache");
-        Ok(KvCache::with_groups(config, groups)?)
+        Ok(KvCache::with_layer_states(config, groups, recurrent)?)
+    }
+
+    /// The recurrent layers of a model whose layers keep `states`: their
+    /// per-sequence state bytes (float32 bound) and the prefix cache's
+    /// snapshots (`2 × --parallel + 2`, none without a prefix cache).
+    ///
+    /// # Errors
+    /// Recurrent layers under `--tensor-parallel`.
+    fn recurrent_config(&self, states: &[LayerState]) -> Result<RecurrentConfig, EngineError> {
+        let mut config = RecurrentConfig::default();
+        for (layer, state) in states.iter().enumerate() {
+            if let LayerState::Recurrent { shapes } = state {
+                config.layers.push(layer);
+                config.bytes_per_sequence += shapes
+                    .iter()
+                    .map(|s| s.iter().product::<usize>() * 4)
+                    .sum::<usize>();
+            }
+        }
+        if config.layers.is_empty() {
+            return Ok(config);
+        }
+        if self.tensor_parallel {
+            return Err(EngineError::Config(format!(
+                "--tensor-parallel does not split recurrent layers yet (layer {} keeps a \
+                 recurrent state)",
+                config.layers[0]
+            )));
+        }
+        if self.prefix.is_some() {
+            config.snapshots = 2 * self.worker.parallel + 2;
+        }
+        tracing::info!(
+            layers = config.layers.len(),
+            bytes_per_sequence = config.bytes_per_sequence,
+            sequence_entries = mlxcel_kv::ENTRIES_KEPT,
+            snapshots = config.snapshots,
+            "recurrent state (besides the KV budget)"
+        );
+        Ok(config)
     }
 
     /// The draft model's KV cache (`--speculative draft`): room for as

@@ -20,6 +20,12 @@ pub struct SchedulerConfig {
     pub prefill_chunk_size: usize,
     /// Pad each prefill chunk to a multiple of this many tokens (0: no pad).
     pub prefill_tile: usize,
+    /// With recurrent layers and a prefix cache: the KV block size. A
+    /// prompt's last chunk then ends at its last block boundary before its
+    /// end (the rest runs in the next step), so a recurrent-state snapshot
+    /// exists where a repeat of the prompt can resume (`mlxcel_kv`'s
+    /// recurrent.rs). 0: off.
+    pub snapshot_block: usize,
 }
 
 /// What the scheduler needs to know of one running sequence.
@@ -119,7 +125,13 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
         } else {
             chunk
         };
-        let end = s.known.min((s.computed / chunk + 1) * chunk);
+        let mut end = s.known.min((s.computed / chunk + 1) * chunk);
+        if config.snapshot_block > 0 && end == s.known {
+            let boundary = (s.known - 1) / config.snapshot_block * config.snapshot_block;
+            if boundary > s.computed {
+                end = boundary;
+            }
+        }
         let real = end - s.computed;
         if any_prefill && real > budget {
             break;
@@ -147,6 +159,7 @@ mod tests {
 
     fn cfg(chunk: usize, tile: usize) -> SchedulerConfig {
         SchedulerConfig {
+            snapshot_block: 0,
             prefill_chunk_size: chunk,
             prefill_tile: tile,
         }

@@ -25,6 +25,11 @@
 //!   attention window; each group has its own pool, tables and keep (the
 //!   keys a sequence holds between steps).
 //!
+//! - [`RecurrentConfig`] (recurrent.rs): layers that keep a fixed-size
+//!   recurrent state per sequence instead of K/V (Gated DeltaNet), kept
+//!   as entries by position and, for the prefix cache, as snapshots at
+//!   block boundaries.
+//!
 //! - [`disk`]: the prefix cache's disk tier, block files under a
 //!   directory that outlive the process ([`KvCache::open_disk_tier`]).
 //!
@@ -39,6 +44,7 @@ mod group;
 mod hash;
 mod pool;
 mod prefix;
+mod recurrent;
 mod replica;
 mod sequence;
 mod step;
@@ -54,6 +60,7 @@ pub use group::{KvGroupConfig, LayerState};
 pub use hash::{hash_full_blocks, BlockHash, BLOCK_HASH_SEED};
 pub use pool::{BlockCounts, BlockId, BlockPool};
 pub use prefix::{hold_from, GroupHit, PrefixCache, PrefixCacheStats};
+pub use recurrent::{RecurrentConfig, ENTRIES_KEPT};
 pub use replica::{CopyLayout, KvReplica, ReplicaStep, RowLayout, StepLayout};
 pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};
 pub use step::{AttentionKv, PagedKv, StepKv};

@@ -270,6 +270,25 @@ impl PrefixCache {
         extra_key: u64,
         chunk: usize,
     ) -> Result<GroupHit, KvError> {
+        self.lookup_groups_where(pools, keeps, tokens, extra_key, chunk, &|_, _| true)
+    }
+
+    /// [`PrefixCache::lookup_groups`] where a hit of `m` blocks must also
+    /// satisfy `resumable(m, hashes)` (`hashes`: the prompt's chained block
+    /// hashes): a model with recurrent layers resumes only where a state
+    /// snapshot is kept.
+    ///
+    /// # Errors
+    /// As [`PrefixCache::lookup_groups`].
+    pub fn lookup_groups_where(
+        &mut self,
+        pools: &mut [&mut BlockPool],
+        keeps: &[Option<usize>],
+        tokens: &[u32],
+        extra_key: u64,
+        chunk: usize,
+        resumable: &dyn Fn(usize, &[BlockHash]) -> bool,
+    ) -> Result<GroupHit, KvError> {
         let bs = match pools.first() {
             Some(p) if pools.len() == keeps.len() => p.block_size(),
             _ => {
@@ -306,6 +325,9 @@ impl PrefixCache {
             }
         };
         let holds = |m: usize| {
+            if !resumable(m, &hashes) {
+                return false;
+            }
             let cached = cached_for(m);
             pools.iter().zip(keeps).all(|(pool, &keep)| {
                 let from = hold_from(cached, keep, chunk) / bs;

@@ -53,8 +53,42 @@ pub trait AttentionKv {
         Ok(None)
     }
 
-    /// The storage arrays to evaluate with the step's outputs.
+    /// The storage arrays to evaluate with the step's outputs (the
+    /// recurrent states written too).
     fn storage(&self) -> Vec<&Array>;
+
+    /// Row `row`'s real new tokens: the first ones of its new positions
+    /// (the rest are pad tokens, rewound after the step). A recurrent layer
+    /// folds only these into the state it writes.
+    fn real_tokens(&self, row: usize) -> usize {
+        self.new_positions(row).len()
+    }
+
+    /// Row `row`'s recurrent state of layer `layer` before its new tokens,
+    /// one array per state of the layer (`[1, ...]` each, as written);
+    /// `None` for the zero state of a sequence at position 0.
+    ///
+    /// # Errors
+    /// A layer without recurrent state, or no state kept at the row's
+    /// position (a rewind past what is kept).
+    fn read_state(&mut self, layer: usize, row: usize) -> Result<Option<Vec<Array>>, KvError> {
+        let _ = row;
+        Err(KvError::Invariant(format!(
+            "layer {layer} keeps no recurrent state in this cache"
+        )))
+    }
+
+    /// Writes row `row`'s recurrent state of layer `layer` after its real
+    /// tokens ([`AttentionKv::real_tokens`]), `[1, ...]` each.
+    ///
+    /// # Errors
+    /// A layer without recurrent state.
+    fn write_state(&mut self, layer: usize, row: usize, state: Vec<Array>) -> Result<(), KvError> {
+        let _ = (row, state);
+        Err(KvError::Invariant(format!(
+            "layer {layer} keeps no recurrent state in this cache"
+        )))
+    }
 }
 
 /// One layer's paged pool and the block tables of some rows of a step (see
@@ -84,6 +118,8 @@ struct RowView {
     end: usize,
     /// New tokens, the last positions of `[start, end)`.
     new: usize,
+    /// Of them, real ones (the rest are pads).
+    real: usize,
     /// Offset of the row's first new token in the packed step.
     packed_at: usize,
     /// Paged, per group: the row's live slots `[end - start]`, built on
@@ -108,6 +144,8 @@ pub struct StepKv<'a> {
     rows: Vec<RowView>,
     /// Per group (paged).
     built: Vec<GroupBuilt>,
+    /// Recurrent states written during the step (evaluated with it).
+    written_states: Vec<Array>,
 }
 
 impl<'a> StepKv<'a> {
@@ -129,11 +167,18 @@ impl<'a> StepKv<'a> {
                     starts
                 )));
             }
+            // A reserved step knows its real tokens; a bare view (tests)
+            // has none.
+            let real = match s.reserved {
+                Some((old_end, real)) if old_end + new == end && real <= new => real,
+                _ => new,
+            };
             views.push(RowView {
                 id,
                 starts,
                 end,
                 new,
+                real,
                 packed_at,
                 slots: (0..groups).map(|_| None).collect(),
             });
@@ -149,6 +194,7 @@ impl<'a> StepKv<'a> {
             cache,
             rows: views,
             built,
+            written_states: Vec::new(),
         })
     }
 
@@ -196,7 +242,22 @@ impl<'a> StepKv<'a> {
             .layer_group
             .get(layer)
             .copied()
-            .ok_or(KvError::Invariant(format!("no layer {layer} in the cache")))
+            .filter(|&(g, _)| g < self.cache.groups.len())
+            .ok_or(KvError::Invariant(format!(
+                "layer {layer} keeps no K/V in the cache"
+            )))
+    }
+
+    /// The index of model layer `layer` among the recurrent layers.
+    fn recurrent_of(&self, layer: usize) -> Result<usize, KvError> {
+        self.cache
+            .layer_recurrent
+            .get(layer)
+            .copied()
+            .flatten()
+            .ok_or(KvError::Invariant(format!(
+                "layer {layer} keeps no recurrent state in the cache"
+            )))
     }
 
     /// Live key count of row `row` in the first KV group (`end - start`).
@@ -372,20 +433,62 @@ impl AttentionKv for StepKv<'_> {
     }
 
     fn storage(&self) -> Vec<&Array> {
+        let mut out: Vec<&Array> = self.written_states.iter().collect();
         if self.cache.groups.iter().any(|g| g.paged.is_some()) {
-            return self
-                .cache
-                .groups
-                .iter()
-                .filter_map(|g| g.paged.as_ref())
-                .flat_map(|p| p.arrays())
-                .collect();
+            out.extend(
+                self.cache
+                    .groups
+                    .iter()
+                    .filter_map(|g| g.paged.as_ref())
+                    .flat_map(|p| p.arrays()),
+            );
+            return out;
         }
-        self.rows
-            .iter()
-            .filter_map(|r| self.cache.seqs.get(&r.id))
-            .filter_map(|s| s.dense.as_ref())
-            .flat_map(|d| d.arrays())
-            .collect()
+        out.extend(
+            self.rows
+                .iter()
+                .filter_map(|r| self.cache.seqs.get(&r.id))
+                .filter_map(|s| s.dense.as_ref())
+                .flat_map(|d| d.arrays()),
+        );
+        out
+    }
+
+    fn real_tokens(&self, row: usize) -> usize {
+        self.rows.get(row).map_or(0, |r| r.real)
+    }
+
+    fn read_state(&mut self, layer: usize, row: usize) -> Result<Option<Vec<Array>>, KvError> {
+        let index = self.recurrent_of(layer)?;
+        let r = self.row(row)?;
+        let at = r.end - r.new;
+        let seq = self
+            .cache
+            .seqs
+            .get(&r.id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {}", r.id)))?;
+        match seq.recurrent.at(at).and_then(|e| e.layers[index].as_ref()) {
+            Some(state) => Ok(Some(state.as_ref().clone())),
+            None if at == 0 => Ok(None),
+            None => Err(KvError::Invariant(format!(
+                "sequence {}: no recurrent state of layer {layer} at position {at}",
+                r.id
+            ))),
+        }
+    }
+
+    fn write_state(&mut self, layer: usize, row: usize, state: Vec<Array>) -> Result<(), KvError> {
+        let index = self.recurrent_of(layer)?;
+        let layers = self.cache.recurrent.layers.len();
+        let r = self.row(row)?;
+        let (id, at, chunk) = (r.id, r.end - r.new + r.real, r.real > 1);
+        let seq = self
+            .cache
+            .seqs
+            .get_mut(&id)
+            .ok_or(KvError::Invariant(format!("unknown sequence {id}")))?;
+        self.written_states.extend(state.iter().cloned());
+        seq.recurrent.at_mut(at, layers, chunk).layers[index] = Some(std::rc::Rc::new(state));
+        Ok(())
     }
 }

@@ -178,6 +178,8 @@ pub(crate) struct DenseStorage {
     /// Token rows allocated per buffer.
     capacity: usize,
     layout: KvLayout,
+    /// Layers that keep no K/V (recurrent ones): never allocated.
+    skip: Vec<bool>,
 }
 
 impl DenseStorage {
@@ -187,8 +189,19 @@ impl DenseStorage {
             values: (0..layout.layers).map(|_| None).collect(),
             base,
             capacity: 0,
+            skip: vec![false; layout.layers],
             layout,
         }
+    }
+
+    /// The storage with `layers` (recurrent ones) left unallocated.
+    pub(crate) fn without(mut self, layers: &[usize]) -> Self {
+        for &l in layers {
+            if let Some(s) = self.skip.get_mut(l) {
+                *s = true;
+            }
+        }
+        self
     }
 
     /// Makes room for positions up to `end` (exclusive), given that the
@@ -205,7 +218,14 @@ impl DenseStorage {
         let new_cap = need.div_ceil(DENSE_GROW_STEP) * DENSE_GROW_STEP;
         let (h, d) = self.layout.dims();
         let extra = [1, h, (new_cap - self.capacity) as i32, d];
-        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+        let skip = self.skip.iter().chain(self.skip.iter());
+        for (buf, _) in self
+            .keys
+            .iter_mut()
+            .chain(self.values.iter_mut())
+            .zip(skip)
+            .filter(|(_, &s)| !s)
+        {
             let fresh = zeros(&extra, self.layout.dtype)?;
             *buf = Some(match buf.take() {
                 None => fresh,

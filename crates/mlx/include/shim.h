@@ -93,6 +93,11 @@ ArrayPtr linalg_inv(const array& a);
 
 // fast ops
 ArrayPtr rms_norm(const array& x, const array& weight, float eps);
+ArrayPtr depthwise_conv1d(const array& x, const array& weight);
+std::unique_ptr<ArrayList> gated_delta(const array& q, const array& k, const array& v, const array& a,
+                                       const array& b, const array& a_log, const array& dt_bias,
+                                       const array& state);
+ArrayPtr gated_rms_norm(const array& x, const array& gate, const array& weight, float eps);
 ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
 ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
                         const array& offsets);

@@ -114,6 +114,24 @@ pub(crate) mod bridge {
         fn linalg_inv(a: &array) -> Result<UniquePtr<array>>;
 
         fn rms_norm(x: &array, weight: &array, eps: f32) -> Result<UniquePtr<array>>;
+        fn depthwise_conv1d(x: &array, weight: &array) -> Result<UniquePtr<array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn gated_delta(
+            q: &array,
+            k: &array,
+            v: &array,
+            a: &array,
+            b: &array,
+            a_log: &array,
+            dt_bias: &array,
+            state: &array,
+        ) -> Result<UniquePtr<ArrayList>>;
+        fn gated_rms_norm(
+            x: &array,
+            gate: &array,
+            weight: &array,
+            eps: f32,
+        ) -> Result<UniquePtr<array>>;
         fn rope(
             x: &array,
             dims: i32,

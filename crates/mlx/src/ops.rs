@@ -496,6 +496,26 @@ impl Array {
         Array::wrap(bridge::rms_norm(self.raw(), weight.raw(), eps))
     }
 
+    /// Depthwise causal convolution over time: `self` `[batch, length +
+    /// kernel - 1, channels]` (the kernel - 1 earlier inputs first),
+    /// `weight` `[channels, kernel, 1]` (one filter per channel, MLX's
+    /// `Conv1d` layout) -> `[batch, length, channels]`, no padding.
+    pub fn depthwise_conv1d(&self, weight: &Array) -> Result<Array> {
+        Array::wrap(bridge::depthwise_conv1d(self.raw(), weight.raw()))
+    }
+
+    /// `rms_norm(self, weight, eps) · SiLU(gate)`, computed in float32 and
+    /// returned in `self`'s dtype (Qwen3-Next's and Qwen3.5's gated
+    /// RMSNorm; mlx_lm's `Qwen3NextRMSNormGated`).
+    pub fn gated_rms_norm(&self, gate: &Array, weight: &Array, eps: f32) -> Result<Array> {
+        Array::wrap(bridge::gated_rms_norm(
+            self.raw(),
+            gate.raw(),
+            weight.raw(),
+            eps,
+        ))
+    }
+
     /// Rotary position embedding (RoFormer, Su et al. 2021) over the first
     /// `dims` features of the last axis; `self` is `[batch, heads, seq, head_dim]`
     /// and token `i` of the sequence gets absolute position `offset + i`.
@@ -639,4 +659,49 @@ fn window_arg(window: Option<usize>) -> Result<i32> {
 /// CUDA backend, or Metal on macOS.
 pub fn paged_attention_available() -> bool {
     bridge::paged_attention_available().unwrap_or(false)
+}
+
+/// The gated delta rule (Yang, Kautz and Hatamizadeh 2024, "Gated Delta
+/// Networks: Improving Mamba2 with Delta Rule"; mlx_lm's
+/// `models/gated_delta.py`), token by token. `q`, `k` `[batch, tokens,
+/// k_heads, k_dim]` before normalization (L2-normalized here, q scaled by
+/// `k_dim^-1/2`), `v` `[batch, tokens, v_heads, v_dim]`, `a`, `b` `[batch,
+/// tokens, v_heads]` (decay input and write strength before their
+/// activations), `a_log`, `dt_bias` `[v_heads]`, `state` float32 `[batch,
+/// v_heads, v_dim, k_dim]`. Per token: `S = S · exp(-exp(a_log) ·
+/// softplus(a + dt_bias))`, `S += k ⊗ (v - S k) · sigmoid(b)`, `y = S q`.
+/// Returns `y` `[batch, tokens, v_heads, v_dim]` in `q`'s dtype and the
+/// state after the last token.
+///
+/// # Errors
+/// Shapes that do not fit (`v_heads` a multiple of `k_heads`), MLX errors.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    a: &Array,
+    b: &Array,
+    a_log: &Array,
+    dt_bias: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
+    let parts = bridge::gated_delta(
+        q.raw(),
+        k.raw(),
+        v.raw(),
+        a.raw(),
+        b.raw(),
+        a_log.raw(),
+        dt_bias.raw(),
+        state.raw(),
+    )?;
+    let list = list_ref(&parts)?;
+    if bridge::array_list_len(list) != 2 {
+        return Err(Error("gated_delta returned other than 2 arrays".into()));
+    }
+    Ok((
+        Array::wrap(bridge::array_list_get(list, 0))?,
+        Array::wrap(bridge::array_list_get(list, 1))?,
+    ))
 }

@@ -1,6 +1,7 @@
 // Implementation of the cxx shim over MLX. See include/shim.h.
 #include "mlxcel-mlx/include/shim.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <stdexcept>
 #include <variant>
@@ -202,6 +203,63 @@ ArrayPtr linalg_inv(const array& a) {
 ArrayPtr rms_norm(const array& x, const array& weight, float eps) {
   return wrap(mx::fast::rms_norm(x, weight, eps));
 }
+ArrayPtr depthwise_conv1d(const array& x, const array& weight) {
+  // x [batch, length, channels], weight [channels, kernel, 1]: one filter
+  // per channel, no padding (the caller prepends the kernel - 1 inputs).
+  return wrap(mx::conv1d(x, weight, 1, 0, 1, x.shape(-1)));
+}
+
+std::unique_ptr<ArrayList> gated_delta(const array& q, const array& k, const array& v, const array& a,
+                                       const array& b, const array& a_log, const array& dt_bias,
+                                       const array& state) {
+  // Gated delta rule (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks"),
+  // token by token: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv];
+  // a_log, dt_bias [Hv]; state [B, Hv, Dv, Dk] float32. Returns y [B, T, Hv,
+  // Dv] in q's dtype and the state after the T tokens.
+  const int T = q.shape(1), hk = q.shape(2), dk = q.shape(3), hv = v.shape(2);
+  if (T < 1 || hk < 1 || hv % hk != 0 || state.ndim() != 4) {
+    throw std::invalid_argument("[gated_delta] bad shapes");
+  }
+  // L2-normalize q and k; q also carries the Dk^-1/2 readout scale.
+  const float inv = 1.0f / std::sqrt(static_cast<float>(dk));
+  const float eps = 1e-6f * inv * inv;
+  auto qn = mx::multiply(mx::array(inv * inv, q.dtype()), mx::fast::rms_norm(q, std::nullopt, eps));
+  auto kn = mx::multiply(mx::array(inv, k.dtype()), mx::fast::rms_norm(k, std::nullopt, eps));
+  if (hv > hk) {
+    qn = mx::repeat(qn, hv / hk, 2);
+    kn = mx::repeat(kn, hv / hk, 2);
+  }
+  auto beta = mx::sigmoid(b);
+  auto decay = mx::exp(mx::multiply(mx::negative(mx::exp(mx::astype(a_log, mx::float32))),
+                                    mx::logaddexp(mx::add(a, dt_bias), mx::array(0.0f, a.dtype()))));
+  auto s = state;
+  std::vector<array> ys;
+  ys.reserve(T);
+  for (int t = 0; t < T; ++t) {
+    auto at = [t](const array& x) { return mx::take(x, t, 1); };
+    auto qt = at(qn), kt = at(kn), vt = at(v), gt = at(decay), bt = at(beta);
+    s = mx::multiply(s, mx::expand_dims(gt, {-2, -1}));
+    auto k_row = mx::expand_dims(kt, -2);  // [B, Hv, 1, Dk]
+    auto kv_mem = mx::sum(mx::multiply(s, k_row), -1);  // [B, Hv, Dv]
+    auto delta = mx::multiply(mx::subtract(vt, kv_mem), mx::expand_dims(bt, -1));
+    s = mx::add(s, mx::multiply(k_row, mx::expand_dims(delta, -1)));
+    auto y = mx::sum(mx::multiply(s, mx::expand_dims(qt, -2)), -1);
+    ys.push_back(mx::astype(y, q.dtype()));
+  }
+  auto out = std::make_unique<ArrayList>();
+  out->items.push_back(mx::stack(ys, 1));
+  out->items.push_back(s);
+  return out;
+}
+
+ArrayPtr gated_rms_norm(const array& x, const array& gate, const array& weight, float eps) {
+  // RMSNorm of x times SiLU(gate), computed in float32 (mlx_lm's
+  // precise_swiglu), back to x's dtype.
+  auto n = mx::astype(mx::fast::rms_norm(x, weight, eps), mx::float32);
+  auto g = mx::astype(gate, mx::float32);
+  return wrap(mx::astype(mx::multiply(mx::multiply(g, mx::sigmoid(g)), n), x.dtype()));
+}
+
 ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {
   return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
 }

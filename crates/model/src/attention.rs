@@ -37,6 +37,11 @@ pub struct AttentionSpec {
     /// A learned attention sink per query head, `{path}.sinks` `[heads]`
     /// (gpt-oss): one more logit in each query's softmax, with no value.
     pub sinks: bool,
+    /// The query projection also gives a gate per head (`[heads, 2 *
+    /// head_dim]` rows, each head's queries then its gate): the attention
+    /// output is multiplied by `sigmoid(gate)` before `o_proj` (Qwen3-Next,
+    /// Qwen3.5).
+    pub output_gate: bool,
 }
 
 /// Where a family normalizes queries and keys.
@@ -67,6 +72,7 @@ impl AttentionSpec {
             scale: (config.head_dim as f32).powf(-0.5),
             fused_qkv: false,
             sinks: false,
+            output_gate: false,
         }
     }
 }
@@ -102,6 +108,8 @@ pub struct Attention {
     /// Attention sinks `[heads]`: in the compute dtype (MLX's attention) and
     /// as float32 (the paged kernel's input), the same values.
     sinks: Option<Sinks>,
+    /// See [`AttentionSpec::output_gate`].
+    output_gate: bool,
 }
 
 /// A layer's attention sinks, `[heads]` (this rank's heads).
@@ -144,6 +152,11 @@ impl Attention {
             if spec.sinks {
                 return Err(ModelError::Unsupported(
                     "tensor parallelism with attention sinks (not split across ranks yet)".into(),
+                ));
+            }
+            if spec.output_gate {
+                return Err(ModelError::Unsupported(
+                    "tensor parallelism with gated attention output (not split yet)".into(),
                 ));
             }
         }
@@ -222,6 +235,7 @@ impl Attention {
             scale,
             scale_array: Array::from_f32(&[scale], &[1])?,
             window: spec.window,
+            output_gate: spec.output_gate,
             sinks,
         })
     }
@@ -241,6 +255,16 @@ impl Attention {
         // Packed per token: [tokens, heads, 1, head_dim], rotated at each
         // token's own absolute position.
         let (mut q, mut k) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?);
+        let gate = if self.output_gate {
+            let both = q.reshape(&[t, h, 2 * d])?;
+            q = both.slice(&[0, 0, 0], &[t, h, d])?;
+            Some(
+                both.slice(&[0, 0, d], &[t, h, 2 * d])?
+                    .reshape(&[1, t, h * d])?,
+            )
+        } else {
+            None
+        };
         if let (Some(qn), Some(kn), false) = (&self.q_norm, &self.k_norm, self.qk_norm_per_head) {
             (q, k) = (qn.forward(&q)?, kn.forward(&k)?);
         }
@@ -274,6 +298,10 @@ impl Attention {
             }
         };
         mark("attn.concat", &[&o])?;
+        let o = match gate {
+            Some(g) => o.multiply(&g.sigmoid()?)?,
+            None => o,
+        };
         let o = self.o_proj.forward(&o)?;
         mark("attn.o_proj", &[&o])?;
         Ok(o)

@@ -198,6 +198,7 @@ impl ModelConfig {
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
         let json: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ModelError::Config(e.to_string()))?;
+        let json = flatten_text_config(json);
         let raw: RawConfig =
             serde_json::from_value(json.clone()).map_err(|e| ModelError::Config(e.to_string()))?;
         let heads = raw.num_attention_heads;
@@ -297,6 +298,31 @@ fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, Mode
     }
 }
 
+/// A multimodal checkpoint's config (Qwen3.5, Gemma 3) nests the text
+/// model's keys under `text_config`: they are read as top-level keys, the
+/// top level filling in what `text_config` lacks (its `model_type` and
+/// `quantization` win; `vision_config` is dropped). Any other config is
+/// returned unchanged.
+fn flatten_text_config(json: serde_json::Value) -> serde_json::Value {
+    let serde_json::Value::Object(mut top) = json else {
+        return json;
+    };
+    let Some(serde_json::Value::Object(text)) = top.remove("text_config") else {
+        return serde_json::Value::Object(top);
+    };
+    top.remove("vision_config");
+    let mut merged = text;
+    for key in ["model_type", "quantization", "quantization_config"] {
+        if let Some(v) = top.remove(key) {
+            merged.insert(key.to_string(), v);
+        }
+    }
+    for (k, v) in top {
+        merged.entry(k).or_insert(v);
+    }
+    serde_json::Value::Object(merged)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,5 +415,21 @@ mod tests {
             },
             "mlx_lm's defaults for the keys not given"
         );
+    }
+
+    #[test]
+    fn a_nested_text_config_is_read_as_the_top_level() {
+        let c = ModelConfig::from_json_str(
+            r#"{"model_type": "qwen3_5", "tie_word_embeddings": true,
+                "vision_config": {"hidden_size": 1},
+                "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64,
+                  "num_hidden_layers": 2, "intermediate_size": 128,
+                  "num_attention_heads": 4, "rms_norm_eps": 1e-6, "vocab_size": 256}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.model_type, "qwen3_5");
+        assert_eq!((c.hidden_size, c.num_hidden_layers), (64, 2));
+        assert!(c.tie_word_embeddings, "filled in from the top level");
+        assert!(c.raw.get("vision_config").is_none());
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod gated_delta;
 pub mod gguf;
 pub mod layers;
 pub mod moe;

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 /// All tensors of a checkpoint, by name; each is taken once.
 pub struct Weights {
     files: Vec<SafeTensors>,
-    index: HashMap<String, usize>,
+    /// Name -> (its shard, its name in the shard).
+    index: HashMap<String, (usize, String)>,
     /// Tensors held in memory, by checkpoint name.
     arrays: HashMap<String, Array>,
 }
@@ -30,7 +31,7 @@ impl Weights {
             let st = SafeTensors::load(path)
                 .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
             for name in st.names() {
-                index.insert(name, i);
+                index.insert(name.clone(), (i, name));
             }
             files.push(st);
         }
@@ -63,11 +64,36 @@ impl Weights {
         if let Some(a) = self.arrays.remove(name) {
             return Ok(a);
         }
-        let i = self
+        let (i, stored) = self
             .index
             .remove(name)
             .ok_or_else(|| ModelError::MissingWeight(name.to_string()))?;
-        Ok(self.files[i].take(name)?)
+        Ok(self.files[i].take(&stored)?)
+    }
+
+    /// Renames every tensor by `f` (its new name, or `None` to drop it):
+    /// a family whose checkpoints nest the text model (`language_model.`)
+    /// maps them onto the shared decoder's paths.
+    pub fn rename(&mut self, f: impl Fn(&str) -> Option<String>) {
+        self.index = std::mem::take(&mut self.index)
+            .into_iter()
+            .filter_map(|(name, at)| f(&name).map(|n| (n, at)))
+            .collect();
+        self.arrays = std::mem::take(&mut self.arrays)
+            .into_iter()
+            .filter_map(|(name, a)| f(&name).map(|n| (n, a)))
+            .collect();
+    }
+
+    /// The shape of tensor `name`, which stays in place (read lazily).
+    ///
+    /// # Errors
+    /// No such tensor; MLX failures.
+    pub fn shape(&mut self, name: &str) -> Result<Vec<i32>, ModelError> {
+        let a = self.take(name)?;
+        let shape = a.shape().to_vec();
+        self.arrays.insert(name.to_string(), a);
+        Ok(shape)
     }
 
     /// Takes `name` if present.

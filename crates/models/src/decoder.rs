@@ -11,8 +11,10 @@
 //! checkpoint's (`model.layers.{i}.self_attn.q_proj`, ...).
 
 use mlxcel_kv::AttentionKv;
+use mlxcel_kv::LayerState;
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec};
+use mlxcel_model::gated_delta::{GatedDeltaNet, GatedDeltaSpec};
 use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
 use mlxcel_model::moe::{MoeSpec, SparseMoe};
 use mlxcel_model::profile::{self, mark};
@@ -47,6 +49,57 @@ pub struct DecoderSpec {
     /// The mixture-of-experts layers: which layers are sparse and what
     /// their block is; `None` for a dense model.
     pub moe: Option<SparseLayers>,
+    /// The layers whose token mixer is a Gated DeltaNet instead of
+    /// attention (their [`DecoderSpec::layers`] entry is unused); `None`
+    /// for a model of attention layers only.
+    pub linear: Option<LinearLayers>,
+}
+
+/// Which layers of a hybrid decoder mix tokens with Gated DeltaNet
+/// (Qwen3.5: three of every four) instead of attention.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearLayers {
+    /// The layer's sizes.
+    pub spec: GatedDeltaSpec,
+    /// Per layer, whether it is a Gated DeltaNet layer.
+    pub layers: Vec<bool>,
+}
+
+/// A layer's token mixer.
+enum Mixer {
+    Attention(Box<Attention>),
+    GatedDelta(Box<GatedDeltaNet>),
+}
+
+impl Mixer {
+    fn forward(
+        &self,
+        x: &Array,
+        index: usize,
+        kv: &mut dyn AttentionKv,
+        step: &Step,
+    ) -> Result<Array, ModelError> {
+        match self {
+            Mixer::Attention(a) => a.forward(x, index, kv, step),
+            Mixer::GatedDelta(g) => g.forward(x, index, kv, step),
+        }
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Mixer::Attention(a) => a.arrays(),
+            Mixer::GatedDelta(g) => g.arrays(),
+        }
+    }
+
+    fn state(&self) -> LayerState {
+        match self {
+            Mixer::Attention(a) => LayerState::Attention { window: a.window() },
+            Mixer::GatedDelta(g) => LayerState::Recurrent {
+                shapes: g.spec().state_shapes(),
+            },
+        }
+    }
 }
 
 /// Which layers of a decoder are sparse mixture-of-experts blocks.
@@ -118,6 +171,7 @@ impl DecoderSpec {
             norm_weight_offset: 0.0,
             activation: Activation::Silu,
             moe: None,
+            linear: None,
         }
     }
 }
@@ -144,7 +198,7 @@ struct DecoderLayer {
     /// The norm before attention (pre-norm, sandwich), or after it
     /// (post-norm).
     attn_norm: RmsNorm,
-    self_attn: Attention,
+    self_attn: Mixer,
     /// The norm before the MLP (pre-norm, sandwich), or after it
     /// (post-norm).
     mlp_norm: RmsNorm,
@@ -178,7 +232,20 @@ impl DecoderLayer {
         };
         Ok(DecoderLayer {
             attn_norm: norm(ctx, attn_norm)?,
-            self_attn: Attention::load(ctx, &format!("{path}.self_attn"), attention)?,
+            self_attn: match &spec.linear {
+                Some(lin) if lin.layers.get(index).copied().unwrap_or(false) => {
+                    Mixer::GatedDelta(Box::new(GatedDeltaNet::load(
+                        ctx,
+                        &format!("{path}.linear_attn"),
+                        &lin.spec,
+                    )?))
+                }
+                _ => Mixer::Attention(Box::new(Attention::load(
+                    ctx,
+                    &format!("{path}.self_attn"),
+                    attention,
+                )?)),
+            },
             mlp_norm: norm(ctx, mlp_norm)?,
             mlp: match &spec.moe {
                 Some(moe) if moe.layers.get(index).copied().unwrap_or(false) => {
@@ -293,6 +360,15 @@ impl Decoder {
                 return Err(ModelError::Config(format!(
                     "{} sparse-layer flags for {} layers",
                     moe.layers.len(),
+                    config.num_hidden_layers
+                )));
+            }
+        }
+        if let Some(lin) = &spec.linear {
+            if lin.layers.len() != config.num_hidden_layers {
+                return Err(ModelError::Config(format!(
+                    "{} linear-attention flags for {} layers",
+                    lin.layers.len(),
                     config.num_hidden_layers
                 )));
             }
@@ -436,7 +512,14 @@ impl Model for Decoder {
     }
 
     fn layer_windows(&self) -> Vec<Option<usize>> {
-        self.layers.iter().map(|l| l.self_attn.window()).collect()
+        self.layers
+            .iter()
+            .map(|l| l.self_attn.state().window())
+            .collect()
+    }
+
+    fn layer_states(&self) -> Vec<LayerState> {
+        self.layers.iter().map(|l| l.self_attn.state()).collect()
     }
 
     fn embed_tokens(&self, ids: &[u32]) -> Result<Array, ModelError> {

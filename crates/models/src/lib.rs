@@ -25,6 +25,7 @@ mod phi3;
 mod qwen2;
 mod qwen2_moe;
 mod qwen3;
+mod qwen3_5;
 mod qwen3_moe;
 
 use std::path::Path;
@@ -67,6 +68,7 @@ pub const FAMILIES: &[&Family] = &[
     &qwen3_moe::FAMILY,
     &mixtral::FAMILY,
     &gpt_oss::FAMILY,
+    &qwen3_5::FAMILY,
 ];
 
 /// The family serving `model_type`.

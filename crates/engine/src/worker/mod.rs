@@ -179,6 +179,18 @@ impl<'m> Worker<'m> {
         config: WorkerConfig,
         published: Arc<Mutex<EngineStats>>,
     ) -> Self {
+        let mut config = config;
+        if !kv.recurrent().layers.is_empty() && config.speculative.method.proposes() {
+            tracing::warn!(
+                method = %config.speculative.method,
+                "speculative decoding is off: this model's recurrent layers cannot rewind \
+                 rejected drafts"
+            );
+            config.speculative.method = crate::speculative::SpeculativeMethod::Off;
+        }
+        if !kv.recurrent().layers.is_empty() && kv.prefix_cache_enabled() {
+            config.scheduler.snapshot_block = kv.config().block_size;
+        }
         let counters = EngineStats {
             kv_storage_backend: kv.config().backend.to_string(),
             kv_block_size: kv.config().block_size,

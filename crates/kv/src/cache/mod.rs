@@ -35,6 +35,7 @@ use crate::group::KvGroupConfig;
 use crate::hash::BlockHash;
 use crate::pool::{BlockCounts, BlockPool};
 use crate::prefix::PrefixCache;
+use crate::recurrent::{RecurrentConfig, SeqRecurrent, SnapshotStore};
 use crate::sequence::{BlockCopy, SequenceBlocks};
 use crate::storage::{DenseStorage, KvLayout, PagedStorage};
 
@@ -74,6 +75,12 @@ pub(crate) struct SeqState {
     /// A tensor-side failure may have left its K/V half-updated (a block
     /// copy, a buffer resize): it can't run again and only awaits release.
     poisoned: bool,
+    /// Its recurrent layers' state entries (crate::recurrent).
+    pub(crate) recurrent: SeqRecurrent,
+    /// The step reserved for it and not completed yet: its end before the
+    /// step and its real tokens (the rest are pads, which a recurrent
+    /// state must not fold in).
+    pub(crate) reserved: Option<(usize, usize)>,
 }
 
 impl SeqState {
@@ -111,6 +118,12 @@ pub struct KvCache {
     pub(crate) copy_log: Option<Vec<BlockCopy>>,
     /// The prefix cache's disk tier, when open (disk.rs).
     pub(crate) disk: Option<disk::DiskTier>,
+    /// The model's recurrent layers (crate::recurrent).
+    pub(crate) recurrent: RecurrentConfig,
+    /// Model layer -> its index among the recurrent layers.
+    pub(crate) layer_recurrent: Vec<Option<usize>>,
+    /// Recurrent-state snapshots at block boundaries (prefix cache).
+    pub(crate) snapshots: SnapshotStore,
 }
 
 impl KvCache {
@@ -143,8 +156,37 @@ impl KvCache {
     /// of positions per sequence), a zero block size, too many blocks, or
     /// an MLX allocation failure.
     pub fn with_groups(config: KvCacheConfig, groups: Vec<KvGroupConfig>) -> Result<Self, KvError> {
+        Self::with_layer_states(config, groups, RecurrentConfig::default())
+    }
+
+    /// [`KvCache::with_groups`] for a model some of whose layers keep a
+    /// recurrent state instead of K/V (crate::recurrent): every layer of
+    /// `config.layout` is in one KV group or in `recurrent.layers`, and a
+    /// prefix cache keeps up to `recurrent.snapshots` state snapshots.
+    ///
+    /// # Errors
+    /// As [`KvCache::with_groups`]; a layer both in a group and recurrent.
+    pub fn with_layer_states(
+        config: KvCacheConfig,
+        groups: Vec<KvGroupConfig>,
+        recurrent: RecurrentConfig,
+    ) -> Result<Self, KvError> {
         let layers = config.layout.layers;
         let mut layer_group = vec![(usize::MAX, 0); layers];
+        let mut layer_recurrent = vec![None; layers];
+        for (i, &l) in recurrent.layers.iter().enumerate() {
+            match layer_group.get_mut(l) {
+                Some(slot) if slot.0 == usize::MAX && layer_recurrent[l].is_none() => {
+                    *slot = (usize::MAX - 1, i);
+                    layer_recurrent[l] = Some(i);
+                }
+                _ => {
+                    return Err(KvError::Invariant(format!(
+                        "recurrent layer {l} of {layers} listed twice or out of range"
+                    )))
+                }
+            }
+        }
         for (g, group) in groups.iter().enumerate() {
             for (i, &l) in group.layers.iter().enumerate() {
                 match layer_group.get_mut(l) {
@@ -209,7 +251,20 @@ impl KvCache {
             prefix,
             copy_log: None,
             disk: None,
+            snapshots: SnapshotStore::new(recurrent.snapshots),
+            recurrent,
+            layer_recurrent,
         })
+    }
+
+    /// The model's recurrent layers and the state a sequence holds in them.
+    pub fn recurrent(&self) -> &RecurrentConfig {
+        &self.recurrent
+    }
+
+    /// Recurrent-state snapshots kept for the prefix cache.
+    pub fn snapshots(&self) -> usize {
+        self.snapshots.len()
     }
 
     /// The configuration it was built with.
@@ -266,7 +321,9 @@ impl KvCache {
     /// A new empty sequence at `[0, 0)`.
     pub fn new_sequence(&mut self) -> KvSequence {
         let dense = match self.config.backend {
-            StorageBackend::Dense => Some(DenseStorage::new(self.config.layout, 0)),
+            StorageBackend::Dense => {
+                Some(DenseStorage::new(self.config.layout, 0).without(&self.recurrent.layers))
+            }
             StorageBackend::Paged => None,
         };
         let blocks = self
@@ -279,6 +336,8 @@ impl KvCache {
             dense,
             hashes: Vec::new(),
             poisoned: false,
+            recurrent: SeqRecurrent::default(),
+            reserved: None,
         })
     }
 
@@ -325,6 +384,11 @@ impl KvCache {
             dense: state.dense.clone(),
             hashes: state.hashes.clone(),
             poisoned: false,
+            recurrent: SeqRecurrent {
+                entries: state.recurrent.entries.clone(),
+                decode_snapshot: None,
+            },
+            reserved: None,
         };
         Ok(self.insert_sequence(forked))
     }

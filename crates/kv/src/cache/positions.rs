@@ -126,6 +126,7 @@ impl KvCache {
             .seqs
             .get_mut(&seq.id)
             .ok_or(KvError::Invariant(format!("unknown sequence {}", seq.id)))?;
+        state.recurrent.prune(new_end);
         for (g, blocks) in state.blocks.iter_mut().enumerate() {
             blocks.truncate_tail(&mut self.groups[g].pool, new_end)?;
         }

@@ -4,8 +4,10 @@
 
 use super::{KvCache, KvSequence, ResetOutcome, SeqState};
 use crate::error::KvError;
+use crate::hash::BlockHash;
 use crate::pool::BlockPool;
 use crate::prefix::PrefixCacheStats;
+use crate::recurrent::{SeqRecurrent, StateEntry};
 use crate::sequence::SequenceBlocks;
 
 #[cfg(doc)]
@@ -54,7 +56,25 @@ impl KvCache {
         };
         let keeps: Vec<Option<usize>> = self.groups.iter().map(|g| g.config.keep).collect();
         let mut pools: Vec<&mut BlockPool> = self.groups.iter_mut().map(|g| &mut g.pool).collect();
-        let hit = cache.lookup_groups(&mut pools, &keeps, tokens, cfg.extra_key, chunk)?;
+        // With recurrent layers, a hit ends at a block boundary inside the
+        // prompt whose state snapshot is kept (crate::recurrent).
+        let recurrent = !self.recurrent.layers.is_empty();
+        let snapshots = &self.snapshots;
+        let resumable = |m: usize, hashes: &[BlockHash]| {
+            !recurrent
+                || (m * self.config.block_size < tokens.len()
+                    && hashes
+                        .get(m.wrapping_sub(1))
+                        .is_some_and(|h| snapshots.contains(h)))
+        };
+        let hit = cache.lookup_groups_where(
+            &mut pools,
+            &keeps,
+            tokens,
+            cfg.extra_key,
+            chunk,
+            &resumable,
+        )?;
         let mut hashes = hit.hashes;
         let mut blocks = Vec::with_capacity(self.groups.len());
         let mut failed = None;
@@ -80,11 +100,24 @@ impl KvCache {
             return Err(e);
         }
         hashes.truncate(hit.cached / self.config.block_size);
+        let mut recurrent = SeqRecurrent::default();
+        if let Some(last) = hashes.last().filter(|_| !self.recurrent.layers.is_empty()) {
+            let snapshot = self.snapshots.take(last).ok_or(KvError::Invariant(
+                "a prefix hit without its recurrent-state snapshot".into(),
+            ))?;
+            recurrent.entries.push(StateEntry {
+                at: snapshot.at,
+                layers: snapshot.layers.into_iter().map(Some).collect(),
+                chunk: false,
+            });
+        }
         let seq = self.insert_sequence(SeqState {
             blocks,
             dense: None,
             hashes,
             poisoned: false,
+            recurrent,
+            reserved: None,
         });
         Ok((seq, hit.cached))
     }
@@ -117,12 +150,29 @@ impl KvCache {
             added += a;
             shared += s;
         }
+        // The newest complete recurrent state at a block boundary becomes a
+        // snapshot under the hash of the block ending there.
+        let bs = self.config.block_size;
+        let newest = state.recurrent.entries.iter().rev().find(|e| e.complete());
+        if let Some(entry) = newest.filter(|e| e.at > 0 && e.at % bs == 0) {
+            if let Some(&hash) = state.hashes.get(entry.at / bs - 1) {
+                if !self.snapshots.contains(&hash) {
+                    if !entry.chunk {
+                        if let Some(old) = state.recurrent.decode_snapshot.replace(hash) {
+                            self.snapshots.remove(&old);
+                        }
+                    }
+                    self.snapshots.insert(hash, entry);
+                }
+            }
+        }
         Ok((added, shared))
     }
 
     /// Frees every cached block nobody holds, in every group (idempotent;
     /// blocks of running sequences stay).
     pub fn reset_prefix_cache(&mut self) -> ResetOutcome {
+        self.snapshots.clear();
         let mut out = ResetOutcome::default();
         for g in &mut self.groups {
             let freed = g.pool.reset_prefix_cache();

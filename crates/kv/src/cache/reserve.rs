@@ -49,6 +49,9 @@ impl KvCache {
                 return Err(e);
             }
             done.push((r.seq.id, old_end, r.real));
+            if let Some(state) = self.seqs.get_mut(&r.seq.id) {
+                state.reserved = Some((old_end, r.real));
+            }
         }
         Ok(StepReservation { rows: done })
     }
@@ -59,6 +62,11 @@ impl KvCache {
     /// returns to where it was. Rows whose sequence was released meanwhile
     /// are skipped.
     pub fn complete_step(&mut self, step: StepReservation, success: bool) -> Result<(), KvError> {
+        for &(id, _, _) in &step.rows {
+            if let Some(state) = self.seqs.get_mut(&id) {
+                state.reserved = None;
+            }
+        }
         let targets = step
             .rows
             .iter()
@@ -76,6 +84,7 @@ impl KvCache {
         let mut first_error = None;
         for (id, end) in targets {
             if let Some(state) = self.seqs.get_mut(&id) {
+                state.recurrent.prune(end);
                 for (g, blocks) in state.blocks.iter_mut().enumerate() {
                     if blocks.end() != end {
                         if let Err(e) = blocks.truncate_tail(&mut self.groups[g].pool, end) {
