@@ -450,3 +450,106 @@ fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
         "{err}"
     );
 }
+
+/// Qwen3.5's recurrent state through the engine's other paths, each against
+/// mlx_lm's greedy tokens or a cold run: prompt chunks of 16 padded to
+/// tiles of 16 (the pads never enter a state), `n = 2` (the choices fork
+/// the state), the next turn of a conversation (it resumes from the
+/// decode-time snapshot inside the first reply and answers as a cold run),
+/// and a failing request beside healthy ones (its failed steps roll the
+/// states back; the healthy rows, re-run alone, answer as mlx_lm).
+#[test]
+fn qwen3_5_state_survives_pads_forks_turns_and_failed_steps() {
+    use common::{collect_tokens, greedy_request};
+    use mlxcel_engine::api::{GenerationEvent, InferenceService, Prompt};
+    use mlxcel_engine::fault::FaultInjection;
+    use mlxcel_engine::{Engine, EngineConfig};
+
+    let dir = common::tiny_model_dir("qwen3_5", "paths");
+    let golden = read_golden(&dir, "make_tiny_models.py");
+    let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
+    let poison = (0..256u32)
+        .find(|t| !prompt.contains(t) && !want.contains(t))
+        .expect("an unused token");
+    let mut c = EngineConfig::new(dir);
+    c.parallel = 4;
+    c.kv_cache_budget = Some(8 << 20);
+    c.kv_block_size = 8;
+    c.prefill_chunk_size = 16;
+    c.prefill_tile = Some(16);
+    c.check_invariants = true;
+    c.fault = FaultInjection {
+        poison_token: Some(poison),
+        ..FaultInjection::default()
+    };
+    let e = Engine::start(c).expect("engine");
+    let request = |prompt: &[u32], n: usize, cache: bool| {
+        let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), n);
+        r.ignore_eos = true;
+        r.cache_prompt = cache;
+        r
+    };
+    let run = |r| collect_tokens(e.submit(r).expect("submit")).expect("run");
+
+    let (cold, _) = run(request(&prompt, want.len(), false));
+    assert_eq!(cold, want, "chunks of 16 padded to 16 = mlx_lm");
+
+    let mut two = request(&prompt, want.len(), false);
+    two.n = 2;
+    let mut stream = e.submit(two).expect("submit");
+    let mut choices = vec![Vec::new(), Vec::new()];
+    let mut finished = 0;
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::Delta { index, token, .. } => choices[index].push(token),
+            GenerationEvent::Finished { .. } => finished += 1,
+            GenerationEvent::Failed { message, .. } => panic!("n = 2 failed: {message}"),
+            _ => {}
+        }
+    }
+    assert_eq!(finished, 2);
+    assert_eq!(choices, vec![want.clone(), want.clone()], "both choices");
+
+    // Turn 1 caches; turn 2 is turn 1 and its reply and five more tokens.
+    let (first, _) = run(request(&prompt, want.len(), true));
+    assert_eq!(first, want);
+    let mut turn2 = prompt.clone();
+    turn2.extend(&first);
+    turn2.extend(&prompt[..5]);
+    let (cold2, _) = run(request(&turn2, 8, false));
+    let (warm2, usage) = run(request(&turn2, 8, true));
+    // Turn 1 computed 40 + 15 positions; its last decode snapshot is at 48.
+    assert_eq!(usage.cached_tokens, 48, "resumed inside the first reply");
+    assert_eq!(warm2, cold2, "warm turn 2 = cold turn 2");
+    let r = e.stats().recurrent.expect("recurrent stats");
+    assert_eq!(
+        (r.layers, r.snapshot_capacity),
+        (2, 10),
+        "2 layers, 2 x 4 + 2"
+    );
+    // Only requests that cache their prompt leave snapshots. Turn 1: its
+    // chunks ending at 16, 32 and 40 (a sequence keeps its last two chunk
+    // snapshots: 16 goes), its decode boundary 48; warm turn 2 (from 48):
+    // its chunk split at 56 (the prompt's last boundary before 61), its
+    // decode boundary 64.
+    assert_eq!(
+        (r.snapshots_taken, r.snapshots, r.snapshots_evicted),
+        (6, 5, 0),
+        "{r:?}"
+    );
+
+    // A poisoned request beside three healthy ones.
+    let mut bad = prompt[..20].to_vec();
+    bad.push(poison);
+    let streams: Vec<_> = (0..3)
+        .map(|_| {
+            e.submit(request(&prompt, want.len(), false))
+                .expect("submit")
+        })
+        .collect();
+    let failed = collect_tokens(e.submit(request(&bad, 4, false)).expect("submit"));
+    assert!(failed.is_err(), "the poisoned request fails");
+    for s in streams {
+        assert_eq!(collect_tokens(s).expect("healthy").0, want, "healthy rows");
+    }
+}

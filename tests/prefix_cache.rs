@@ -45,6 +45,7 @@ fn prefill(model: &dyn Model, kv: &mut KvCache, prompt: &[u32], cache: bool) -> 
                 known: prompt.len(),
                 computed,
                 scored: false,
+                donates: true,
             }],
             config,
         );

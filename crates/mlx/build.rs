@@ -13,6 +13,7 @@ fn main() {
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
         .file("src/paged_attention.cc")
+        .file("src/gated_delta.cc")
         .file("src/gemv_forward.cc")
         .file("src/skinny_gemm.cc")
         .file("src/distributed.cc")
@@ -32,6 +33,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi.rs");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/paged_attention.cc");
+    println!("cargo:rerun-if-changed=src/gated_delta.cc");
     println!("cargo:rerun-if-changed=src/gemv_forward.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.h");

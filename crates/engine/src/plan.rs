@@ -146,7 +146,9 @@ impl EnginePlan {
             self.worker.scheduler.prefill_chunk_size,
         );
         // Window groups after the first: fixed room; the first takes the rest.
-        let mut fixed_bytes = 0;
+        // The recurrent state (entries of running sequences, snapshots) is
+        // fixed room too.
+        let mut fixed_bytes = recurrent.bytes_total(self.worker.parallel);
         for g in groups.iter_mut().skip(1) {
             let worst = Admission::new(bs, tile, g.keep, chunk).blocks_for(usize::MAX);
             g.num_blocks = 2 * self.worker.parallel * worst;
@@ -251,7 +253,14 @@ impl EnginePlan {
             budget: Some(tokens * draft.kv_layout().bytes_per_token()),
             ..*self
         };
-        plan.kv_cache(draft)
+        let kv = plan.kv_cache(draft)?;
+        if let Some(&layer) = kv.recurrent().layers.first() {
+            return Err(EngineError::Config(format!(
+                "the draft model's layer {layer} keeps a recurrent state, which cannot \
+                 rewind rejected drafts; use a draft model of attention layers only"
+            )));
+        }
+        Ok(kv)
     }
 
     /// What the engine reports once `kv` is built.

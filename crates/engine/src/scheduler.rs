@@ -38,6 +38,10 @@ pub struct SeqProgress {
     /// Whether its prompt is scored (prompt logprobs): its chunks are at
     /// most [`SCORED_CHUNK`] tokens, as each token's logits row is read back.
     pub scored: bool,
+    /// Whether its blocks go to the prefix cache (`cache_prompt`): only
+    /// then is its prompt's last chunk split for a recurrent-state snapshot
+    /// ([`SchedulerConfig::snapshot_block`]).
+    pub donates: bool,
 }
 
 /// Largest prefill chunk of a scored prompt: every token's `[vocab]`
@@ -126,7 +130,7 @@ pub fn plan_step(seqs: &[SeqProgress], config: SchedulerConfig) -> StepPlan {
             chunk
         };
         let mut end = s.known.min((s.computed / chunk + 1) * chunk);
-        if config.snapshot_block > 0 && end == s.known {
+        if config.snapshot_block > 0 && s.donates && end == s.known {
             let boundary = (s.known - 1) / config.snapshot_block * config.snapshot_block;
             if boundary > s.computed {
                 end = boundary;
@@ -170,7 +174,34 @@ mod tests {
             known,
             computed,
             scored: false,
+            donates: true,
         }
+    }
+
+    #[test]
+    fn with_recurrent_state_a_donated_prompt_ends_a_chunk_at_its_last_block() {
+        let config = SchedulerConfig {
+            snapshot_block: 16,
+            ..cfg(512, 0)
+        };
+        // 100 known tokens: the chunk ends at 96, the last 4 run next.
+        assert_eq!(
+            plan_step(&[p(100, 0)], config).rows,
+            vec![row(0, 96, 96, false)]
+        );
+        assert_eq!(
+            plan_step(&[p(100, 96)], config).rows,
+            vec![row(0, 4, 4, true)]
+        );
+        // A prompt that is not cached runs whole.
+        let private = SeqProgress {
+            donates: false,
+            ..p(100, 0)
+        };
+        assert_eq!(
+            plan_step(&[private], config).rows,
+            vec![row(0, 100, 100, true)]
+        );
     }
 
     #[test]

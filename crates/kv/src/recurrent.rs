@@ -45,6 +45,14 @@ pub struct RecurrentConfig {
     pub snapshots: usize,
 }
 
+impl RecurrentConfig {
+    /// The most bytes of state the cache holds with `parallel` sequences
+    /// running: [`ENTRIES_KEPT`] entries each, and every snapshot.
+    pub fn bytes_total(&self, parallel: usize) -> usize {
+        (ENTRIES_KEPT * parallel + self.snapshots) * self.bytes_per_sequence
+    }
+}
+
 /// The state of every recurrent layer of one sequence after the tokens
 /// before `at`.
 #[derive(Debug, Clone)]
@@ -73,7 +81,15 @@ pub(crate) struct SeqRecurrent {
     /// The hash under which this sequence's latest decode snapshot is
     /// stored (replaced by its next one).
     pub(crate) decode_snapshot: Option<BlockHash>,
+    /// The hashes of its prompt-chunk snapshots, oldest first (at most
+    /// [`CHUNK_SNAPSHOTS_KEPT`]).
+    pub(crate) chunk_snapshots: Vec<BlockHash>,
 }
+
+/// Prompt-chunk snapshots one sequence keeps in the store: its newest
+/// ones, nearest the end of its prompt (a long prompt would otherwise
+/// flush every other request's snapshots).
+pub const CHUNK_SNAPSHOTS_KEPT: usize = 2;
 
 impl SeqRecurrent {
     /// The entry at `at`, if any.
@@ -115,6 +131,8 @@ impl SeqRecurrent {
 pub(crate) struct Snapshot {
     pub(crate) at: usize,
     pub(crate) layers: Vec<Rc<Vec<Array>>>,
+    /// The sequence that took it (only it replaces it).
+    owner: u64,
     /// Logical time of its last insertion or use (LRU).
     used: u64,
 }
@@ -123,12 +141,13 @@ pub(crate) struct Snapshot {
 /// hash of the block ending at the snapshot's position, least recently
 /// used evicted beyond `capacity`.
 ///
-/// What is kept: every prompt chunk that ends at a block boundary leaves
-/// one (chunks end at multiples of the prefill chunk size, so a shared
-/// system prompt is found again up to its last chunk boundary), and each
-/// sequence keeps its latest decode-time block boundary (each new one
-/// replaces the sequence's previous one), so the next turn of a
-/// conversation resumes inside the previous reply.
+/// What is kept: a prompt chunk that ends at a block boundary leaves one
+/// (chunks end at multiples of the prefill chunk size, and a prompt's last
+/// chunk ends at its last block boundary: a repeated or extended prompt
+/// resumes there), each sequence keeping its newest
+/// [`CHUNK_SNAPSHOTS_KEPT`]; and each sequence keeps its latest decode-time
+/// block boundary (each new one replaces the sequence's previous one), so
+/// the next turn of a conversation resumes inside the previous reply.
 #[derive(Debug, Default)]
 pub(crate) struct SnapshotStore {
     map: HashMap<BlockHash, Snapshot>,
@@ -167,9 +186,9 @@ impl SnapshotStore {
         })
     }
 
-    /// Keeps `entry` (complete) under `hash`, evicting the least recently
-    /// used beyond capacity.
-    pub(crate) fn insert(&mut self, hash: BlockHash, entry: &StateEntry) {
+    /// Keeps `entry` (complete) of sequence `owner` under `hash`, evicting
+    /// the least recently used beyond capacity.
+    pub(crate) fn insert(&mut self, hash: BlockHash, entry: &StateEntry, owner: u64) {
         if self.capacity == 0 {
             return;
         }
@@ -184,6 +203,7 @@ impl SnapshotStore {
                 Snapshot {
                     at: entry.at,
                     layers,
+                    owner,
                     used: self.clock,
                 },
             )
@@ -200,9 +220,11 @@ impl SnapshotStore {
         }
     }
 
-    /// Drops the snapshot under `hash`.
-    pub(crate) fn remove(&mut self, hash: &BlockHash) {
-        self.map.remove(hash);
+    /// Drops the snapshot under `hash` if sequence `owner` took it.
+    pub(crate) fn remove_owned(&mut self, hash: &BlockHash, owner: u64) {
+        if self.map.get(hash).is_some_and(|s| s.owner == owner) {
+            self.map.remove(hash);
+        }
     }
 
     /// Drops every snapshot; returns how many.

@@ -98,6 +98,10 @@ std::unique_ptr<ArrayList> gated_delta(const array& q, const array& k, const arr
                                        const array& b, const array& a_log, const array& dt_bias,
                                        const array& state);
 ArrayPtr gated_rms_norm(const array& x, const array& gate, const array& weight, float eps);
+// gated_delta.cc (C++ only): the recurrence in one GPU kernel.
+bool gated_delta_kernel_fits(int k_dim, int v_dim);
+std::vector<array> gated_delta_kernel(const array& q, const array& k, const array& v,
+                                      const array& decay, const array& beta, const array& state);
 ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
 ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
                         const array& offsets);

@@ -225,13 +225,21 @@ std::unique_ptr<ArrayList> gated_delta(const array& q, const array& k, const arr
   const float eps = 1e-6f * inv * inv;
   auto qn = mx::multiply(mx::array(inv * inv, q.dtype()), mx::fast::rms_norm(q, std::nullopt, eps));
   auto kn = mx::multiply(mx::array(inv, k.dtype()), mx::fast::rms_norm(k, std::nullopt, eps));
+  auto beta = mx::sigmoid(b);
+  auto decay = mx::exp(mx::multiply(mx::negative(mx::exp(mx::astype(a_log, mx::float32))),
+                                    mx::logaddexp(mx::add(a, dt_bias), mx::array(0.0f, a.dtype()))));
+  if (gated_delta_kernel_fits(dk, v.shape(3))) {
+    // One kernel for every token (gated_delta.cc).
+    auto out = gated_delta_kernel(qn, kn, v, decay, mx::astype(beta, mx::float32),
+                                  mx::astype(state, mx::float32));
+    auto list = std::make_unique<ArrayList>();
+    list->items = std::move(out);
+    return list;
+  }
   if (hv > hk) {
     qn = mx::repeat(qn, hv / hk, 2);
     kn = mx::repeat(kn, hv / hk, 2);
   }
-  auto beta = mx::sigmoid(b);
-  auto decay = mx::exp(mx::multiply(mx::negative(mx::exp(mx::astype(a_log, mx::float32))),
-                                    mx::logaddexp(mx::add(a, dt_bias), mx::array(0.0f, a.dtype()))));
   auto s = state;
   std::vector<array> ys;
   ys.reserve(T);

@@ -50,6 +50,10 @@ struct EngineMetrics {
     /// The disk tier: files and bytes on disk, and its events.
     disk: IntGaugeVec,
     disk_events: IntCounterVec,
+    /// A hybrid model's recurrent-state snapshots: kept and capacity, and
+    /// their events.
+    recurrent_snapshots: IntGaugeVec,
+    recurrent_snapshot_events: IntCounterVec,
     steps: IntCounterVec,
     step_tokens: IntCounterVec,
     failed_steps: IntCounter,
@@ -135,6 +139,22 @@ impl EngineMetrics {
                  failed writes (write_error)",
                 &["event"],
             ),
+            recurrent_snapshots: IntGaugeVec::new(
+                Opts::new(
+                    "mlxcel_recurrent_state_snapshots",
+                    "A hybrid model's recurrent-state snapshots for the prefix cache: kept now \
+                     (what=\"kept\"), the most kept (what=\"capacity\"); absent for a model \
+                     without recurrent layers",
+                ),
+                &["what"],
+            )
+            .expect("valid metric definition"),
+            recurrent_snapshot_events: counter_vec(
+                "mlxcel_recurrent_state_snapshot_events_total",
+                "A hybrid model's recurrent-state snapshots taken at block boundaries (taken) and \
+                 dropped for room (eviction)",
+                &["event"],
+            ),
             steps: counter_vec(
                 "mlxcel_steps_total",
                 "Engine steps with prefill rows / decode rows / decode steps queued before the previous step's tokens were read (pipelined)",
@@ -186,6 +206,8 @@ impl EngineMetrics {
         r.register(Box::new(self.prefix_tokens_reused.clone()))?;
         r.register(Box::new(self.disk.clone()))?;
         r.register(Box::new(self.disk_events.clone()))?;
+        r.register(Box::new(self.recurrent_snapshots.clone()))?;
+        r.register(Box::new(self.recurrent_snapshot_events.clone()))?;
         r.register(Box::new(self.steps.clone()))?;
         r.register(Box::new(self.step_tokens.clone()))?;
         r.register(Box::new(self.failed_steps.clone()))?;
@@ -264,6 +286,22 @@ impl EngineMetrics {
                 ("write_error", d.write_errors),
             ] {
                 catch_up(&self.disk_events.with_label_values(&[event]), v);
+            }
+        }
+        if let Some(r) = &s.recurrent {
+            for (what, v) in [("kept", r.snapshots), ("capacity", r.snapshot_capacity)] {
+                self.recurrent_snapshots
+                    .with_label_values(&[what])
+                    .set(as_i64(v));
+            }
+            for (event, v) in [
+                ("taken", r.snapshots_taken),
+                ("eviction", r.snapshots_evicted),
+            ] {
+                catch_up(
+                    &self.recurrent_snapshot_events.with_label_values(&[event]),
+                    v,
+                );
             }
         }
         catch_up(&self.steps.with_label_values(&["prefill"]), s.prefill_steps);

@@ -29,4 +29,4 @@ pub use request::{
 pub use service::{
     EmbeddingModel, InferenceService, Pooling, RequestField, ServiceSlot, SubmitError,
 };
-pub use stats::{CacheReset, DiskCacheStats, EngineStats, KvGroupStats};
+pub use stats::{CacheReset, DiskCacheStats, EngineStats, KvGroupStats, RecurrentStateStats};

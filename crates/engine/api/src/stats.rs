@@ -14,6 +14,22 @@ pub struct CacheReset {
     pub disk_bytes_freed: u64,
 }
 
+/// The recurrent layers' state (hybrid models: Gated DeltaNet layers).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecurrentStateStats {
+    /// Layers that keep a recurrent state instead of K/V.
+    pub layers: usize,
+    /// Bytes of state one sequence holds (upper bound, float32).
+    pub bytes_per_sequence: usize,
+    /// Prefix-cache snapshots of the state (at block boundaries) kept now,
+    /// and the most kept.
+    pub snapshots: usize,
+    pub snapshot_capacity: usize,
+    /// Snapshots taken, and evicted for room, since start.
+    pub snapshots_taken: u64,
+    pub snapshots_evicted: u64,
+}
+
 /// The prefix cache's disk tier (`--prompt-cache-dir`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DiskCacheStats {
@@ -113,6 +129,8 @@ pub struct EngineStats {
     pub kv_groups: Vec<KvGroupStats>,
     /// The prefix cache's disk tier; `None` when it is off.
     pub disk: Option<DiskCacheStats>,
+    /// The recurrent layers' state; `None` for a model without.
+    pub recurrent: Option<RecurrentStateStats>,
 }
 
 /// One KV group's pool ([`EngineStats::kv_groups`]).

@@ -367,6 +367,18 @@ impl<'m> Worker<'m> {
             write_errors: d.write_errors,
             writable: d.writable,
         });
+        let recurrent = self.kv.recurrent();
+        c.recurrent = (!recurrent.layers.is_empty()).then(|| {
+            let (taken, evicted) = self.kv.snapshot_counts();
+            crate::api::RecurrentStateStats {
+                layers: recurrent.layers.len(),
+                bytes_per_sequence: recurrent.bytes_per_sequence,
+                snapshots: self.kv.snapshots(),
+                snapshot_capacity: recurrent.snapshots,
+                snapshots_taken: taken,
+                snapshots_evicted: evicted,
+            }
+        });
         c.kv_groups = self
             .kv
             .groups()

@@ -147,6 +147,7 @@ impl Worker<'_> {
                 known: s.tokens.len(),
                 computed: s.computed,
                 scored: s.job.request.prompt_logprobs.is_some(),
+                donates: s.job.request.cache_prompt,
             })
             .collect();
         plan_step(&progress, self.config.scheduler)

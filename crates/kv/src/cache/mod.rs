@@ -267,6 +267,12 @@ impl KvCache {
         self.snapshots.len()
     }
 
+    /// Recurrent-state snapshots taken and evicted since the cache was
+    /// built.
+    pub fn snapshot_counts(&self) -> (u64, u64) {
+        (self.snapshots.taken, self.snapshots.evicted)
+    }
+
     /// The configuration it was built with.
     pub fn config(&self) -> &KvCacheConfig {
         &self.config
@@ -386,7 +392,7 @@ impl KvCache {
             poisoned: false,
             recurrent: SeqRecurrent {
                 entries: state.recurrent.entries.clone(),
-                decode_snapshot: None,
+                ..SeqRecurrent::default()
             },
             reserved: None,
         };

@@ -7,7 +7,7 @@ use crate::error::KvError;
 use crate::hash::BlockHash;
 use crate::pool::BlockPool;
 use crate::prefix::PrefixCacheStats;
-use crate::recurrent::{SeqRecurrent, StateEntry};
+use crate::recurrent::{SeqRecurrent, StateEntry, CHUNK_SNAPSHOTS_KEPT};
 use crate::sequence::SequenceBlocks;
 
 #[cfg(doc)]
@@ -153,16 +153,28 @@ impl KvCache {
         // The newest complete recurrent state at a block boundary becomes a
         // snapshot under the hash of the block ending there.
         let bs = self.config.block_size;
-        let newest = state.recurrent.entries.iter().rev().find(|e| e.complete());
+        let newest = state
+            .recurrent
+            .entries
+            .iter()
+            .rev()
+            .find(|e| e.complete())
+            .cloned();
         if let Some(entry) = newest.filter(|e| e.at > 0 && e.at % bs == 0) {
             if let Some(&hash) = state.hashes.get(entry.at / bs - 1) {
                 if !self.snapshots.contains(&hash) {
-                    if !entry.chunk {
-                        if let Some(old) = state.recurrent.decode_snapshot.replace(hash) {
-                            self.snapshots.remove(&old);
+                    let owner = seq.id;
+                    let own = &mut state.recurrent;
+                    if entry.chunk {
+                        own.chunk_snapshots.push(hash);
+                        if own.chunk_snapshots.len() > CHUNK_SNAPSHOTS_KEPT {
+                            let old = own.chunk_snapshots.remove(0);
+                            self.snapshots.remove_owned(&old, owner);
                         }
+                    } else if let Some(old) = own.decode_snapshot.replace(hash) {
+                        self.snapshots.remove_owned(&old, owner);
                     }
-                    self.snapshots.insert(hash, entry);
+                    self.snapshots.insert(hash, &entry, owner);
                 }
             }
         }

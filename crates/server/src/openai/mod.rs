@@ -369,6 +369,41 @@ pub struct CacheStats {
     pub waiting: usize,
     /// The disk tier (`--prompt-cache-dir`); `null` when it is off.
     pub disk: Option<DiskCacheStats>,
+    /// A hybrid model's recurrent-state snapshots (a prefix hit resumes
+    /// only at a block boundary whose snapshot is kept); `null` for a model
+    /// without recurrent layers.
+    pub recurrent: Option<RecurrentStateStats>,
+}
+
+/// `recurrent` of [`CacheStats`]: the recurrent layers' state of a hybrid
+/// model (Gated DeltaNet layers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct RecurrentStateStats {
+    /// Layers that keep a recurrent state instead of K/V.
+    pub layers: usize,
+    /// Bytes of state one sequence holds (upper bound).
+    pub bytes_per_sequence: usize,
+    /// State snapshots kept now for the prefix cache.
+    pub snapshots: usize,
+    /// The most snapshots kept (least recently used dropped first).
+    pub snapshot_capacity: usize,
+    /// Snapshots taken since start.
+    pub snapshots_taken: u64,
+    /// Snapshots dropped for room since start.
+    pub snapshots_evicted: u64,
+}
+
+impl From<&mlxcel_engine_api::RecurrentStateStats> for RecurrentStateStats {
+    fn from(r: &mlxcel_engine_api::RecurrentStateStats) -> Self {
+        Self {
+            layers: r.layers,
+            bytes_per_sequence: r.bytes_per_sequence,
+            snapshots: r.snapshots,
+            snapshot_capacity: r.snapshot_capacity,
+            snapshots_taken: r.snapshots_taken,
+            snapshots_evicted: r.snapshots_evicted,
+        }
+    }
 }
 
 /// `disk` of [`CacheStats`]: the prefix cache's disk tier.
@@ -468,6 +503,7 @@ impl From<&mlxcel_engine_api::EngineStats> for CacheStats {
             running: s.running,
             waiting: s.waiting,
             disk: s.disk.as_ref().map(DiskCacheStats::from),
+            recurrent: s.recurrent.as_ref().map(RecurrentStateStats::from),
         }
     }
 }

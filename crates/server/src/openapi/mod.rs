@@ -65,7 +65,7 @@ use crate::openai::responses::{
 use crate::openai::tokenize::{DetokenizeBody, DetokenizeResponse, TokenizeBody, TokenizeResponse};
 use crate::openai::{
     BlockCounts, CacheReset, CacheResetRequest, CacheStats, DiskCacheStats, Health, ModelCard,
-    ModelList, PromptTokensDetails, UsageBody,
+    ModelList, PromptTokensDetails, RecurrentStateStats, UsageBody,
 };
 use crate::responses::ResponseDeleted;
 
@@ -144,6 +144,7 @@ pub use schemas::{
             ModelCard,
             CacheStats,
             DiskCacheStats,
+            RecurrentStateStats,
             BlockCounts,
             CacheReset,
             CacheResetRequest,
