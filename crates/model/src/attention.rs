@@ -57,6 +57,14 @@ pub struct AttentionSpec {
     /// queries are padded with zeros to it, which changes no score, and
     /// the padding is cut from the output. `None`: `head_dim`.
     pub stored_head_dim: Option<usize>,
+    /// K/V heads of the stored K/V when the KV cache holds more than
+    /// `kv_heads` (Gemma 4's full layers with `num_global_key_value_heads`):
+    /// each head is repeated `stored / kv_heads` times, which grouped-query
+    /// attention reads as the same head. `None`: `kv_heads`.
+    pub stored_kv_heads: Option<usize>,
+    /// No v projection: the values are the key projection, before
+    /// `k_norm` and RoPE (Gemma 4's `attention_k_eq_v`).
+    pub values_from_keys: bool,
 }
 
 /// Where a family normalizes queries and keys.
@@ -91,6 +99,8 @@ impl AttentionSpec {
             v_norm: false,
             shared_kv: false,
             stored_head_dim: None,
+            stored_kv_heads: None,
+            values_from_keys: false,
         }
     }
 }
@@ -135,6 +145,8 @@ pub struct Attention {
     /// Features per head of the stored K/V and of the attention
     /// ([`AttentionSpec::stored_head_dim`]; `head_dim` unless wider).
     attn_dim: i32,
+    /// Stored K/V heads ([`AttentionSpec::stored_kv_heads`]).
+    stored_kv_heads: i32,
 }
 
 /// A layer's attention sinks, `[heads]` (this rank's heads).
@@ -224,6 +236,27 @@ impl Attention {
                 spec.head_dim
             )));
         }
+        let stored_kv = spec.stored_kv_heads.unwrap_or(spec.kv_heads);
+        if spec.kv_heads == 0
+            || !stored_kv.is_multiple_of(spec.kv_heads)
+            || !spec.heads.is_multiple_of(stored_kv)
+        {
+            return Err(ModelError::Config(format!(
+                "{path}: {} K/V heads stored as {stored_kv} under {} query heads (each must \
+                 divide the next)",
+                spec.kv_heads, spec.heads
+            )));
+        }
+        if stored_kv != spec.kv_heads && tp.is_some() {
+            return Err(ModelError::Unsupported(
+                "tensor parallelism with repeated K/V heads (not split yet)".into(),
+            ));
+        }
+        if spec.values_from_keys && spec.fused_qkv {
+            return Err(ModelError::Unsupported(format!(
+                "{path}: a fused qkv_proj with values from the keys"
+            )));
+        }
         let (q_proj, k_proj, v_proj) = if spec.shared_kv {
             (
                 Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
@@ -246,7 +279,11 @@ impl Attention {
             (
                 Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
                 Some(Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?),
-                Some(Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?),
+                if spec.values_from_keys {
+                    None
+                } else {
+                    Some(Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?)
+                },
             )
         };
         let shard = |l: Option<Linear>| l.map(|l| l.shard_if(ShardAxis::Output, tp)).transpose();
@@ -295,6 +332,7 @@ impl Attention {
             sinks,
             v_norm,
             attn_dim: stored as i32,
+            stored_kv_heads: stored_kv as i32,
         })
     }
 
@@ -341,9 +379,14 @@ impl Attention {
         let q = per_head(&self.q_norm, q)?;
         let q = self.rope.apply_at(&q, &step.positions)?;
         let q = self.pad_heads(q)?;
-        if let (Some(k_proj), Some(v_proj)) = (&self.k_proj, &self.v_proj) {
-            let k = whole(&self.k_norm, k_proj.forward(x)?)?.reshape(&[t, kvh, 1, d])?;
-            let v = v_proj.forward(x)?.reshape(&[t, kvh, d])?;
+        if let Some(k_proj) = &self.k_proj {
+            let k = k_proj.forward(x)?;
+            let v = match &self.v_proj {
+                Some(v_proj) => v_proj.forward(x)?,
+                None => k.clone(),
+            }
+            .reshape(&[t, kvh, d])?;
+            let k = whole(&self.k_norm, k)?.reshape(&[t, kvh, 1, d])?;
             mark("attn.qkv_proj", &[&q, &k, &v])?;
             let k = per_head(&self.k_norm, k)?;
             let v = match &self.v_norm {
@@ -352,8 +395,9 @@ impl Attention {
             };
             let k = self.rope.apply_at(&k, &step.positions)?;
             mark("attn.rope", &[&q, &k])?;
-            let k = self.pad_heads(k.reshape(&[t, kvh, d])?)?;
-            kv.write(layer, &k, &self.pad_heads(v)?)?;
+            let k = self.repeat_kv(self.pad_heads(k.reshape(&[t, kvh, d])?)?)?;
+            let v = self.repeat_kv(self.pad_heads(v)?)?;
+            kv.write(layer, &k, &v)?;
             mark("kv.write", &kv.storage())?;
         }
         let mut parts = Vec::with_capacity(step.rows.len());
@@ -509,6 +553,20 @@ impl Attention {
             &[&x, &zeros],
             shape.len() as i32 - 1,
         )?)
+    }
+
+    /// `x` `[tokens, kv_heads, dim]` with each head repeated to the stored
+    /// K/V heads ([`AttentionSpec::stored_kv_heads`]); unchanged when they
+    /// agree.
+    fn repeat_kv(&self, x: Array) -> Result<Array, ModelError> {
+        if self.stored_kv_heads == self.kv_heads {
+            return Ok(x);
+        }
+        let (t, a) = (x.dim(0)?, x.dim(2)?);
+        let r = self.stored_kv_heads / self.kv_heads;
+        let one = x.reshape(&[t, self.kv_heads, 1, a])?;
+        let copies: Vec<&Array> = (0..r).map(|_| &one).collect();
+        Ok(mlxcel_mlx::concatenate(&copies, 2)?.reshape(&[t, self.stored_kv_heads, a])?)
     }
 
     /// MLX's fused attention of `q` over `keys`/`values` under `mask`, with
