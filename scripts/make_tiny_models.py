@@ -296,6 +296,22 @@ FAMILIES = {
         },
     ),
     "gemma4": ("gemma4", {"model_type": "gemma4", "vocab_size": VOCAB, "text_config": GEMMA4_TEXT}),
+    # Gemma 4 with its sparse block (8 experts of 32, 2 per token) beside
+    # each layer's MLP and K-equals-V full layers with one K/V head (the
+    # sliding ones have two), as `gemma4_text` (not nested).
+    "gemma4_moe": (
+        "gemma4_text",
+        {
+            **GEMMA4_TEXT,
+            "model_type": "gemma4_text",
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+        },
+    ),
     # gpt-oss, 4-bit (group 32): the experts' biases beside gather_qmm.
     "gpt_oss_q4": ("gpt_oss", {**GPT_OSS, "quantization": {"group_size": 32, "bits": 4}}),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
@@ -337,8 +353,8 @@ def build(module: str, config: dict):
     # branches by ~30x at this scale: every layer would leave each token's
     # own embedding on top (greedy repeats the last prompt token). Branches
     # 8 times louder let the layers decide.
-    if module == "gemma4":
-        for layer in model.language_model.model.layers:
+    if module.startswith("gemma4"):
+        for layer in getattr(model, "language_model", model).model.layers:
             for name in ("post_attention_layernorm", "post_feedforward_layernorm",
                          "post_per_layer_input_norm"):
                 norm = getattr(layer, name)

@@ -237,6 +237,15 @@ fn gemma4_matches_mlx_lm() {
     check_family("gemma4");
 }
 
+/// Gemma 4 with its sparse block beside each MLP (routed from the
+/// residual stream, per-expert scales) and K-equals-V full layers with
+/// one K/V head (stored repeated beside the sliding layers' two), as
+/// `gemma4_text`.
+#[test]
+fn gemma4_moe_matches_mlx_lm() {
+    check_family("gemma4_moe");
+}
+
 /// A real checkpoint (on the storage the engine serves it with: paged, in
 /// its KV groups) that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
@@ -322,6 +331,12 @@ fn gemma4_answers_alike_alone_batched_and_warm() {
     engine_answers_alike("gemma4", None);
 }
 
+/// The same on Gemma 4 with experts and K-equals-V layers.
+#[test]
+fn gemma4_moe_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("gemma4_moe", None);
+}
+
 /// A Gemma 4 config that disagrees with its weights is a load error naming
 /// the field, never a panic.
 #[test]
@@ -350,8 +365,16 @@ fn gemma4_configs_that_disagree_with_the_weights_are_load_errors() {
             json!(4),
             "hidden_size_per_layer_input gives 20",
         ),
-        ("attention_k_eq_v", json!(true), "attention_k_eq_v"),
-        ("enable_moe_block", json!(true), "enable_moe_block"),
+        (
+            "attention_k_eq_v",
+            json!(true),
+            "attention_k_eq_v true: layer 2 (full) has",
+        ),
+        (
+            "enable_moe_block",
+            json!(true),
+            "enable_moe_block without num_experts",
+        ),
     ];
     let src = tiny_models().join("gemma4");
     for (i, (key, value, want)) in cases.into_iter().enumerate() {

@@ -29,9 +29,19 @@
 //!
 //! The KV cache has one layout: full and sliding layers of different head
 //! sizes store their K/V at the larger one, zero-padded
-//! (`AttentionSpec::stored_head_dim`). Not served: the mixture-of-experts
-//! block (`enable_moe_block`), K-equals-V attention (`attention_k_eq_v`),
-//! rows given as embeddings (the per-layer inputs need token ids).
+//! (`AttentionSpec::stored_head_dim`), and with the most K/V heads, the
+//! others repeated (`AttentionSpec::stored_kv_heads`).
+//!
+//! - K-equals-V (`attention_k_eq_v`, the 26B and 31B models): full layers
+//!   have no v projection (values are the key projection, before its norm
+//!   and RoPE) and `num_global_key_value_heads` K/V heads.
+//! - Mixture of experts (`enable_moe_block`, the 26B model): beside each
+//!   layer's MLP a sparse block (`Experts`); mlx_lm's checkpoint layout
+//!   (`experts.switch_glu.*`); Hugging Face's fused `experts.gate_up_proj`
+//!   needs `mlx_lm.convert` first.
+//!
+//! Not served: rows given as embeddings (the per-layer inputs need token
+//! ids), tensor parallelism.
 
 use serde::Deserialize;
 use serde_json::Value as Json;
@@ -41,6 +51,7 @@ use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec, QkNorm};
 use mlxcel_model::config::RopeScaling;
 use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::moe::{ExpertGlu, ExpertLayout, ExpertNames, MoeSpec, Routing, SparseMoe};
 use mlxcel_model::profile::mark;
 use mlxcel_model::rope::RopeSpec;
 use mlxcel_model::{
@@ -84,7 +95,15 @@ struct Gemma4Keys {
     #[serde(default)]
     attention_k_eq_v: bool,
     #[serde(default)]
+    num_global_key_value_heads: Option<usize>,
+    #[serde(default)]
     enable_moe_block: bool,
+    #[serde(default)]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    top_k_experts: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
 }
 
 fn default_window() -> usize {
@@ -123,14 +142,7 @@ struct RopeParams {
 fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
     let keys: Gemma4Keys = crate::own_keys(config)?;
     if keys.enable_moe_block {
-        return Err(ModelError::Unsupported(
-            "gemma4: the mixture-of-experts block (enable_moe_block)".into(),
-        ));
-    }
-    if keys.attention_k_eq_v {
-        return Err(ModelError::Unsupported(
-            "gemma4: K-equals-V attention (attention_k_eq_v)".into(),
-        ));
+        moe_spec(&keys)?.check()?;
     }
     if keys.sliding_window == 0 {
         return Err(ModelError::Config("gemma4: sliding_window is 0".into()));
@@ -142,6 +154,32 @@ fn configure(config: &mut ModelConfig) -> Result<(), ModelError> {
     )?;
     config.sliding_window = None;
     Ok(())
+}
+
+/// The sparse block of an `enable_moe_block` model: `num_experts` experts
+/// of `moe_intermediate_size`, `top_k_experts` per token (top-k router
+/// logits, then softmax), GeGLU; the router at `router.proj`, the stacked
+/// experts at `experts.switch_glu` (mlx_lm's names).
+fn moe_spec(keys: &Gemma4Keys) -> Result<MoeSpec, ModelError> {
+    let need = |v: Option<usize>, field: &str| {
+        v.ok_or_else(|| ModelError::Config(format!("gemma4: enable_moe_block without {field}")))
+    };
+    Ok(MoeSpec {
+        experts: need(keys.num_experts, "num_experts")?,
+        top_k: need(keys.top_k_experts, "top_k_experts")?,
+        expert_hidden: need(keys.moe_intermediate_size, "moe_intermediate_size")?,
+        routing: Routing::TopKSoftmax,
+        per_expert_names: ExpertNames::PROJ,
+        shared_expert: None,
+        activation: Activation::GeluTanh,
+        glu: ExpertGlu::Gated,
+        layout: ExpertLayout {
+            router: "router.proj",
+            router_bias: false,
+            stacked: "experts.switch_glu",
+            bias: false,
+        },
+    })
 }
 
 /// The RoPE of `kind` (`sliding_attention`, `full_attention`) for heads of
@@ -304,6 +342,18 @@ fn load(
         .filter(|&d| d > 0)
         .unwrap_or(config.head_dim);
     let stored = global_dim.max(config.head_dim);
+    // K-equals-V full layers have their own K/V head count; the cache
+    // stores the most, the others repeated.
+    let global_kv_heads = match keys.num_global_key_value_heads {
+        Some(h) if keys.attention_k_eq_v => h,
+        _ => config.num_key_value_heads,
+    };
+    let stored_kv = global_kv_heads.max(config.num_key_value_heads);
+    let moe = if keys.enable_moe_block {
+        Some(moe_spec(&keys)?)
+    } else {
+        None
+    };
     let sliding_rope = rope(&keys, "sliding_attention", config.head_dim)?;
     let full_rope = rope(&keys, "full_attention", global_dim)?;
     let mut layers = Vec::with_capacity(n);
@@ -340,6 +390,13 @@ fn load(
             v_norm: true,
             shared_kv: src.is_some(),
             stored_head_dim: Some(stored),
+            kv_heads: if is_sliding {
+                config.num_key_value_heads
+            } else {
+                global_kv_heads
+            },
+            stored_kv_heads: Some(stored_kv),
+            values_from_keys: keys.attention_k_eq_v && !is_sliding,
             ..AttentionSpec::from_config(&config)
         };
         let attn = format!("{path}.self_attn");
@@ -361,6 +418,15 @@ fn load(
                 keys.num_kv_shared_layers
             )));
         }
+        let has_v = ctx.weights.contains(&format!("{attn}.v_proj.weight"));
+        if src.is_none() && has_v == spec.values_from_keys {
+            return Err(ModelError::Config(format!(
+                "gemma4: attention_k_eq_v {}: layer {i} ({}) {} {attn}.v_proj",
+                keys.attention_k_eq_v,
+                if is_sliding { "sliding" } else { "full" },
+                if has_v { "has" } else { "has no" },
+            )));
+        }
         let wide = keys.use_double_wide_mlp && src.is_some() && first_shared > 0;
         let intermediate = config.intermediate_size * if wide { 2 } else { 1 };
         check_rows(
@@ -373,7 +439,7 @@ fn load(
                 "intermediate_size"
             },
         )?;
-        let layer = Layer::load(&mut ctx, &path, &config, &spec, per_layer > 0)?;
+        let layer = Layer::load(&mut ctx, &path, &config, &spec, per_layer > 0, moe.as_ref())?;
         mlxcel_mlx::eval(&layer.arrays())?;
         tracing::debug!(
             target: "mlxcel::progress",
@@ -435,7 +501,7 @@ fn load(
         softcap: keys.final_logit_softcapping.filter(|&c| c > 0.0),
         kv_layout: KvLayout {
             layers: n,
-            kv_heads: config.num_key_value_heads,
+            kv_heads: stored_kv,
             head_dim: stored,
             dtype: options.dtype,
         },
@@ -530,6 +596,88 @@ struct Layer {
     per_layer: Option<(Linear, Linear, RmsNorm)>,
     /// `layer_scalar` `[1]`.
     scalar: Array,
+    /// The sparse block beside the MLP (`enable_moe_block`).
+    moe: Option<Box<Experts>>,
+}
+
+/// Gemma 4's sparse block: routed from the residual stream (RMSNorm by
+/// `router.scale * hidden^-0.5`), the experts on `pre_feedforward_layernorm_2`
+/// of it, each chosen expert's weight times `router.per_expert_scale`; its
+/// output (after `post_feedforward_layernorm_2`) adds to the MLP's (after
+/// `post_feedforward_layernorm_1`).
+struct Experts {
+    block: SparseMoe,
+    /// `router.scale * hidden^-0.5` `[hidden]`.
+    router_scale: Array,
+    /// `router.per_expert_scale` `[experts]`.
+    expert_scale: Array,
+    eps: f32,
+    pre_norm: RmsNorm,
+    post_mlp_norm: RmsNorm,
+    post_norm: RmsNorm,
+}
+
+impl Experts {
+    fn load(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        c: &ModelConfig,
+        spec: &MoeSpec,
+    ) -> Result<Self, ModelError> {
+        if ctx
+            .weights
+            .contains(&format!("{path}.experts.gate_up_proj"))
+        {
+            return Err(ModelError::Unsupported(format!(
+                "gemma4: fused {path}.experts.gate_up_proj (Hugging Face's layout); \
+                 convert the checkpoint with mlx_lm first"
+            )));
+        }
+        let eps = c.rms_norm_eps;
+        let norm = |ctx: &mut LoadContext<'_>, name: &str| {
+            RmsNorm::load(ctx, &format!("{path}.{name}"), eps)
+        };
+        let root = Array::scalar((c.hidden_size as f32).powf(-0.5))?.astype(ctx.dtype)?;
+        Ok(Experts {
+            block: SparseMoe::load(ctx, path, spec)?,
+            router_scale: ctx
+                .float(&format!("{path}.router.scale"))?
+                .multiply(&root)?,
+            expert_scale: ctx.float(&format!("{path}.router.per_expert_scale"))?,
+            eps,
+            pre_norm: norm(ctx, "pre_feedforward_layernorm_2")?,
+            post_mlp_norm: norm(ctx, "post_feedforward_layernorm_1")?,
+            post_norm: norm(ctx, "post_feedforward_layernorm_2")?,
+        })
+    }
+
+    /// The MLP's output `mlp` `[1, tokens, hidden]` and the sparse block's
+    /// of `h`, summed.
+    fn forward(&self, h: &Array, mlp: &Array) -> Result<Array, ModelError> {
+        let logits = self
+            .block
+            .router_logits(&h.rms_norm(&self.router_scale, self.eps)?)?;
+        let x = self.pre_norm.forward(h)?;
+        let e = self
+            .block
+            .forward_routed(&x, &logits, Some(&self.expert_scale))?;
+        Ok(self
+            .post_mlp_norm
+            .forward(mlp)?
+            .add(&self.post_norm.forward(&e)?)?)
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        let mut v = self.block.arrays();
+        v.extend([
+            &self.router_scale,
+            &self.expert_scale,
+            &self.pre_norm.weight,
+            &self.post_mlp_norm.weight,
+            &self.post_norm.weight,
+        ]);
+        v
+    }
 }
 
 impl Layer {
@@ -539,6 +687,7 @@ impl Layer {
         c: &ModelConfig,
         spec: &AttentionSpec,
         per_layer: bool,
+        moe: Option<&MoeSpec>,
     ) -> Result<Self, ModelError> {
         let eps = c.rms_norm_eps;
         let norm = |ctx: &mut LoadContext<'_>, name: &str| {
@@ -562,6 +711,10 @@ impl Layer {
                 None
             },
             scalar: ctx.float(&format!("{path}.layer_scalar"))?,
+            moe: match moe {
+                Some(spec) => Some(Box::new(Experts::load(ctx, path, c, spec)?)),
+                None => None,
+            },
         })
     }
 
@@ -579,7 +732,10 @@ impl Layer {
             .attn
             .forward(&self.input_norm.forward(x)?, index, kv, step)?;
         let h = x.add(&self.post_attn_norm.forward(&a)?)?;
-        let m = self.mlp.forward(&self.pre_mlp_norm.forward(&h)?)?;
+        let mut m = self.mlp.forward(&self.pre_mlp_norm.forward(&h)?)?;
+        if let Some(moe) = &self.moe {
+            m = moe.forward(&h, &m)?;
+        }
         let mut h = h.add(&self.post_mlp_norm.forward(&m)?)?;
         if let (Some((gate, proj, norm)), Some(input)) = (&self.per_layer, input) {
             let g = gate.forward(&h)?.gelu_tanh()?.multiply(input)?;
@@ -605,6 +761,9 @@ impl Layer {
             v.extend(g.arrays());
             v.extend(p.arrays());
             v.push(&n.weight);
+        }
+        if let Some(moe) = &self.moe {
+            v.extend(moe.arrays());
         }
         v
     }
