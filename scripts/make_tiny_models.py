@@ -312,6 +312,23 @@ FAMILIES = {
             "num_global_key_value_heads": 1,
         },
     ),
+    # The same, 4-bit (group 32; per-layer inputs of 32 so that every
+    # matrix quantizes): quantized embeddings, per-layer tables and experts.
+    "gemma4_moe_q4": (
+        "gemma4_text",
+        {
+            **GEMMA4_TEXT,
+            "model_type": "gemma4_text",
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "hidden_size_per_layer_input": 32,
+            "quantization": {"group_size": 32, "bits": 4},
+        },
+    ),
     # gpt-oss, 4-bit (group 32): the experts' biases beside gather_qmm.
     "gpt_oss_q4": ("gpt_oss", {**GPT_OSS, "quantization": {"group_size": 32, "bits": 4}}),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.

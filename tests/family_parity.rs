@@ -246,6 +246,13 @@ fn gemma4_moe_matches_mlx_lm() {
     check_family("gemma4_moe");
 }
 
+/// Gemma 4 with experts, 4-bit (group 32): quantized token and per-layer
+/// embeddings, router and experts, dequantized at load and kept quantized.
+#[test]
+fn quantized_gemma4_moe_matches_mlx_lm() {
+    check_family("gemma4_moe_q4");
+}
+
 /// A real checkpoint (on the storage the engine serves it with: paged, in
 /// its KV groups) that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
