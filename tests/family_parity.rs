@@ -351,45 +351,100 @@ fn gemma4_configs_that_disagree_with_the_weights_are_load_errors() {
     use serde_json::json;
     let cases = [
         (
+            "gemma4",
             "num_kv_shared_layers",
             json!(1),
             "num_kv_shared_layers 1: layer 3",
         ),
         (
+            "gemma4",
             "num_kv_shared_layers",
             json!(4),
             "layer 2 has no earlier layer",
         ),
-        ("intermediate_size", json!(96), "intermediate_size gives 96"),
         (
+            "gemma4",
+            "intermediate_size",
+            json!(96),
+            "intermediate_size gives 96",
+        ),
+        (
+            "gemma4",
             "use_double_wide_mlp",
             json!(false),
             "intermediate_size gives 128",
         ),
-        ("global_head_dim", json!(16), "global_head_dim gives 64"),
         (
+            "gemma4",
+            "global_head_dim",
+            json!(16),
+            "global_head_dim gives 64",
+        ),
+        (
+            "gemma4",
             "hidden_size_per_layer_input",
             json!(4),
             "hidden_size_per_layer_input gives 20",
         ),
         (
+            "gemma4",
+            "hidden_size_per_layer_input",
+            json!(0),
+            "hidden_size_per_layer_input 0",
+        ),
+        (
+            "gemma4",
             "attention_k_eq_v",
             json!(true),
             "attention_k_eq_v true: layer 2 (full) has",
         ),
         (
+            "gemma4",
             "enable_moe_block",
             json!(true),
             "enable_moe_block without num_experts",
         ),
+        (
+            "gemma4_moe",
+            "attention_k_eq_v",
+            json!(false),
+            "attention_k_eq_v false: layer 2",
+        ),
+        (
+            "gemma4_moe",
+            "enable_moe_block",
+            json!(false),
+            "enable_moe_block false",
+        ),
+        (
+            "gemma4_moe",
+            "num_experts",
+            json!(4),
+            "routes to 8 experts, config says 4",
+        ),
+        (
+            "gemma4_moe",
+            "moe_intermediate_size",
+            json!(48),
+            "32 rows, config says 48",
+        ),
+        (
+            "gemma4_moe",
+            "top_k_experts",
+            json!(9),
+            "num_experts_per_tok 9 with 8 experts",
+        ),
     ];
-    let src = tiny_models().join("gemma4");
-    for (i, (key, value, want)) in cases.into_iter().enumerate() {
+    for (i, (model, key, value, want)) in cases.into_iter().enumerate() {
+        let src = tiny_models().join(model);
         let mut config: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(src.join("config.json")).expect("config"),
         )
         .expect("json");
-        config["text_config"][key] = value;
+        match config.get_mut("text_config") {
+            Some(text) => text[key] = value,
+            None => config[key] = value,
+        }
         let dir =
             std::env::temp_dir().join(format!("mlxcel-gemma4-bad-{i}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
@@ -405,9 +460,9 @@ fn gemma4_configs_that_disagree_with_the_weights_are_load_errors() {
         let err = read_config(&dir)
             .and_then(|c| load_model(&dir, c, options))
             .err()
-            .unwrap_or_else(|| panic!("{key}: loaded"))
+            .unwrap_or_else(|| panic!("{model} {key}: loaded"))
             .to_string();
-        assert!(err.contains(want), "{key}: {err}");
+        assert!(err.contains(want), "{model} {key}: {err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -207,13 +207,14 @@ fn rope(keys: &Gemma4Keys, kind: &str, head_dim: usize) -> Result<RopeSpec, Mode
             // mx.fast.rope's periods: base^(2i / head) times the factor for
             // the rotated pairs; infinite (no turn) for the rest.
             let rotated = (head_dim as f32 * params.partial_rotary_factor.unwrap_or(1.0)) as usize;
-            if rotated > head_dim || !rotated.is_multiple_of(2) {
+            if rotated > head_dim {
                 return Err(ModelError::Config(format!(
                     "rope_parameters.{kind}: {rotated} rotated features of {head_dim}"
                 )));
             }
             let factor = params.factor.unwrap_or(1.0);
-            let mut divisors = vec![factor; rotated / 2];
+            // mlx_lm's pairs: `arange(0, rotated, 2)` turn.
+            let mut divisors = vec![factor; rotated.div_ceil(2)];
             divisors.resize(head_dim / 2, f32::INFINITY);
             RopeScaling::Divisors(divisors)
         }
@@ -358,6 +359,24 @@ fn load(
     let full_rope = rope(&keys, "full_attention", global_dim)?;
     let mut layers = Vec::with_capacity(n);
     let per_layer = keys.hidden_size_per_layer_input;
+    // Flags that would leave a part of the checkpoint unused, or expect
+    // one it lacks.
+    let has_tables = weights.contains("model.embed_tokens_per_layer.weight");
+    if (per_layer > 0) != has_tables {
+        return Err(ModelError::Config(format!(
+            "gemma4: hidden_size_per_layer_input {per_layer} (mlx_lm's default 256 when \
+             absent) but the checkpoint {} embed_tokens_per_layer",
+            if has_tables { "has" } else { "has no" }
+        )));
+    }
+    let has_router = weights.contains("model.layers.0.router.proj.weight");
+    if keys.enable_moe_block != has_router {
+        return Err(ModelError::Config(format!(
+            "gemma4: enable_moe_block {} but the checkpoint {} model.layers.0.router",
+            keys.enable_moe_block,
+            if has_router { "has" } else { "has no" }
+        )));
+    }
     let mut ctx = LoadContext {
         weights,
         quantization: &config.quantization,
@@ -921,5 +940,103 @@ impl Model for Gemma4 {
             .astype(Dtype::Float32)?;
         mark("head", &[&logits])?;
         Ok(StepGraph { logits, hidden })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gemma 4 E2B's text config as its checkpoints nest it (sizes of
+    /// the published model; `layer_types` by the pattern).
+    const E2B: &str = r#"{
+        "model_type": "gemma4",
+        "text_config": {
+            "model_type": "gemma4_text",
+            "hidden_size": 1536, "num_hidden_layers": 35, "intermediate_size": 6144,
+            "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+            "global_head_dim": 512, "vocab_size": 262144,
+            "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+            "num_kv_shared_layers": 20, "sliding_window": 512, "rms_norm_eps": 1e-6,
+            "final_logit_softcapping": 30.0, "max_position_embeddings": 131072,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                   "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}
+            }
+        },
+        "vision_config": {"hidden_size": 768},
+        "audio_config": {"hidden_size": 1536}
+    }"#;
+
+    #[test]
+    fn an_e2b_config_reads_as_mlx_lm_reads_it() {
+        let mut config = ModelConfig::from_json_str(E2B).expect("config");
+        configure(&mut config).expect("configure");
+        assert_eq!(config.model_type, "gemma4");
+        assert_eq!((config.hidden_size, config.head_dim), (1536, 256));
+        assert_eq!(config.sliding_window, None, "windows are per layer");
+        let keys: Gemma4Keys = crate::own_keys(&config).expect("keys");
+        let sliding = crate::sliding_layers(None, 35, keys.sliding_window_pattern).unwrap();
+        // Every 5th layer full: 7 of 35.
+        assert_eq!(sliding.iter().filter(|&&s| !s).count(), 7);
+        assert!(!sliding[4] && sliding[3]);
+        let full = rope(&keys, "full_attention", 512).expect("rope");
+        assert_eq!((full.dims, full.base), (512, 1_000_000.0));
+        let RopeScaling::Divisors(d) = full.scaling else {
+            panic!("proportional RoPE: {:?}", full.scaling)
+        };
+        // A quarter of 512 rotates: 64 pairs turn, 192 do not.
+        assert_eq!(d.len(), 256);
+        assert!(d[..64].iter().all(|&x| x == 1.0));
+        assert!(d[64..].iter().all(|x| x.is_infinite()));
+        let local = rope(&keys, "sliding_attention", 256).expect("rope");
+        assert_eq!((local.dims, local.base), (256, 10_000.0));
+        assert_eq!(local.scaling, RopeScaling::None);
+    }
+
+    #[test]
+    fn unknown_rope_types_and_wide_rotations_are_config_errors() {
+        let keys = |p: Json| -> Gemma4Keys {
+            serde_json::from_value(serde_json::json!({ "rope_parameters": p })).unwrap()
+        };
+        let yarn = keys(serde_json::json!({"full_attention": {"rope_type": "yarn"}}));
+        let err = rope(&yarn, "full_attention", 64).unwrap_err().to_string();
+        assert!(err.contains("rope_type \"yarn\""), "{err}");
+        let wide = keys(serde_json::json!({"full_attention": {
+            "rope_type": "proportional", "partial_rotary_factor": 1.5}}));
+        let err = rope(&wide, "full_attention", 64).unwrap_err().to_string();
+        assert!(err.contains("96 rotated features of 64"), "{err}");
+        // An odd count turns as mlx_lm's `arange(0, 7, 2)`: 4 pairs.
+        let odd = keys(serde_json::json!({"full_attention": {
+            "rope_type": "proportional", "partial_rotary_factor": 0.11}}));
+        let RopeScaling::Divisors(d) = rope(&odd, "full_attention", 64).unwrap().scaling else {
+            panic!("proportional")
+        };
+        assert_eq!(d.iter().filter(|x| x.is_finite()).count(), 4);
+        assert_eq!(d.len(), 32);
+    }
+
+    #[test]
+    fn checkpoint_names_map_onto_the_text_model() {
+        let name = |n: &str| text_model_name(n);
+        assert_eq!(
+            name("model.language_model.layers.0.self_attn.q_proj.weight").as_deref(),
+            Some("model.layers.0.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            name("language_model.model.embed_tokens_per_layer.weight").as_deref(),
+            Some("model.embed_tokens_per_layer.weight")
+        );
+        assert_eq!(
+            name("language_model.lm_head.weight").as_deref(),
+            Some("lm_head.weight")
+        );
+        assert_eq!(name("model.vision_tower.encoder.weight"), None);
+        assert_eq!(name("model.embed_audio.weight"), None);
+        assert_eq!(
+            name("model.norm.weight").as_deref(),
+            Some("model.norm.weight")
+        );
     }
 }
