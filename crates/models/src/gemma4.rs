@@ -30,7 +30,9 @@
 //! The KV cache has one layout: full and sliding layers of different head
 //! sizes store their K/V at the larger one, zero-padded
 //! (`AttentionSpec::stored_head_dim`), and with the most K/V heads, the
-//! others repeated (`AttentionSpec::stored_kv_heads`).
+//! others repeated (`AttentionSpec::stored_kv_heads`): E2B's sliding
+//! layers (256-wide heads) store 512 features per head, and heads wider
+//! than 256 decode through the gathered path, not the paged kernel.
 //!
 //! - K-equals-V (`attention_k_eq_v`, the 26B and 31B models): full layers
 //!   have no v projection (values are the key projection, before its norm
