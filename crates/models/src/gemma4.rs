@@ -74,7 +74,8 @@ pub const FAMILY: Family = Family {
 /// Gemma 4's own `config.json` keys (defaults: mlx_lm's).
 #[derive(Debug, Deserialize)]
 struct Gemma4Keys {
-    #[serde(default)]
+    /// Absent: 512; `null` or 0: `head_dim` (as mlx_lm reads it).
+    #[serde(default = "default_global_head_dim")]
     global_head_dim: Option<usize>,
     #[serde(default = "default_window")]
     sliding_window: usize,
@@ -108,6 +109,9 @@ struct Gemma4Keys {
     moe_intermediate_size: Option<usize>,
 }
 
+fn default_global_head_dim() -> Option<usize> {
+    Some(512)
+}
 fn default_window() -> usize {
     512
 }
@@ -187,7 +191,12 @@ fn moe_spec(keys: &Gemma4Keys) -> Result<MoeSpec, ModelError> {
 /// The RoPE of `kind` (`sliding_attention`, `full_attention`) for heads of
 /// `head_dim`, as mlx_lm's `initialize_rope` reads `rope_parameters`
 /// (mlx_lm's defaults when the config has none).
-fn rope(keys: &Gemma4Keys, kind: &str, head_dim: usize) -> Result<RopeSpec, ModelError> {
+fn rope(
+    keys: &Gemma4Keys,
+    kind: &str,
+    head_dim: usize,
+    traditional: bool,
+) -> Result<RopeSpec, ModelError> {
     let params: RopeParams = match &keys.rope_parameters {
         None if kind == "full_attention" => RopeParams {
             rope_theta: Some(1_000_000.0),
@@ -229,7 +238,7 @@ fn rope(keys: &Gemma4Keys, kind: &str, head_dim: usize) -> Result<RopeSpec, Mode
     Ok(RopeSpec {
         dims: head_dim,
         base,
-        traditional: false,
+        traditional,
         scaling,
     })
 }
@@ -357,8 +366,9 @@ fn load(
     } else {
         None
     };
-    let sliding_rope = rope(&keys, "sliding_attention", config.head_dim)?;
-    let full_rope = rope(&keys, "full_attention", global_dim)?;
+    let traditional = config.rope_traditional;
+    let sliding_rope = rope(&keys, "sliding_attention", config.head_dim, traditional)?;
+    let full_rope = rope(&keys, "full_attention", global_dim, traditional)?;
     let mut layers = Vec::with_capacity(n);
     let per_layer = keys.hidden_size_per_layer_input;
     // Flags that would leave a part of the checkpoint unused, or expect
@@ -983,7 +993,7 @@ mod tests {
         // Every 5th layer full: 7 of 35.
         assert_eq!(sliding.iter().filter(|&&s| !s).count(), 7);
         assert!(!sliding[4] && sliding[3]);
-        let full = rope(&keys, "full_attention", 512).expect("rope");
+        let full = rope(&keys, "full_attention", 512, false).expect("rope");
         assert_eq!((full.dims, full.base), (512, 1_000_000.0));
         let RopeScaling::Divisors(d) = full.scaling else {
             panic!("proportional RoPE: {:?}", full.scaling)
@@ -992,7 +1002,7 @@ mod tests {
         assert_eq!(d.len(), 256);
         assert!(d[..64].iter().all(|&x| x == 1.0));
         assert!(d[64..].iter().all(|x| x.is_infinite()));
-        let local = rope(&keys, "sliding_attention", 256).expect("rope");
+        let local = rope(&keys, "sliding_attention", 256, false).expect("rope");
         assert_eq!((local.dims, local.base), (256, 10_000.0));
         assert_eq!(local.scaling, RopeScaling::None);
     }
@@ -1003,16 +1013,21 @@ mod tests {
             serde_json::from_value(serde_json::json!({ "rope_parameters": p })).unwrap()
         };
         let yarn = keys(serde_json::json!({"full_attention": {"rope_type": "yarn"}}));
-        let err = rope(&yarn, "full_attention", 64).unwrap_err().to_string();
+        let err = rope(&yarn, "full_attention", 64, false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("rope_type \"yarn\""), "{err}");
         let wide = keys(serde_json::json!({"full_attention": {
             "rope_type": "proportional", "partial_rotary_factor": 1.5}}));
-        let err = rope(&wide, "full_attention", 64).unwrap_err().to_string();
+        let err = rope(&wide, "full_attention", 64, false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("96 rotated features of 64"), "{err}");
         // An odd count turns as mlx_lm's `arange(0, 7, 2)`: 4 pairs.
         let odd = keys(serde_json::json!({"full_attention": {
             "rope_type": "proportional", "partial_rotary_factor": 0.11}}));
-        let RopeScaling::Divisors(d) = rope(&odd, "full_attention", 64).unwrap().scaling else {
+        let RopeScaling::Divisors(d) = rope(&odd, "full_attention", 64, false).unwrap().scaling
+        else {
             panic!("proportional")
         };
         assert_eq!(d.iter().filter(|x| x.is_finite()).count(), 4);
