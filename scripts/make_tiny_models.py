@@ -124,6 +124,40 @@ QWEN3_5_TEXT = {
     "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
 
+# A tiny Gemma 4 (mlx_lm's `gemma4` class: the text model's keys under
+# `text_config`, its weights under `language_model.`): 5 layers, sliding
+# (window 16 keys, 16-wide heads, RoPE base 10^4) and full (32-wide heads,
+# proportional RoPE over a quarter of each head, base 10^6); the last two
+# layers (one of each kind) share the K/V of layers 1 and 2 and have a
+# double-wide MLP; per-layer inputs of 8 features; logits soft-capped.
+GEMMA4_TEXT = {
+    "num_hidden_layers": 5,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 16,
+    "layer_types": [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+    "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": VOCAB,
+    "final_logit_softcapping": 30.0,
+    "use_double_wide_mlp": True,
+    "rope_parameters": {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+}
+
 # name -> (mlx_lm module, config overrides)
 FAMILIES = {
     "llama": ("llama", {"model_type": "llama", "tie_word_embeddings": False}),
@@ -261,6 +295,40 @@ FAMILIES = {
             },
         },
     ),
+    "gemma4": ("gemma4", {"model_type": "gemma4", "vocab_size": VOCAB, "text_config": GEMMA4_TEXT}),
+    # Gemma 4 with its sparse block (8 experts of 32, 2 per token) beside
+    # each layer's MLP and K-equals-V full layers with one K/V head (the
+    # sliding ones have two), as `gemma4_text` (not nested).
+    "gemma4_moe": (
+        "gemma4_text",
+        {
+            **GEMMA4_TEXT,
+            "model_type": "gemma4_text",
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+        },
+    ),
+    # The same, 4-bit (group 32; per-layer inputs of 32 so that every
+    # matrix quantizes): quantized embeddings, per-layer tables and experts.
+    "gemma4_moe_q4": (
+        "gemma4_text",
+        {
+            **GEMMA4_TEXT,
+            "model_type": "gemma4_text",
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "hidden_size_per_layer_input": 32,
+            "quantization": {"group_size": 32, "bits": 4},
+        },
+    ),
     # gpt-oss, 4-bit (group 32): the experts' biases beside gather_qmm.
     "gpt_oss_q4": ("gpt_oss", {**GPT_OSS, "quantization": {"group_size": 32, "bits": 4}}),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
@@ -298,6 +366,16 @@ def build(module: str, config: dict):
         attn = getattr(layer, "self_attn", None)
         if attn is not None and "sinks" in attn:
             attn.sinks = mx.random.uniform(4.0, 10.0, attn.sinks.shape)
+    # Gemma 4's embedding, times sqrt(hidden), outweighs its normalized
+    # branches by ~30x at this scale: every layer would leave each token's
+    # own embedding on top (greedy repeats the last prompt token). Branches
+    # 8 times louder let the layers decide.
+    if module.startswith("gemma4"):
+        for layer in getattr(model, "language_model", model).model.layers:
+            for name in ("post_attention_layernorm", "post_feedforward_layernorm",
+                         "post_per_layer_input_norm"):
+                norm = getattr(layer, name)
+                norm.weight = norm.weight * 8.0
     if "quantization" in config:
         q = config["quantization"]
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
@@ -381,7 +459,7 @@ def main() -> None:
         if "text_config" in overrides:
             # Nested: the text model's keys under text_config.
             config = {
-                "model_type": overrides["model_type"],
+                **overrides,
                 "text_config": {**BASE, **overrides["text_config"]},
             }
         model = build(module, config)

@@ -226,6 +226,33 @@ fn qwen3_5_moe_matches_mlx_lm() {
     check_family("qwen3_5_moe");
 }
 
+/// Gemma 4 (`gemma4`, the text model under `text_config` and
+/// `language_model.`): sliding layers (window 16, heads of 16) and full
+/// ones (heads of 32, proportional RoPE over a quarter), the last two
+/// layers reading layers 1 and 2's K/V through the KV cache (double-wide
+/// MLPs), per-layer inputs, value norms, layer scalars, soft-capped
+/// logits.
+#[test]
+fn gemma4_matches_mlx_lm() {
+    check_family("gemma4");
+}
+
+/// Gemma 4 with its sparse block beside each MLP (routed from the
+/// residual stream, per-expert scales) and K-equals-V full layers with
+/// one K/V head (stored repeated beside the sliding layers' two), as
+/// `gemma4_text`.
+#[test]
+fn gemma4_moe_matches_mlx_lm() {
+    check_family("gemma4_moe");
+}
+
+/// Gemma 4 with experts, 4-bit (group 32): quantized token and per-layer
+/// embeddings, router and experts, dequantized at load and kept quantized.
+#[test]
+fn quantized_gemma4_moe_matches_mlx_lm() {
+    check_family("gemma4_moe_q4");
+}
+
 /// A real checkpoint (on the storage the engine serves it with: paged, in
 /// its KV groups) that `scripts/prepare_real_models.py` dequantized to
 /// float32 from a GGUF (run by `scripts/setup.sh` into `models/<dir>`, or
@@ -301,6 +328,143 @@ fn gpt_oss_answers_alike_alone_batched_and_warm() {
 #[test]
 fn qwen3_5_answers_alike_alone_batched_and_warm() {
     engine_answers_alike("qwen3_5", Some(32));
+}
+
+/// [`a_mixture_of_experts_answers_alike_alone_batched_and_warm`] on
+/// Gemma 4: layers that read another layer's K/V, in KV groups with a
+/// window, batched decode rows and a prefix-cache hit.
+#[test]
+fn gemma4_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("gemma4", None);
+}
+
+/// The same on Gemma 4 with experts and K-equals-V layers.
+#[test]
+fn gemma4_moe_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("gemma4_moe", None);
+}
+
+/// A Gemma 4 config that disagrees with its weights is a load error naming
+/// the field, never a panic.
+#[test]
+fn gemma4_configs_that_disagree_with_the_weights_are_load_errors() {
+    use serde_json::json;
+    let cases = [
+        (
+            "gemma4",
+            "num_kv_shared_layers",
+            json!(1),
+            "num_kv_shared_layers 1: layer 3",
+        ),
+        (
+            "gemma4",
+            "num_kv_shared_layers",
+            json!(4),
+            "layer 2 has no earlier layer",
+        ),
+        (
+            "gemma4",
+            "intermediate_size",
+            json!(96),
+            "intermediate_size gives 96",
+        ),
+        (
+            "gemma4",
+            "use_double_wide_mlp",
+            json!(false),
+            "intermediate_size gives 128",
+        ),
+        (
+            "gemma4",
+            "global_head_dim",
+            json!(16),
+            "global_head_dim gives 64",
+        ),
+        (
+            "gemma4",
+            "hidden_size_per_layer_input",
+            json!(4),
+            "hidden_size_per_layer_input gives 20",
+        ),
+        (
+            "gemma4",
+            "hidden_size_per_layer_input",
+            json!(0),
+            "hidden_size_per_layer_input 0",
+        ),
+        (
+            "gemma4",
+            "attention_k_eq_v",
+            json!(true),
+            "attention_k_eq_v true: layer 2 (full) has",
+        ),
+        (
+            "gemma4",
+            "enable_moe_block",
+            json!(true),
+            "enable_moe_block without num_experts",
+        ),
+        (
+            "gemma4_moe",
+            "attention_k_eq_v",
+            json!(false),
+            "attention_k_eq_v false: layer 2",
+        ),
+        (
+            "gemma4_moe",
+            "enable_moe_block",
+            json!(false),
+            "enable_moe_block false",
+        ),
+        (
+            "gemma4_moe",
+            "num_experts",
+            json!(4),
+            "routes to 8 experts, config says 4",
+        ),
+        (
+            "gemma4_moe",
+            "moe_intermediate_size",
+            json!(48),
+            "32 rows, config says 48",
+        ),
+        (
+            "gemma4_moe",
+            "top_k_experts",
+            json!(9),
+            "num_experts_per_tok 9 with 8 experts",
+        ),
+    ];
+    for (i, (model, key, value, want)) in cases.into_iter().enumerate() {
+        let src = tiny_models().join(model);
+        let mut config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("config.json")).expect("config"),
+        )
+        .expect("json");
+        match config.get_mut("text_config") {
+            Some(text) => text[key] = value,
+            None => config[key] = value,
+        }
+        let dir =
+            std::env::temp_dir().join(format!("mlxcel-gemma4-bad-{i}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("config.json"), config.to_string()).expect("write");
+        let link = dir.join("model.safetensors");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(src.join("model.safetensors"), &link).expect("link");
+        let options = LoadOptions {
+            dtype: Dtype::Float32,
+            weight_mode: WeightMode::Dequantized,
+            quantize: None,
+        };
+        let err = read_config(&dir)
+            .and_then(|c| load_model(&dir, c, options))
+            .err()
+            .unwrap_or_else(|| panic!("{model} {key}: loaded"))
+            .to_string();
+        assert!(err.contains(want), "{model} {key}: {err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// Runs `model`'s golden prompt alone, batched and warm; a repeat of the

@@ -153,15 +153,18 @@ pub fn check_model(
         } else {
             KvGroupConfig::from_layer_windows(&vec![None; model.layer_windows().len()], None)
         };
+        // Layers that read another layer's K/V keep none.
+        let shared = LayerState::shared_layers(&model.layer_states());
         for g in &mut groups {
             g.num_blocks = blocks;
-            g.layers.retain(|l| !recurrent.layers.contains(l));
+            g.layers
+                .retain(|l| !recurrent.layers.contains(l) && !shared.iter().any(|s| s.0 == *l));
         }
         let config = KvCacheConfig {
             num_blocks: blocks * groups.len(),
             ..config
         };
-        let mut kv = KvCache::with_layer_states(config, groups, recurrent).expect("kv");
+        let mut kv = KvCache::with_shared_layers(config, groups, recurrent, &shared).expect("kv");
         let backend = if grouped {
             format!("{backend}, {} KV groups", kv.groups().count())
         } else {

@@ -111,9 +111,12 @@ impl EnginePlan {
         let recurrent = self.recurrent_config(&states)?;
         let windows: Vec<Option<usize>> = states.iter().map(LayerState::window).collect();
         let mut groups = KvGroupConfig::from_layer_windows(&windows, self.worker.max_kv_size);
-        // Recurrent layers keep no K/V: they leave the attention groups.
+        // Recurrent layers keep no K/V, nor do layers that read another
+        // layer's: they leave the attention groups.
+        let shared = LayerState::shared_layers(&states);
         for g in &mut groups {
-            g.layers.retain(|l| !recurrent.layers.contains(l));
+            g.layers
+                .retain(|l| !recurrent.layers.contains(l) && !shared.iter().any(|s| s.0 == *l));
         }
         if groups.len() > 1 {
             groups.retain(|g| !g.layers.is_empty());
@@ -194,7 +197,9 @@ impl EnginePlan {
             );
         }
         tracing::info!(budget_bytes = budget, blocks = num_blocks, groups = groups.len(), backend = %backend, "allocating KV cache");
-        Ok(KvCache::with_layer_states(config, groups, recurrent)?)
+        Ok(KvCache::with_shared_layers(
+            config, groups, recurrent, &shared,
+        )?)
     }
 
     /// The recurrent layers of a model whose layers keep `states`: their

@@ -124,6 +124,17 @@ pub enum LayerState {
         /// The state arrays' shapes, per sequence.
         shapes: Vec<Vec<usize>>,
     },
+    /// An attention layer with no K/V of its own: it reads the K/V that
+    /// the earlier attention layer `source` (same `window`) writes, and
+    /// writes none (Gemma 4's KV sharing). The cache maps it to its
+    /// source's storage ([`crate::KvCache::with_shared_layers`]), so every
+    /// storage serves it unchanged.
+    SharedAttention {
+        /// The model layer whose K/V it reads.
+        source: usize,
+        /// The attention window, in keys (its source's).
+        window: Option<usize>,
+    },
 }
 
 impl LayerState {
@@ -131,8 +142,23 @@ impl LayerState {
     /// attention and for recurrent layers).
     pub fn window(&self) -> Option<usize> {
         match self {
-            LayerState::Attention { window } => *window,
+            LayerState::Attention { window } | LayerState::SharedAttention { window, .. } => {
+                *window
+            }
             LayerState::Recurrent { .. } => None,
         }
+    }
+
+    /// The `(layer, source)` pairs of the layers of `states` that read
+    /// another layer's K/V ([`LayerState::SharedAttention`]), ascending.
+    pub fn shared_layers(states: &[LayerState]) -> Vec<(usize, usize)> {
+        states
+            .iter()
+            .enumerate()
+            .filter_map(|(l, s)| match s {
+                LayerState::SharedAttention { source, .. } => Some((l, *source)),
+                _ => None,
+            })
+            .collect()
     }
 }

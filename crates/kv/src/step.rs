@@ -286,6 +286,11 @@ impl AttentionKv for StepKv<'_> {
     }
 
     fn write(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(), KvError> {
+        if let Some(&source) = self.cache.kv_source.get(layer).filter(|&&s| s != layer) {
+            return Err(KvError::Invariant(format!(
+                "layer {layer} reads layer {source}'s K/V and writes none"
+            )));
+        }
         let (g, local) = self.group_of(layer)?;
         if let (Some(pool), Some(slots)) =
             (&mut self.cache.groups[g].paged, &self.built[g].write_slots)
@@ -323,7 +328,10 @@ impl AttentionKv for StepKv<'_> {
                 .dense
                 .as_ref()
                 .ok_or(KvError::Invariant(format!("sequence {id} has no storage")))?;
-            return dense.read(layer, start, end);
+            // A shared layer's K/V are its source's (same group, so the
+            // same live range).
+            let source = self.cache.kv_source.get(layer).copied().unwrap_or(layer);
+            return dense.read(source, start, end);
         };
         if self.rows[row].slots[g].is_none() {
             let slots = Self::slots_of(self.cache, g, id, start..end)?;

@@ -42,6 +42,29 @@ pub struct AttentionSpec {
     /// output is multiplied by `sigmoid(gate)` before `o_proj` (Qwen3-Next,
     /// Qwen3.5).
     pub output_gate: bool,
+    /// Values get an RMSNorm without a learned scale over each head (eps
+    /// of `qk_norm`, else 1e-6) before they are stored (Gemma 4's
+    /// `v_norm`).
+    pub v_norm: bool,
+    /// The layer has no k/v projections (nor `k_norm`): it attends over
+    /// the K/V an earlier layer wrote, which the KV view returns for it
+    /// (`mlxcel_kv::LayerState::SharedAttention`), and writes none
+    /// (Gemma 4's KV sharing).
+    pub shared_kv: bool,
+    /// Features per head of the stored K/V when the KV cache is laid out
+    /// wider than `head_dim` (a model whose layers have different head
+    /// sizes: Gemma 4's sliding 256 and global 512): keys, values and
+    /// queries are padded with zeros to it, which changes no score, and
+    /// the padding is cut from the output. `None`: `head_dim`.
+    pub stored_head_dim: Option<usize>,
+    /// K/V heads of the stored K/V when the KV cache holds more than
+    /// `kv_heads` (Gemma 4's full layers with `num_global_key_value_heads`):
+    /// each head is repeated `stored / kv_heads` times, which grouped-query
+    /// attention reads as the same head. `None`: `kv_heads`.
+    pub stored_kv_heads: Option<usize>,
+    /// No v projection: the values are the key projection, before
+    /// `k_norm` and RoPE (Gemma 4's `attention_k_eq_v`).
+    pub values_from_keys: bool,
 }
 
 /// Where a family normalizes queries and keys.
@@ -73,6 +96,11 @@ impl AttentionSpec {
             fused_qkv: false,
             sinks: false,
             output_gate: false,
+            v_norm: false,
+            shared_kv: false,
+            stored_head_dim: None,
+            stored_kv_heads: None,
+            values_from_keys: false,
         }
     }
 }
@@ -86,8 +114,10 @@ use mlxcel_mlx::{
 #[derive(Debug, Clone)]
 pub struct Attention {
     pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    /// `None` for a layer that reads another's K/V
+    /// ([`AttentionSpec::shared_kv`]), as `v_proj` and `k_norm`.
+    pub k_proj: Option<Linear>,
+    pub v_proj: Option<Linear>,
     pub o_proj: Linear,
     /// Per-head RMSNorms of queries and keys (before RoPE).
     pub q_norm: Option<RmsNorm>,
@@ -110,6 +140,13 @@ pub struct Attention {
     sinks: Option<Sinks>,
     /// See [`AttentionSpec::output_gate`].
     output_gate: bool,
+    /// [`AttentionSpec::v_norm`]: ones `[head_dim]` and eps.
+    v_norm: Option<(Array, f32)>,
+    /// Features per head of the stored K/V and of the attention
+    /// ([`AttentionSpec::stored_head_dim`]; `head_dim` unless wider).
+    attn_dim: i32,
+    /// Stored K/V heads ([`AttentionSpec::stored_kv_heads`]).
+    stored_kv_heads: i32,
 }
 
 /// A layer's attention sinks, `[heads]` (this rank's heads).
@@ -187,7 +224,46 @@ impl Attention {
                 })
                 .transpose()
         };
-        let (q_proj, k_proj, v_proj) = if spec.fused_qkv {
+        if spec.shared_kv && spec.fused_qkv {
+            return Err(ModelError::Unsupported(format!(
+                "{path}: a fused qkv_proj on a layer that reads another's K/V"
+            )));
+        }
+        let stored = spec.stored_head_dim.unwrap_or(spec.head_dim);
+        if stored < spec.head_dim {
+            return Err(ModelError::Config(format!(
+                "{path}: K/V stored at {stored} features per head, fewer than its {}",
+                spec.head_dim
+            )));
+        }
+        let stored_kv = spec.stored_kv_heads.unwrap_or(spec.kv_heads);
+        if spec.kv_heads == 0
+            || !stored_kv.is_multiple_of(spec.kv_heads)
+            || !spec.heads.is_multiple_of(stored_kv)
+        {
+            return Err(ModelError::Config(format!(
+                "{path}: {} K/V heads stored as {stored_kv} under {} query heads (each must \
+                 divide the next)",
+                spec.kv_heads, spec.heads
+            )));
+        }
+        if stored_kv != spec.kv_heads && tp.is_some() {
+            return Err(ModelError::Unsupported(
+                "tensor parallelism with repeated K/V heads (not split yet)".into(),
+            ));
+        }
+        if spec.values_from_keys && spec.fused_qkv {
+            return Err(ModelError::Unsupported(format!(
+                "{path}: a fused qkv_proj with values from the keys"
+            )));
+        }
+        let (q_proj, k_proj, v_proj) = if spec.shared_kv {
+            (
+                Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
+                None,
+                None,
+            )
+        } else if spec.fused_qkv {
             let (q, kv) = (spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
             let parts = Linear::load_split(
                 ctx,
@@ -196,21 +272,34 @@ impl Attention {
                 &[q, kv, kv],
             )?;
             match <[Linear; 3]>::try_from(parts) {
-                Ok([q, k, v]) => (q, k, v),
+                Ok([q, k, v]) => (q, Some(k), Some(v)),
                 Err(_) => return Err(ModelError::Weights(format!("{path}.qkv_proj: no split"))),
             }
         } else {
             (
                 Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
-                Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?,
-                Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?,
+                Some(Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?),
+                if spec.values_from_keys {
+                    None
+                } else {
+                    Some(Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?)
+                },
             )
         };
+        let shard = |l: Option<Linear>| l.map(|l| l.shard_if(ShardAxis::Output, tp)).transpose();
         let (q_proj, k_proj, v_proj) = (
             q_proj.shard_if(ShardAxis::Output, tp)?,
-            k_proj.shard_if(ShardAxis::Output, tp)?,
-            v_proj.shard_if(ShardAxis::Output, tp)?,
+            shard(k_proj)?,
+            shard(v_proj)?,
         );
+        let v_norm = if spec.v_norm {
+            let eps = spec.qk_norm.map_or(1e-6, |n| n.eps);
+            let ones = Array::from_f32(&vec![1.0; spec.head_dim], &[spec.head_dim as i32])?
+                .astype(ctx.dtype)?;
+            Some((ones, eps))
+        } else {
+            None
+        };
         let mut rope = Rope::new(&spec.rope)?;
         // YaRN's factor on queries and keys is its square on the scores
         // when whole heads rotate.
@@ -226,7 +315,11 @@ impl Attention {
             o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?
                 .shard_if(ShardAxis::Input, tp)?,
             q_norm: norm(ctx, "q_norm")?,
-            k_norm: norm(ctx, "k_norm")?,
+            k_norm: if spec.shared_kv {
+                None
+            } else {
+                norm(ctx, "k_norm")?
+            },
             qk_norm_per_head: spec.qk_norm.is_some_and(|n| n.per_head),
             rope,
             heads: (spec.heads / ranks) as i32,
@@ -237,6 +330,9 @@ impl Attention {
             window: spec.window,
             output_gate: spec.output_gate,
             sinks,
+            v_norm,
+            attn_dim: stored as i32,
+            stored_kv_heads: stored_kv as i32,
         })
     }
 
@@ -254,7 +350,7 @@ impl Attention {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         // Packed per token: [tokens, heads, 1, head_dim], rotated at each
         // token's own absolute position.
-        let (mut q, mut k) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?);
+        let mut q = self.q_proj.forward(x)?;
         let gate = if self.output_gate {
             let both = q.reshape(&[t, h, 2 * d])?;
             q = both.slice(&[0, 0, 0], &[t, h, d])?;
@@ -265,22 +361,45 @@ impl Attention {
         } else {
             None
         };
-        if let (Some(qn), Some(kn), false) = (&self.q_norm, &self.k_norm, self.qk_norm_per_head) {
-            (q, k) = (qn.forward(&q)?, kn.forward(&k)?);
-        }
-        let q = q.reshape(&[t, h, 1, d])?;
-        let k = k.reshape(&[t, kvh, 1, d])?;
-        let v = self.v_proj.forward(x)?.reshape(&[t, kvh, d])?;
-        mark("attn.qkv_proj", &[&q, &k, &v])?;
-        let (q, k) = match (&self.q_norm, &self.k_norm, self.qk_norm_per_head) {
-            (Some(qn), Some(kn), true) => (qn.forward(&q)?, kn.forward(&k)?),
-            _ => (q, k),
+        // Norms over the whole projection (OLMo 2) come before the heads
+        // split, per-head ones after.
+        let whole = |n: &Option<RmsNorm>, x: Array| -> Result<Array, ModelError> {
+            match n {
+                Some(n) if !self.qk_norm_per_head => n.forward(&x),
+                _ => Ok(x),
+            }
         };
+        let per_head = |n: &Option<RmsNorm>, x: Array| -> Result<Array, ModelError> {
+            match n {
+                Some(n) if self.qk_norm_per_head => n.forward(&x),
+                _ => Ok(x),
+            }
+        };
+        let q = whole(&self.q_norm, q)?.reshape(&[t, h, 1, d])?;
+        let q = per_head(&self.q_norm, q)?;
         let q = self.rope.apply_at(&q, &step.positions)?;
-        let k = self.rope.apply_at(&k, &step.positions)?;
-        mark("attn.rope", &[&q, &k])?;
-        kv.write(layer, &k.reshape(&[t, kvh, d])?, &v)?;
-        mark("kv.write", &kv.storage())?;
+        let q = self.pad_heads(q)?;
+        if let Some(k_proj) = &self.k_proj {
+            let k = k_proj.forward(x)?;
+            let v = match &self.v_proj {
+                Some(v_proj) => v_proj.forward(x)?,
+                None => k.clone(),
+            }
+            .reshape(&[t, kvh, d])?;
+            let k = whole(&self.k_norm, k)?.reshape(&[t, kvh, 1, d])?;
+            mark("attn.qkv_proj", &[&q, &k, &v])?;
+            let k = per_head(&self.k_norm, k)?;
+            let v = match &self.v_norm {
+                Some((ones, eps)) => v.rms_norm(ones, *eps)?,
+                None => v,
+            };
+            let k = self.rope.apply_at(&k, &step.positions)?;
+            mark("attn.rope", &[&q, &k])?;
+            let k = self.repeat_kv(self.pad_heads(k.reshape(&[t, kvh, d])?)?)?;
+            let v = self.repeat_kv(self.pad_heads(v)?)?;
+            kv.write(layer, &k, &v)?;
+            mark("kv.write", &kv.storage())?;
+        }
         let mut parts = Vec::with_capacity(step.rows.len());
         let batched = step.batched_decode_rows;
         if batched > 0 {
@@ -290,12 +409,21 @@ impl Attention {
             parts.push(self.attend_row(&q, layer, kv, row, span)?);
         }
         // One part (a decode batch, or a single row) needs no copy.
+        let a = self.attn_dim;
         let o = match parts.as_slice() {
-            [one] => one.reshape(&[1, t, h * d])?,
+            [one] => one.reshape(&[1, t, h * a])?,
             _ => {
                 let parts: Vec<&Array> = parts.iter().collect();
-                mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * d])?
+                mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * a])?
             }
+        };
+        // Stored wider than the heads: the padding's outputs are zeros.
+        let o = if a > d {
+            o.reshape(&[t, h, a])?
+                .slice(&[0, 0, 0], &[t, h, d])?
+                .reshape(&[1, t, h * d])?
+        } else {
+            o
         };
         mark("attn.concat", &[&o])?;
         let o = match gate {
@@ -317,7 +445,7 @@ impl Attention {
         row: usize,
         span: &std::ops::Range<usize>,
     ) -> Result<Array, ModelError> {
-        let (h, d) = (self.heads, self.head_dim);
+        let (h, d) = (self.heads, self.attn_dim);
         let (a, n) = (span.start as i32, span.len() as i32);
         let q = q
             .slice(&[a, 0, 0, 0], &[a + n, h, 1, d])?
@@ -348,11 +476,11 @@ impl Attention {
         step: &Step,
     ) -> Result<Array, ModelError> {
         let rows = step.batched_decode_rows;
-        let (h, d) = (self.heads, self.head_dim);
+        let (h, d) = (self.heads, self.attn_dim);
         let ids: Vec<usize> = (0..rows).collect();
         let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
         // The kernel splits head_dim over a warp's 32 lanes (up to 256).
-        let kernel_fits = self.head_dim % 32 == 0 && self.head_dim <= 256;
+        let kernel_fits = d % 32 == 0 && d <= 256;
         // Windowed layers too: the kernel attends to each row's last
         // `window` live keys.
         if step.paged_kernel && kernel_fits {
@@ -410,6 +538,37 @@ impl Attention {
         Ok(o.reshape(&[rows as i32, h * d])?)
     }
 
+    /// `x` `[..., head_dim]` padded with zeros to the stored head size
+    /// ([`AttentionSpec::stored_head_dim`]); unchanged when they agree.
+    fn pad_heads(&self, x: Array) -> Result<Array, ModelError> {
+        if self.attn_dim == self.head_dim {
+            return Ok(x);
+        }
+        let mut shape = x.shape();
+        if let Some(last) = shape.last_mut() {
+            *last = self.attn_dim - self.head_dim;
+        }
+        let zeros = mlxcel_mlx::zeros(&shape, x.dtype())?;
+        Ok(mlxcel_mlx::concatenate(
+            &[&x, &zeros],
+            shape.len() as i32 - 1,
+        )?)
+    }
+
+    /// `x` `[tokens, kv_heads, dim]` with each head repeated to the stored
+    /// K/V heads ([`AttentionSpec::stored_kv_heads`]); unchanged when they
+    /// agree.
+    fn repeat_kv(&self, x: Array) -> Result<Array, ModelError> {
+        if self.stored_kv_heads == self.kv_heads {
+            return Ok(x);
+        }
+        let (t, a) = (x.dim(0)?, x.dim(2)?);
+        let r = self.stored_kv_heads / self.kv_heads;
+        let one = x.reshape(&[t, self.kv_heads, 1, a])?;
+        let copies: Vec<&Array> = (0..r).map(|_| &one).collect();
+        Ok(mlxcel_mlx::concatenate(&copies, 2)?.reshape(&[t, self.stored_kv_heads, a])?)
+    }
+
     /// MLX's fused attention of `q` over `keys`/`values` under `mask`, with
     /// the layer's sinks when it has them.
     fn sdpa(
@@ -429,10 +588,13 @@ impl Attention {
 
     /// Every tensor of the layer.
     pub fn arrays(&self) -> Vec<&Array> {
-        let mut v: Vec<&Array> = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+        let mut v: Vec<&Array> = [Some(&self.q_proj), self.k_proj.as_ref()]
             .into_iter()
+            .chain([self.v_proj.as_ref(), Some(&self.o_proj)])
+            .flatten()
             .flat_map(Linear::arrays)
             .collect();
+        v.extend(self.v_norm.iter().map(|(ones, _)| ones));
         v.extend(self.q_norm.iter().chain(&self.k_norm).map(|n| &n.weight));
         v.extend(self.sinks.iter().flat_map(|s| [&s.compute, &s.float32]));
         v

@@ -522,12 +522,49 @@ impl SparseMoe {
     /// # Errors
     /// MLX errors of the graph.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
+        let (inds, scores) = self.route(&self.router.forward(x)?)?;
+        self.combine(x, &inds, &scores)
+    }
+
+    /// The router's logits `[..., experts]` of `x` `[..., hidden]`.
+    ///
+    /// # Errors
+    /// MLX errors of the graph.
+    pub fn router_logits(&self, x: &Array) -> Result<Array, ModelError> {
+        self.router.forward(x)
+    }
+
+    /// [`SparseMoe::forward`] of `x` `[..., hidden]` routed by `logits`
+    /// `[..., experts]` that the caller computed from its own router input
+    /// (Gemma 4 routes from the residual stream and runs the experts on a
+    /// norm of it), each chosen expert's weight then multiplied by
+    /// `expert_scale[expert]` (`[experts]`) when given (Gemma 4's
+    /// `per_expert_scale`).
+    ///
+    /// # Errors
+    /// MLX errors of the graph.
+    pub fn forward_routed(
+        &self,
+        x: &Array,
+        logits: &Array,
+        expert_scale: Option<&Array>,
+    ) -> Result<Array, ModelError> {
+        let (inds, scores) = self.route(logits)?;
+        let scores = match expert_scale {
+            Some(s) => scores.multiply(&s.astype(Dtype::Float32)?.take(&inds, 0)?)?,
+            None => scores,
+        };
+        self.combine(x, &inds, &scores)
+    }
+
+    /// `x` `[..., hidden]` through its chosen experts `inds` `[..., top_k]`
+    /// weighted by `scores` (float32), plus the shared expert.
+    fn combine(&self, x: &Array, inds: &Array, scores: &Array) -> Result<Array, ModelError> {
         let dtype = x.dtype();
         let shape = x.shape();
         let hidden = *shape.last().unwrap_or(&0);
         let tokens: i32 = shape[..shape.len().saturating_sub(1)].iter().product();
         let k = self.top_k as i32;
-        let (inds, scores) = self.route(&self.router.forward(x)?)?;
         let inds = inds.reshape(&[tokens, k])?;
         let pairs = (tokens * k) as usize;
         // [tokens, k, hidden]: each token through each of its experts.

@@ -2,7 +2,7 @@
 //! checkpoint.
 //!
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
-//! `granite.rs`, `phi3.rs`, `olmo2.rs`, `gemma3.rs`, and the
+//! `granite.rs`, `phi3.rs`, `olmo2.rs`, `gemma3.rs`, `gemma4.rs`, and the
 //! mixture-of-experts `qwen2_moe.rs`, `qwen3_moe.rs`, `mixtral.rs`,
 //! `gpt_oss.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
@@ -16,6 +16,7 @@
 mod checkpoint;
 pub mod decoder;
 mod gemma3;
+mod gemma4;
 mod gpt_oss;
 mod granite;
 mod llama;
@@ -64,6 +65,7 @@ pub const FAMILIES: &[&Family] = &[
     &phi3::FAMILY,
     &olmo2::FAMILY,
     &gemma3::FAMILY,
+    &gemma4::FAMILY,
     &qwen2_moe::FAMILY,
     &qwen3_moe::FAMILY,
     &mixtral::FAMILY,

@@ -122,6 +122,9 @@ pub struct KvCache {
     pub(crate) recurrent: RecurrentConfig,
     /// Model layer -> its index among the recurrent layers.
     pub(crate) layer_recurrent: Vec<Option<usize>>,
+    /// Model layer -> the layer whose K/V it reads: itself, or its source
+    /// for a layer that shares another's K/V (`LayerState::SharedAttention`).
+    pub(crate) kv_source: Vec<usize>,
     /// Recurrent-state snapshots at block boundaries (prefix cache).
     pub(crate) snapshots: SnapshotStore,
 }
@@ -171,6 +174,27 @@ impl KvCache {
         groups: Vec<KvGroupConfig>,
         recurrent: RecurrentConfig,
     ) -> Result<Self, KvError> {
+        Self::with_shared_layers(config, groups, recurrent, &[])
+    }
+
+    /// [`KvCache::with_layer_states`] for a model some of whose layers
+    /// read another layer's K/V and write none (`shared`: `(layer,
+    /// source)` pairs, `LayerState::SharedAttention`): such a layer is in
+    /// no group; it is mapped to its source's group and index, so its reads
+    /// return the source's K/V on every storage (dense, paged, KV groups,
+    /// prefix cache, the paged decode kernel), and a write to it is an
+    /// error.
+    ///
+    /// # Errors
+    /// As [`KvCache::with_layer_states`]; a shared layer listed twice, in
+    /// a group, recurrent or out of range; a source that keeps no K/V of
+    /// its own.
+    pub fn with_shared_layers(
+        config: KvCacheConfig,
+        groups: Vec<KvGroupConfig>,
+        recurrent: RecurrentConfig,
+        shared: &[(usize, usize)],
+    ) -> Result<Self, KvError> {
         let layers = config.layout.layers;
         let mut layer_group = vec![(usize::MAX, 0); layers];
         let mut layer_recurrent = vec![None; layers];
@@ -196,6 +220,24 @@ impl KvCache {
                             "layer {l} of {layers} is in two KV groups or out of range"
                         )))
                     }
+                }
+            }
+        }
+        let mut kv_source: Vec<usize> = (0..layers).collect();
+        for &(l, source) in shared {
+            let from = layer_group.get(source).copied();
+            match (layer_group.get(l), from) {
+                (Some(&(usize::MAX, _)), Some(from))
+                    if from.0 < groups.len() && kv_source[source] == source =>
+                {
+                    layer_group[l] = from;
+                    kv_source[l] = source;
+                }
+                _ => {
+                    return Err(KvError::Invariant(format!(
+                        "shared layer {l} of {layers} (reading layer {source}): listed twice, \
+                         in a KV group, out of range, or its source keeps no K/V"
+                    )))
                 }
             }
         }
@@ -254,6 +296,7 @@ impl KvCache {
             snapshots: SnapshotStore::new(recurrent.snapshots),
             recurrent,
             layer_recurrent,
+            kv_source,
         })
     }
 
@@ -328,7 +371,11 @@ impl KvCache {
     pub fn new_sequence(&mut self) -> KvSequence {
         let dense = match self.config.backend {
             StorageBackend::Dense => {
-                Some(DenseStorage::new(self.config.layout, 0).without(&self.recurrent.layers))
+                let no_kv: Vec<usize> = (0..self.kv_source.len())
+                    .filter(|&l| self.kv_source[l] != l)
+                    .chain(self.recurrent.layers.iter().copied())
+                    .collect();
+                Some(DenseStorage::new(self.config.layout, 0).without(&no_kv))
             }
             StorageBackend::Paged => None,
         };
