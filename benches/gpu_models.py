@@ -5,7 +5,9 @@
   python3 benches/gpu_models.py NAME OUT_DIR --tokenizer DIR [--group-size 64] [--bits 4]
 
 NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2),
-qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), gpt-oss-20b (32
+qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), qwen3.5-0.8b and
+qwen3.5-35b-a3b (Qwen3.5 hybrids, the latter 256 experts, 8 per token),
+qwen3.5-small (a 4-layer Qwen3.5 for CPU and float32 parity runs), gpt-oss-20b (32
 experts, 4 per token, attention sinks, windows of 128), with the
 hyper-parameters of the published checkpoints; qwen3-moe-small, a
 Qwen3-MoE of SmolLM2's vocabulary small enough for a CPU (4 layers, 16
@@ -64,6 +66,42 @@ SHAPES = {
                             norm_topk_prob=True, vocab_size=49152, rope_theta=1000000.0,
                             max_position_embeddings=8192, rms_norm_eps=1e-6,
                             tie_word_embeddings=True),
+    # Qwen3.5 (hybrid: Gated DeltaNet in three of every four layers, gated
+    # attention with RoPE over a quarter of each head): sizes as the
+    # published checkpoints' training configs give them (the 0.8B's linear
+    # attention heads, not given there, as the 35B-A3B's key heads: 16 of
+    # 128 for keys and values).
+    "qwen3.5-0.8b": dict(model_type="qwen3_5", hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_conv_kernel_dim=4, full_attention_interval=4,
+                         vocab_size=248320, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True,
+                         rope_parameters=dict(type="default", rope_theta=10000000.0,
+                                              partial_rotary_factor=0.25)),
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe", hidden_size=2048, intermediate_size=512,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128,
+                            linear_conv_kernel_dim=4, full_attention_interval=4,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, norm_topk_prob=True,
+                            vocab_size=248320, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False,
+                            rope_parameters=dict(type="default", rope_theta=10000000.0,
+                                                 partial_rotary_factor=0.25)),
+    # A Qwen3.5 of SmolLM2's vocabulary small enough for a CPU and for
+    # float32 parity runs (4 layers: 3 Gated DeltaNet, 1 attention).
+    "qwen3.5-small": dict(model_type="qwen3_5", hidden_size=512, intermediate_size=1536,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
+                          linear_key_head_dim=64, linear_value_head_dim=64,
+                          linear_conv_kernel_dim=4, full_attention_interval=4,
+                          vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                          tie_word_embeddings=True,
+                          rope_parameters=dict(type="default", rope_theta=10000000.0,
+                                               partial_rotary_factor=0.25)),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")

@@ -109,10 +109,12 @@ def main():
                     help="largest top-2 logit margin at a divergence still called a near tie")
     ap.add_argument("--prompts", type=int, default=0, help="only the first N golden prompts (0: all)")
     ap.add_argument("--mlxcel-args", default="", help="extra `mlxcel generate` flags")
+    ap.add_argument("--keep-dtype", action="store_true",
+                    help="run the checkpoint as it is (no bfloat16 copy)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    model_dir = bf16_copy(args.model)
+    model_dir = args.model if args.keep_dtype else bf16_copy(args.model)
     goldens = json.loads((REPO / "tests" / "goldens" / "smollm2_greedy.json").read_text())
     cases = goldens["prompts"][: args.prompts or None]
     # The goldens' prompt ids are mlx_lm's chat-template rendering.
@@ -132,7 +134,7 @@ def main():
                      "mlx_lm_top2_margin_there": margin, "concurrent_equals_alone": batch_ok,
                      "concurrent_first_diff": first_diff(a, t)})
     equal = sum(r["equal_mlx_lm"] for r in rows)
-    print(f"greedy parity, bfloat16, {args.tokens} tokens: {equal}/{len(rows)} prompts equal mlx_lm; "
+    print(f"greedy parity, {'checkpoint dtype' if args.keep_dtype else 'bfloat16'}, {args.tokens} tokens: {equal}/{len(rows)} prompts equal mlx_lm; "
           f"concurrent == alone for {sum(r['concurrent_equals_alone'] for r in rows)}/{len(rows)}")
     for r in rows:
         if not r["equal_mlx_lm"] or not r["concurrent_equals_alone"]:
