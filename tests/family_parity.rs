@@ -435,36 +435,47 @@ fn gemma4_configs_that_disagree_with_the_weights_are_load_errors() {
             "num_experts_per_tok 9 with 8 experts",
         ),
     ];
-    for (i, (model, key, value, want)) in cases.into_iter().enumerate() {
-        let src = tiny_models().join(model);
-        let mut config: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(src.join("config.json")).expect("config"),
-        )
-        .expect("json");
-        match config.get_mut("text_config") {
+    for (model, key, value, want) in cases {
+        let err = load_error(model, |config| match config.get_mut("text_config") {
             Some(text) => text[key] = value,
             None => config[key] = value,
-        }
-        let dir =
-            std::env::temp_dir().join(format!("mlxcel-gemma4-bad-{i}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::write(dir.join("config.json"), config.to_string()).expect("write");
-        let link = dir.join("model.safetensors");
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(src.join("model.safetensors"), &link).expect("link");
-        let options = LoadOptions {
-            dtype: Dtype::Float32,
-            weight_mode: WeightMode::Dequantized,
-            quantize: None,
-        };
-        let err = read_config(&dir)
-            .and_then(|c| load_model(&dir, c, options))
-            .err()
-            .unwrap_or_else(|| panic!("{model} {key}: loaded"))
-            .to_string();
+        });
         assert!(err.contains(want), "{model} {key}: {err}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The load error of tiny checkpoint `model` with its config edited by
+/// `edit` (a copy beside the same weights); loading must fail.
+fn load_error(model: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let src = tiny_models().join(model);
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+            .expect("json");
+    edit(&mut config);
+    let dir = std::env::temp_dir().join(format!(
+        "mlxcel-bad-config-{}-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("write");
+    let link = dir.join("model.safetensors");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(src.join("model.safetensors"), &link).expect("link");
+    let options = LoadOptions {
+        dtype: Dtype::Float32,
+        weight_mode: WeightMode::Dequantized,
+        quantize: None,
+    };
+    let err = read_config(&dir)
+        .and_then(|c| load_model(&dir, c, options))
+        .err()
+        .unwrap_or_else(|| panic!("{model}: loaded with a bad config"))
+        .to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    err
 }
 
 /// Runs `model`'s golden prompt alone, batched and warm; a repeat of the
@@ -569,32 +580,9 @@ fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
         ),
         ("gpt_oss", "sliding_window", 0.into(), "sliding_window is 0"),
     ];
-    for (i, (model, key, value, want)) in cases.into_iter().enumerate() {
-        let src = tiny_models().join(model);
-        let config: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(src.join("config.json")).expect("config"),
-        )
-        .expect("json");
-        let dir = std::env::temp_dir().join(format!("mlxcel-moe-bad-{i}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let mut bad = config.clone();
-        bad[key] = value;
-        std::fs::write(dir.join("config.json"), bad.to_string()).expect("write");
-        let link = dir.join("model.safetensors");
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(src.join("model.safetensors"), &link).expect("link");
-        let options = LoadOptions {
-            dtype: Dtype::Float32,
-            weight_mode: WeightMode::Dequantized,
-            quantize: None,
-        };
-        let err = read_config(&dir)
-            .and_then(|c| load_model(&dir, c, options))
-            .err()
-            .unwrap_or_else(|| panic!("{key}: loaded"))
-            .to_string();
+    for (model, key, value, want) in cases {
+        let err = load_error(model, |config| config[key] = value);
         assert!(err.contains(want), "{key}: {err}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
     let src = tiny_models().join("qwen3_moe");
     // Tensor parallelism does not split experts: refused with the reason.

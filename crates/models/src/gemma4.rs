@@ -258,16 +258,7 @@ fn text_model_name(name: &str) -> Option<String> {
     if towers.iter().any(|t| bare.starts_with(t)) || name.contains("self_attn.rotary_emb") {
         return None;
     }
-    for (from, to) in [
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.", ""),
-    ] {
-        if let Some(rest) = name.strip_prefix(from) {
-            return Some(format!("{to}{rest}"));
-        }
-    }
-    Some(name.to_string())
+    Some(crate::text_model_path(name))
 }
 
 /// Rows of tensor `name` (its first axis), which must be `want`, or a

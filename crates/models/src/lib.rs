@@ -202,6 +202,23 @@ fn untied_unless_said(config: &mut ModelConfig, rope_base: Option<f32>) {
     }
 }
 
+/// A multimodal checkpoint's text-model tensor name as the shared decoder
+/// names it: `model.language_model.X` (Hugging Face) and
+/// `language_model.model.X` (mlx_lm) become `model.X`, `language_model.X`
+/// (the head) `X`; any other name is unchanged.
+pub(crate) fn text_model_path(name: &str) -> String {
+    for (from, to) in [
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.", ""),
+    ] {
+        if let Some(rest) = name.strip_prefix(from) {
+            return format!("{to}{rest}");
+        }
+    }
+    name.to_string()
+}
+
 /// Nothing to adjust.
 fn keep(_: &mut ModelConfig) -> Result<(), ModelError> {
     Ok(())

@@ -88,16 +88,7 @@ fn text_model_name(name: &str) -> Option<String> {
     {
         return None;
     }
-    for (from, to) in [
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.", ""),
-    ] {
-        if let Some(rest) = name.strip_prefix(from) {
-            return Some(format!("{to}{rest}"));
-        }
-    }
-    Some(name.to_string())
+    Some(crate::text_model_path(name))
 }
 
 fn load(
