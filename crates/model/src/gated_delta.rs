@@ -51,13 +51,6 @@ impl GatedDeltaSpec {
             vec![self.v_heads, self.v_dim, self.k_dim],
         ]
     }
-
-    /// Bytes of that state with the convolution's inputs in `dtype` (the
-    /// recurrent state is float32).
-    pub fn state_bytes(&self, dtype: Dtype) -> usize {
-        (self.conv_kernel - 1) * self.conv_channels() * dtype.size_bytes()
-            + self.v_heads * self.v_dim * self.k_dim * 4
-    }
 }
 
 /// One Gated DeltaNet layer.
