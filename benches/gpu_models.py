@@ -7,7 +7,10 @@
 NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2),
 qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), qwen3.5-0.8b and
 qwen3.5-35b-a3b (Qwen3.5 hybrids, the latter 256 experts, 8 per token),
-qwen3.5-small (a 4-layer Qwen3.5 for CPU and float32 parity runs), gpt-oss-20b (32
+qwen3.5-small (a 4-layer Qwen3.5 for CPU and float32 parity runs),
+granite-4.0-h-tiny (Granite 4 hybrid: 36 Mamba2 layers, 4 attention, 64
+experts, 6 per token) and granite4-small (4 layers, for CPU and float32
+parity runs), gpt-oss-20b (32
 experts, 4 per token, attention sinks, windows of 128), with the
 hyper-parameters of the published checkpoints; qwen3-moe-small, a
 Qwen3-MoE of SmolLM2's vocabulary small enough for a CPU (4 layers, 16
@@ -102,6 +105,39 @@ SHAPES = {
                           tie_word_embeddings=True,
                           rope_parameters=dict(type="default", rope_theta=10000000.0,
                                                partial_rotary_factor=0.25)),
+    # Granite 4.0-H-Tiny (hybrid MoE: Mamba2 in 36 of 40 layers, attention
+    # without position embedding in 4; 64 experts of 512, 6 per token,
+    # beside a shared MLP of 1024), as its published config gives it.
+    "granite-4.0-h-tiny": dict(model_type="granitemoehybrid", hidden_size=1536,
+                               intermediate_size=512, shared_intermediate_size=1024,
+                               num_hidden_layers=40, num_attention_heads=12,
+                               num_key_value_heads=4,
+                               layer_types=["attention" if i in (5, 15, 25, 35) else "mamba"
+                                            for i in range(40)],
+                               mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128,
+                               mamba_n_groups=1, mamba_d_conv=4, mamba_conv_bias=True,
+                               mamba_proj_bias=False, num_local_experts=64,
+                               num_experts_per_tok=6, position_embedding_type="nope",
+                               embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                               residual_multiplier=0.22, logits_scaling=6.0,
+                               attention_bias=False, vocab_size=100352,
+                               max_position_embeddings=131072, rms_norm_eps=1e-5,
+                               rope_theta=10000.0, tie_word_embeddings=True),
+    # A Granite 4 hybrid of SmolLM2's vocabulary for a CPU and for float32
+    # parity runs (4 layers: 3 Mamba2, 1 attention; 8 experts of 256, 2 per
+    # token, a shared MLP of 512).
+    "granite4-small": dict(model_type="granitemoehybrid", hidden_size=512, intermediate_size=256,
+                           shared_intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=2,
+                           layer_types=["mamba", "attention", "mamba", "mamba"],
+                           mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64,
+                           mamba_n_groups=1, mamba_d_conv=4, mamba_conv_bias=True,
+                           mamba_proj_bias=False, num_local_experts=8, num_experts_per_tok=2,
+                           position_embedding_type="nope", embedding_multiplier=12.0,
+                           attention_multiplier=0.015625, residual_multiplier=0.22,
+                           logits_scaling=6.0, attention_bias=False, vocab_size=49152,
+                           max_position_embeddings=8192, rms_norm_eps=1e-5,
+                           rope_theta=10000.0, tie_word_embeddings=True),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")

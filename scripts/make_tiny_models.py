@@ -124,6 +124,28 @@ QWEN3_5_TEXT = {
     "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
 
+# A tiny Granite 4 (hybrid): 4 layers, Mamba2 in 0, 2 and 3 (4 heads of
+# 16, state 16, 2 groups sharing B and C, kernel 4 with a bias), attention
+# in 1; Granite's multipliers.
+GRANITE4 = {
+    "model_type": "granitemoehybrid",
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "mamba"],
+    "attention_bias": False,
+    "embedding_multiplier": 2.0,
+    "attention_multiplier": 0.2,
+    "residual_multiplier": 0.5,
+    "logits_scaling": 1.5,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_d_conv": 4,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "tie_word_embeddings": True,
+}
+
 # A tiny Gemma 4 (mlx_lm's `gemma4` class: the text model's keys under
 # `text_config`, its weights under `language_model.`): 5 layers, sliding
 # (window 16 keys, 16-wide heads, RoPE base 10^4) and full (32-wide heads,
@@ -329,6 +351,24 @@ FAMILIES = {
             "quantization": {"group_size": 32, "bits": 4},
         },
     ),
+    # Granite 4, dense, with RoPE; saved as Hugging Face lays it out (the
+    # MLP fused as `shared_mlp.input_linear`, the convolution `[channels,
+    # 1, kernel]`).
+    "granitemoehybrid": ("granitemoehybrid", GRANITE4),
+    # Granite 4 with experts (8 of 32, 2 per token, softmax over the top-k
+    # logits) beside a shared MLP of 64 on every layer, and no position
+    # embedding (`nope`, as the -h models).
+    "granitemoehybrid_moe": (
+        "granitemoehybrid",
+        {
+            **GRANITE4,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "shared_intermediate_size": 64,
+            "position_embedding_type": "nope",
+        },
+    ),
     # gpt-oss, 4-bit (group 32): the experts' biases beside gather_qmm.
     "gpt_oss_q4": ("gpt_oss", {**GPT_OSS, "quantization": {"group_size": 32, "bits": 4}}),
     # Phi-3 again, 4-bit (group 32): fused quantized matrices split at load.
@@ -402,6 +442,32 @@ def per_expert(weights: dict, names: tuple[str, str, str]) -> dict:
     return out
 
 
+# Families saved in Hugging Face's layout where mlx_lm's differs.
+HF_LAYOUT = {"granitemoehybrid"}
+
+
+def hf_layout(weights: dict) -> dict:
+    """Granite 4's Hugging Face names and layouts: a dense layer's MLP as
+    ``shared_mlp.input_linear`` (gate rows, then up rows) and
+    ``output_linear``; the Mamba convolution ``[channels, 1, kernel]``."""
+    out = {}
+    for key, value in weights.items():
+        if key.endswith(".mlp.gate_proj.weight"):
+            up = weights[key.replace("gate_proj", "up_proj")]
+            out[key.replace("mlp.gate_proj", "shared_mlp.input_linear")] = mx.concatenate(
+                [value, up], axis=0
+            )
+        elif key.endswith(".mlp.up_proj.weight"):
+            continue
+        elif key.endswith(".mlp.down_proj.weight"):
+            out[key.replace("mlp.down_proj", "shared_mlp.output_linear")] = value
+        elif key.endswith("conv1d.weight"):
+            out[key] = mx.contiguous(value.moveaxis(2, 1))
+        else:
+            out[key] = value
+    return out
+
+
 def greedy(model) -> tuple[list[float], list[int]]:
     cache = make_prompt_cache(model)
     logits = model(mx.array([PROMPT]), cache=cache)[0, -1].astype(mx.float32)
@@ -466,6 +532,8 @@ def main() -> None:
         weights = dict(tree_flatten(model.parameters()))
         if name in PER_EXPERT:
             weights = per_expert(weights, PER_EXPERT[name])
+        if name in HF_LAYOUT:
+            weights = hf_layout(weights)
         mx.save_safetensors(str(d / "model.safetensors"), weights)
         (d / "config.json").write_text(json.dumps(config, indent=2))
         if config.get("vocab_size") == 49152:

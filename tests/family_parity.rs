@@ -226,6 +226,23 @@ fn qwen3_5_moe_matches_mlx_lm() {
     check_family("qwen3_5_moe");
 }
 
+/// Granite 4 (hybrid, dense): Mamba2 layers (convolution with a bias,
+/// B and C shared by groups of heads, the scan's state through the KV
+/// view on both storages) beside an attention layer; Granite's
+/// multipliers; saved in Hugging Face's layout (fused `shared_mlp`,
+/// convolution `[channels, 1, kernel]`).
+#[test]
+fn granitemoehybrid_matches_mlx_lm() {
+    check_family("granitemoehybrid");
+}
+
+/// Granite 4 with experts (softmax over the top-k logits) added to a
+/// shared MLP on every layer, attention without position embedding.
+#[test]
+fn granitemoehybrid_moe_matches_mlx_lm() {
+    check_family("granitemoehybrid_moe");
+}
+
 /// Gemma 4 (`gemma4`, the text model under `text_config` and
 /// `language_model.`): sliding layers (window 16, heads of 16) and full
 /// ones (heads of 32, proportional RoPE over a quarter), the last two
@@ -328,6 +345,14 @@ fn gpt_oss_answers_alike_alone_batched_and_warm() {
 #[test]
 fn qwen3_5_answers_alike_alone_batched_and_warm() {
     engine_answers_alike("qwen3_5", Some(32));
+}
+
+/// [`a_mixture_of_experts_answers_alike_alone_batched_and_warm`] on
+/// Granite 4 with experts: Mamba2 states batched across decode rows, a
+/// repeat resuming from the snapshot at 32 of 40 tokens.
+#[test]
+fn granitemoehybrid_answers_alike_alone_batched_and_warm() {
+    engine_answers_alike("granitemoehybrid_moe", Some(32));
 }
 
 /// [`a_mixture_of_experts_answers_alike_alone_batched_and_warm`] on
@@ -603,21 +628,34 @@ fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
     );
 }
 
-/// Qwen3.5's recurrent state through the engine's other paths, each against
+/// Qwen3.5's Gated DeltaNet state through the engine's other paths; see
+/// [`recurrent_state_survives_pads_forks_turns_and_failed_steps`].
+#[test]
+fn qwen3_5_state_survives_pads_forks_turns_and_failed_steps() {
+    recurrent_state_survives_pads_forks_turns_and_failed_steps("qwen3_5", 2);
+}
+
+/// The same with Granite 4's Mamba2 states (and experts).
+#[test]
+fn granitemoehybrid_state_survives_pads_forks_turns_and_failed_steps() {
+    recurrent_state_survives_pads_forks_turns_and_failed_steps("granitemoehybrid_moe", 3);
+}
+
+/// A hybrid model's recurrent state (`layers` recurrent layers) through
+/// the engine's other paths, each against
 /// mlx_lm's greedy tokens or a cold run: prompt chunks of 16 padded to
 /// tiles of 16 (the pads never enter a state), `n = 2` (the choices fork
 /// the state), the next turn of a conversation (it resumes from the
 /// decode-time snapshot inside the first reply and answers as a cold run),
 /// and a failing request beside healthy ones (its failed steps roll the
 /// states back; the healthy rows, re-run alone, answer as mlx_lm).
-#[test]
-fn qwen3_5_state_survives_pads_forks_turns_and_failed_steps() {
+fn recurrent_state_survives_pads_forks_turns_and_failed_steps(model: &str, layers: usize) {
     use common::{collect_tokens, greedy_request};
     use mlxcel_engine::api::{GenerationEvent, InferenceService, Prompt};
     use mlxcel_engine::fault::FaultInjection;
     use mlxcel_engine::{Engine, EngineConfig};
 
-    let dir = common::tiny_model_dir("qwen3_5", "paths");
+    let dir = common::tiny_model_dir(model, "paths");
     let golden = read_golden(&dir, "make_tiny_models.py");
     let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
     let poison = (0..256u32)
@@ -676,8 +714,8 @@ fn qwen3_5_state_survives_pads_forks_turns_and_failed_steps() {
     let r = e.stats().recurrent.expect("recurrent stats");
     assert_eq!(
         (r.layers, r.snapshot_capacity),
-        (2, 10),
-        "2 layers, 2 x 4 + 2"
+        (layers, 10),
+        "recurrent layers; snapshots 2 x 4 + 2"
     );
     // Only requests that cache their prompt leave snapshots. Turn 1: its
     // chunks ending at 16, 32 and 40 (a sequence keeps its last two chunk

@@ -102,6 +102,10 @@ ArrayPtr gated_rms_norm(const array& x, const array& gate, const array& weight, 
 bool gated_delta_kernel_fits(int k_dim, int v_dim);
 std::vector<array> gated_delta_kernel(const array& q, const array& k, const array& v,
                                       const array& decay, const array& beta, const array& state);
+// ssm.cc: Mamba2's selective state-space recurrence.
+std::unique_ptr<ArrayList> ssm_scan(const array& x, const array& dt, const array& b, const array& c,
+                                    const array& a_log, const array& d, const array& dt_bias,
+                                    float dt_min, float dt_max, const array& state);
 ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
 ArrayPtr rope_positions(const array& x, int32_t dims, bool traditional, float base, float scale,
                         const array& offsets);

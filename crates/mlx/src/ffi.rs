@@ -126,6 +126,19 @@ pub(crate) mod bridge {
             dt_bias: &array,
             state: &array,
         ) -> Result<UniquePtr<ArrayList>>;
+        #[allow(clippy::too_many_arguments)]
+        fn ssm_scan(
+            x: &array,
+            dt: &array,
+            b: &array,
+            c: &array,
+            a_log: &array,
+            d: &array,
+            dt_bias: &array,
+            dt_min: f32,
+            dt_max: f32,
+            state: &array,
+        ) -> Result<UniquePtr<ArrayList>>;
         fn gated_rms_norm(
             x: &array,
             gate: &array,

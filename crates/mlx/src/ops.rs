@@ -705,3 +705,50 @@ pub fn gated_delta(
         Array::wrap(bridge::array_list_get(list, 1))?,
     ))
 }
+
+/// Mamba2's selective state-space recurrence (Dao and Gu 2024,
+/// "Transformers are SSMs"; mlx_lm's `models/ssm.py`), token by token.
+/// `x` `[batch, tokens, heads, head_dim]`, `dt` `[batch, tokens, heads]`
+/// before its activation, `b`, `c` `[batch, tokens, groups, state_dim]`
+/// (head `h` reads group `h / (heads / groups)`), `a_log`, `d`, `dt_bias`
+/// `[heads]`, `state` float32 `[batch, heads, head_dim, state_dim]`. Per
+/// token, with `Δ = clip(softplus(dt + dt_bias), dt_min, dt_max)`: `S =
+/// exp(-exp(a_log) · Δ) · S + Δ · x ⊗ b`, `y = S c + d · x`. Returns `y`
+/// `[batch, tokens, heads, head_dim]` in `x`'s dtype and the state after
+/// the last token. On a GPU one kernel runs every token.
+///
+/// # Errors
+/// Shapes that do not fit (`heads` a multiple of `groups`), MLX errors.
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_scan(
+    x: &Array,
+    dt: &Array,
+    b: &Array,
+    c: &Array,
+    a_log: &Array,
+    d: &Array,
+    dt_bias: &Array,
+    dt_limit: (f32, f32),
+    state: &Array,
+) -> Result<(Array, Array)> {
+    let parts = bridge::ssm_scan(
+        x.raw(),
+        dt.raw(),
+        b.raw(),
+        c.raw(),
+        a_log.raw(),
+        d.raw(),
+        dt_bias.raw(),
+        dt_limit.0,
+        dt_limit.1,
+        state.raw(),
+    )?;
+    let list = list_ref(&parts)?;
+    if bridge::array_list_len(list) != 2 {
+        return Err(Error("ssm_scan returned other than 2 arrays".into()));
+    }
+    Ok((
+        Array::wrap(bridge::array_list_get(list, 0))?,
+        Array::wrap(bridge::array_list_get(list, 1))?,
+    ))
+}

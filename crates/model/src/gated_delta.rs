@@ -16,6 +16,7 @@ use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
 
 use crate::layers::{Linear, LoadContext};
+use crate::recurrent;
 use crate::step::Step;
 use crate::ModelError;
 
@@ -169,24 +170,9 @@ impl GatedDeltaNet {
         let z = self.in_proj_z.forward(x)?.reshape(&[t, hv, dv])?;
         let b = self.in_proj_b.forward(x)?;
         let a = self.in_proj_a.forward(x)?;
-        let decode = step.rows.iter().take_while(|r| r.len() == 1).count();
-        let mut parts = Vec::new();
-        if decode > 0 {
-            let rows: Vec<usize> = (0..decode).collect();
-            parts.push(self.run(&qkv, &a, &b, &rows, 0, 1, layer, kv)?);
-        }
-        for (row, span) in step.rows.iter().enumerate().skip(decode) {
-            let real = kv.real_tokens(row).clamp(1, span.len());
-            parts.push(self.run(&qkv, &a, &b, &[row], span.start, real, layer, kv)?);
-            if real < span.len() {
-                let pads = (span.len() - real) as i32;
-                parts.push(mlxcel_mlx::zeros(&[pads, hv, dv], self.dtype)?);
-            }
-        }
-        let y = match parts.as_slice() {
-            [one] => one.clone(),
-            _ => mlxcel_mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?,
-        };
+        let y = recurrent::run_rows(step, kv, &[hv, dv], self.dtype, |kv, rows, start, len| {
+            self.run(&qkv, &a, &b, rows, start, len, layer, kv)
+        })?;
         let out = y
             .gated_rms_norm(&z, &self.norm_weight, s.eps)?
             .reshape(&[1, t, hv * dv])?;
@@ -214,41 +200,21 @@ impl GatedDeltaNet {
         let (c, k1) = (s.conv_channels() as i32, s.conv_kernel as i32 - 1);
         let (hk, dk) = (s.k_heads as i32, s.k_dim as i32);
         let (hv, dv) = (s.v_heads as i32, s.v_dim as i32);
-        let from = start as i32;
-        let span = |x: &Array, width: i32| -> Result<Array, ModelError> {
-            Ok(x.slice(&[0, from, 0], &[1, from + n * l, width])?
-                .reshape(&[n, l, width])?)
+        let span = |x: &Array| recurrent::rows_span(x, start, rows.len(), len);
+        let (qkv, a, b) = (span(qkv)?, span(a)?, span(b)?);
+        let states = recurrent::read_states(kv, layer, rows, || {
+            Ok(vec![
+                mlxcel_mlx::zeros(&[1, k1, c], self.dtype)?,
+                mlxcel_mlx::zeros(&[1, hv, dv, dk], Dtype::Float32)?,
+            ])
+        })?;
+        let [conv, state] = states.as_slice() else {
+            return Err(ModelError::Config(format!(
+                "layer {layer}: a recurrent state of {} arrays, want 2",
+                states.len()
+            )));
         };
-        let (qkv, a, b) = (span(qkv, c)?, span(a, hv)?, span(b, hv)?);
-        let mut convs = Vec::with_capacity(rows.len());
-        let mut states = Vec::with_capacity(rows.len());
-        for &row in rows {
-            match kv.read_state(layer, row)? {
-                Some(st) if st.len() == 2 => {
-                    convs.push(st[0].clone());
-                    states.push(st[1].clone());
-                }
-                Some(st) => {
-                    return Err(ModelError::Config(format!(
-                        "layer {layer}: a recurrent state of {} arrays, want 2",
-                        st.len()
-                    )))
-                }
-                None => {
-                    convs.push(mlxcel_mlx::zeros(&[1, k1, c], self.dtype)?);
-                    states.push(mlxcel_mlx::zeros(&[1, hv, dv, dk], Dtype::Float32)?);
-                }
-            }
-        }
-        let join = |v: &[Array]| -> Result<Array, ModelError> {
-            Ok(match v {
-                [one] => one.clone(),
-                _ => mlxcel_mlx::concatenate(&v.iter().collect::<Vec<_>>(), 0)?,
-            })
-        };
-        let conv_in = mlxcel_mlx::concatenate(&[&join(&convs)?, &qkv], 1)?;
-        let conv_state = conv_in.slice(&[0, l, 0], &[n, l + k1, c])?;
-        let conv_out = conv_in.depthwise_conv1d(&self.conv_weight)?.silu()?;
+        let (conv_out, conv_state) = recurrent::causal_conv(conv, &qkv, &self.conv_weight, None)?;
         let part = |from: i32, width: i32, heads: i32, dim: i32| -> Result<Array, ModelError> {
             Ok(conv_out
                 .slice(&[0, 0, from], &[n, l, from + width])?
@@ -258,27 +224,9 @@ impl GatedDeltaNet {
         let q = part(0, key, hk, dk)?;
         let k = part(key, key, hk, dk)?;
         let v = part(2 * key, hv * dv, hv, dv)?;
-        let (y, state) = mlxcel_mlx::gated_delta(
-            &q,
-            &k,
-            &v,
-            &a,
-            &b,
-            &self.a_log,
-            &self.dt_bias,
-            &join(&states)?,
-        )?;
-        for (i, &row) in rows.iter().enumerate() {
-            let i = i as i32;
-            let own = |x: &Array| -> Result<Array, ModelError> {
-                let mut hi = x.shape().to_vec();
-                let mut lo = vec![0; hi.len()];
-                lo[0] = i;
-                hi[0] = i + 1;
-                Ok(x.slice(&lo, &hi)?)
-            };
-            kv.write_state(layer, row, vec![own(&conv_state)?, own(&state)?])?;
-        }
+        let (y, state) =
+            mlxcel_mlx::gated_delta(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, state)?;
+        recurrent::write_states(kv, layer, rows, &[conv_state, state])?;
         Ok(y.reshape(&[n * l, hv, dv])?)
     }
 

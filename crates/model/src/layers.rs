@@ -446,12 +446,28 @@ impl Mlp {
         bias: bool,
         intermediate: usize,
     ) -> Result<Self, ModelError> {
-        let mut gate_up = Linear::load_split(
+        Self::load_fused_named(
             ctx,
             &format!("{path}.gate_up_proj"),
+            &format!("{path}.down_proj"),
             bias,
-            &[intermediate, intermediate],
-        )?;
+            intermediate,
+        )
+    }
+
+    /// Loads a fused gate-and-up projection `gate_up` (gate rows, then up
+    /// rows, `intermediate` each) and the down projection `down`, both
+    /// full tensor paths (Granite 4's `shared_mlp.input_linear` and
+    /// `shared_mlp.output_linear`).
+    pub fn load_fused_named(
+        ctx: &mut LoadContext<'_>,
+        gate_up: &str,
+        down: &str,
+        bias: bool,
+        intermediate: usize,
+    ) -> Result<Self, ModelError> {
+        let path = gate_up;
+        let mut gate_up = Linear::load_split(ctx, gate_up, bias, &[intermediate, intermediate])?;
         let tp = ctx.shard;
         let up_proj = gate_up.pop();
         let gate_proj = gate_up.pop();
@@ -459,13 +475,10 @@ impl Mlp {
             (Some(gate_proj), Some(up_proj)) => Ok(Mlp {
                 gate_proj: gate_proj.shard_if(ShardAxis::Output, tp)?,
                 up_proj: up_proj.shard_if(ShardAxis::Output, tp)?,
-                down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?
-                    .shard_if(ShardAxis::Input, tp)?,
+                down_proj: Linear::load(ctx, down, bias)?.shard_if(ShardAxis::Input, tp)?,
                 activation: Activation::Silu,
             }),
-            _ => Err(ModelError::Weights(format!(
-                "{path}.gate_up_proj: no split"
-            ))),
+            _ => Err(ModelError::Weights(format!("{path}: no split"))),
         }
     }
 

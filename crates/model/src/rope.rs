@@ -26,7 +26,7 @@ pub struct Rope {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeSpec {
     /// Rotated features of each head (the head size, or less for partial
-    /// rotary).
+    /// rotary; 0 for none: no position embedding, Granite 4's `nope`).
     pub dims: usize,
     /// `rope_theta`.
     pub base: f32,
@@ -169,6 +169,9 @@ impl Rope {
     /// Rotates `x` `[batch, heads, seq, head_dim]`; token `i` is at absolute
     /// position `offset + i`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array, ModelError> {
+        if self.dims == 0 {
+            return Ok(x.clone());
+        }
         let x = &self.scale_input(x)?;
         let offset = i32::try_from(offset)
             .map_err(|_| ModelError::Unsupported(format!("position {offset} too large")))?;
@@ -182,6 +185,9 @@ impl Rope {
     /// position `positions[i]` (int32 `[tokens]`): the packed layout of a
     /// step whose rows sit at different positions.
     pub fn apply_at(&self, x: &Array, positions: &Array) -> Result<Array, ModelError> {
+        if self.dims == 0 {
+            return Ok(x.clone());
+        }
         let x = &self.scale_input(x)?;
         Ok(match &self.freqs {
             None => x.rope_at(

@@ -16,6 +16,7 @@ use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec};
 use mlxcel_model::gated_delta::{GatedDeltaNet, GatedDeltaSpec};
 use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::mamba2::{Mamba2, Mamba2Spec};
 use mlxcel_model::moe::{MoeSpec, SparseMoe};
 use mlxcel_model::profile::{self, mark};
 use mlxcel_model::{
@@ -49,26 +50,42 @@ pub struct DecoderSpec {
     /// The mixture-of-experts layers: which layers are sparse and what
     /// their block is; `None` for a dense model.
     pub moe: Option<SparseLayers>,
-    /// The layers whose token mixer is a Gated DeltaNet instead of
-    /// attention (their [`DecoderSpec::layers`] entry is unused); `None`
-    /// for a model of attention layers only.
+    /// The layers whose token mixer is recurrent (Gated DeltaNet, Mamba2)
+    /// instead of attention (their [`DecoderSpec::layers`] entry is
+    /// unused); `None` for a model of attention layers only.
     pub linear: Option<LinearLayers>,
+    /// Granite 4's dense MLP beside the experts: `shared_mlp`, a fused
+    /// `input_linear` (gate rows, then up rows, this many each) and
+    /// `output_linear`, on every layer; its output is added to the sparse
+    /// block's. On a dense layer whose checkpoint names it so (Hugging
+    /// Face's), it is the layer's MLP. `None` for other families.
+    pub shared_mlp: Option<usize>,
 }
 
-/// Which layers of a hybrid decoder mix tokens with Gated DeltaNet
-/// (Qwen3.5: three of every four) instead of attention.
+/// Which layers of a hybrid decoder mix tokens with a recurrent layer
+/// (Qwen3.5: three of every four; Granite 4: most) instead of attention.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LinearLayers {
-    /// The layer's sizes.
-    pub spec: GatedDeltaSpec,
-    /// Per layer, whether it is a Gated DeltaNet layer.
+    /// The recurrent layer and its sizes.
+    pub spec: LinearMixer,
+    /// Per layer, whether it is a recurrent layer.
     pub layers: Vec<bool>,
+}
+
+/// A hybrid decoder's recurrent token mixer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LinearMixer {
+    /// Gated DeltaNet (Qwen3.5), under `linear_attn`.
+    GatedDelta(GatedDeltaSpec),
+    /// Mamba2 (Granite 4), under `mamba`.
+    Mamba2(Mamba2Spec),
 }
 
 /// A layer's token mixer.
 enum Mixer {
     Attention(Box<Attention>),
     GatedDelta(Box<GatedDeltaNet>),
+    Mamba2(Box<Mamba2>),
 }
 
 impl Mixer {
@@ -82,6 +99,7 @@ impl Mixer {
         match self {
             Mixer::Attention(a) => a.forward(x, index, kv, step),
             Mixer::GatedDelta(g) => g.forward(x, index, kv, step),
+            Mixer::Mamba2(m) => m.forward(x, index, kv, step),
         }
     }
 
@@ -89,6 +107,7 @@ impl Mixer {
         match self {
             Mixer::Attention(a) => a.arrays(),
             Mixer::GatedDelta(g) => g.arrays(),
+            Mixer::Mamba2(m) => m.arrays(),
         }
     }
 
@@ -97,6 +116,9 @@ impl Mixer {
             Mixer::Attention(a) => LayerState::Attention { window: a.window() },
             Mixer::GatedDelta(g) => LayerState::Recurrent {
                 shapes: g.spec().state_shapes(),
+            },
+            Mixer::Mamba2(m) => LayerState::Recurrent {
+                shapes: m.spec().state_shapes(),
             },
         }
     }
@@ -115,10 +137,19 @@ pub struct SparseLayers {
     pub path: &'static str,
 }
 
-/// A layer's feed-forward: a dense gated MLP or a sparse MoE block.
+/// A layer's feed-forward: a dense gated MLP, a sparse MoE block, or
+/// both added (Granite 4's experts and shared MLP).
 enum FeedForward {
     Dense(Mlp),
     Sparse(Box<SparseMoe>),
+    SparseAndDense(Box<SparseMoe>, Mlp),
+}
+
+fn mlp_arrays(m: &Mlp) -> Vec<&Array> {
+    [&m.gate_proj, &m.up_proj, &m.down_proj]
+        .into_iter()
+        .flat_map(|l| l.arrays())
+        .collect()
 }
 
 impl FeedForward {
@@ -126,16 +157,19 @@ impl FeedForward {
         match self {
             FeedForward::Dense(m) => m.forward(x),
             FeedForward::Sparse(m) => m.forward(x),
+            FeedForward::SparseAndDense(s, d) => Ok(s.forward(x)?.add(&d.forward(x)?)?),
         }
     }
 
     fn arrays(&self) -> Vec<&Array> {
         match self {
-            FeedForward::Dense(m) => [&m.gate_proj, &m.up_proj, &m.down_proj]
-                .into_iter()
-                .flat_map(|l| l.arrays())
-                .collect(),
+            FeedForward::Dense(m) => mlp_arrays(m),
             FeedForward::Sparse(m) => m.arrays(),
+            FeedForward::SparseAndDense(s, d) => {
+                let mut v = s.arrays();
+                v.extend(mlp_arrays(d));
+                v
+            }
         }
     }
 }
@@ -172,6 +206,7 @@ impl DecoderSpec {
             activation: Activation::Silu,
             moe: None,
             linear: None,
+            shared_mlp: None,
         }
     }
 }
@@ -190,6 +225,17 @@ fn scaled(x: Array, factor: &Option<Array>) -> Result<Array, ModelError> {
         Some(f) => x.multiply(f)?,
         None => x,
     })
+}
+
+/// Granite 4's `{path}.shared_mlp` (see [`DecoderSpec::shared_mlp`]).
+fn shared_mlp(ctx: &mut LoadContext<'_>, path: &str, size: usize) -> Result<Mlp, ModelError> {
+    Mlp::load_fused_named(
+        ctx,
+        &format!("{path}.shared_mlp.input_linear"),
+        &format!("{path}.shared_mlp.output_linear"),
+        false,
+        size,
+    )
 }
 
 /// One transformer layer: attention and MLP, each a residual branch with
@@ -234,11 +280,14 @@ impl DecoderLayer {
             attn_norm: norm(ctx, attn_norm)?,
             self_attn: match &spec.linear {
                 Some(lin) if lin.layers.get(index).copied().unwrap_or(false) => {
-                    Mixer::GatedDelta(Box::new(GatedDeltaNet::load(
-                        ctx,
-                        &format!("{path}.linear_attn"),
-                        &lin.spec,
-                    )?))
+                    match &lin.spec {
+                        LinearMixer::GatedDelta(g) => Mixer::GatedDelta(Box::new(
+                            GatedDeltaNet::load(ctx, &format!("{path}.linear_attn"), g)?,
+                        )),
+                        LinearMixer::Mamba2(m) => {
+                            Mixer::Mamba2(Box::new(Mamba2::load(ctx, &format!("{path}.mamba"), m)?))
+                        }
+                    }
                 }
                 _ => Mixer::Attention(Box::new(Attention::load(
                     ctx,
@@ -249,11 +298,25 @@ impl DecoderLayer {
             mlp_norm: norm(ctx, mlp_norm)?,
             mlp: match &spec.moe {
                 Some(moe) if moe.layers.get(index).copied().unwrap_or(false) => {
-                    FeedForward::Sparse(Box::new(SparseMoe::load(
+                    let sparse = Box::new(SparseMoe::load(
                         ctx,
                         &format!("{path}.{}", moe.path),
                         &moe.spec,
-                    )?))
+                    )?);
+                    match spec.shared_mlp {
+                        Some(size) => {
+                            FeedForward::SparseAndDense(sparse, shared_mlp(ctx, path, size)?)
+                        }
+                        None => FeedForward::Sparse(sparse),
+                    }
+                }
+                _ if spec.shared_mlp.is_some()
+                    && ctx
+                        .weights
+                        .contains(&format!("{path}.shared_mlp.input_linear.weight")) =>
+                {
+                    let size = spec.shared_mlp.unwrap_or(c.intermediate_size);
+                    FeedForward::Dense(shared_mlp(ctx, path, size)?)
                 }
                 _ if spec.fused_gate_up => FeedForward::Dense(
                     Mlp::load_fused(ctx, &format!("{path}.mlp"), c.mlp_bias, c.intermediate_size)?

@@ -4,7 +4,7 @@
 //! A family is one short file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
 //! `granite.rs`, `phi3.rs`, `olmo2.rs`, `gemma3.rs`, `gemma4.rs`, and the
 //! mixture-of-experts `qwen2_moe.rs`, `qwen3_moe.rs`, `mixtral.rs`,
-//! `gpt_oss.rs`): the
+//! `gpt_oss.rs`, and the hybrids `qwen3_5.rs`, `granitemoehybrid.rs`): the
 //! `model_type`s it serves, what it reads from `config.json` beyond the
 //! shared [`ModelConfig`] (its own keys come from `ModelConfig::raw`),
 //! how it builds each layer from the shared layers of `mlxcel-model`, and
@@ -19,6 +19,7 @@ mod gemma3;
 mod gemma4;
 mod gpt_oss;
 mod granite;
+mod granitemoehybrid;
 mod llama;
 mod mixtral;
 mod olmo2;
@@ -71,6 +72,7 @@ pub const FAMILIES: &[&Family] = &[
     &mixtral::FAMILY,
     &gpt_oss::FAMILY,
     &qwen3_5::FAMILY,
+    &granitemoehybrid::FAMILY,
 ];
 
 /// The family serving `model_type`.

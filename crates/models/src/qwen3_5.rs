@@ -22,7 +22,7 @@ use mlxcel_model::rope::RopeSpec;
 use mlxcel_model::{LoadOptions, Model, ModelConfig, ModelError, Weights};
 use serde::Deserialize;
 
-use crate::decoder::{Decoder, DecoderSpec, LinearLayers};
+use crate::decoder::{Decoder, DecoderSpec, LinearLayers, LinearMixer};
 use crate::qwen3_moe::QwenMoeKeys;
 use crate::Family;
 
@@ -176,14 +176,14 @@ fn load(
         norm_weight_offset: norm_offset,
         moe,
         linear: Some(LinearLayers {
-            spec: GatedDeltaSpec {
+            spec: LinearMixer::GatedDelta(GatedDeltaSpec {
                 k_heads: keys.linear_num_key_heads,
                 v_heads: keys.linear_num_value_heads,
                 k_dim: keys.linear_key_head_dim,
                 v_dim: keys.linear_value_head_dim,
                 conv_kernel: keys.linear_conv_kernel_dim,
                 eps: config.rms_norm_eps,
-            },
+            }),
             layers: linear,
         }),
         ..DecoderSpec::uniform(attention, layers)
