@@ -469,6 +469,45 @@ fn gemma4_configs_that_disagree_with_the_weights_are_load_errors() {
     }
 }
 
+/// A Granite 4 config that disagrees with its weights, or cannot be, is a
+/// load error naming what is wrong, never a panic or a wrong model.
+#[test]
+fn granitemoehybrid_configs_that_disagree_with_the_weights_are_load_errors() {
+    use serde_json::json;
+    let cases = [
+        (
+            "layer_types",
+            json!(["mamba", "attention", "mamba"]),
+            "layer_types lists 3 layers, num_hidden_layers is 4",
+        ),
+        (
+            "layer_types",
+            json!(["mamba", "attention", "mamba", "linear"]),
+            "layer_types: unknown linear",
+        ),
+        (
+            "layer_types",
+            json!(["mamba", "mamba", "mamba", "mamba"]),
+            "no tensor model.layers.1.mamba.conv1d.weight",
+        ),
+        (
+            "mamba_n_groups",
+            json!(3),
+            "mamba_n_heads 4 must be a multiple of mamba_n_groups 3",
+        ),
+        (
+            "mamba_d_state",
+            json!(8),
+            "conv1d.weight has shape [128, 4, 1], want [96, 4, 1]",
+        ),
+        ("mamba_d_head", json!(null), "mamba_d_head is missing"),
+    ];
+    for (key, value, want) in cases {
+        let err = load_error("granitemoehybrid_moe", |config| config[key] = value);
+        assert!(err.contains(want), "{key}: {err}");
+    }
+}
+
 /// The load error of tiny checkpoint `model` with its config edited by
 /// `edit` (a copy beside the same weights); loading must fail.
 fn load_error(model: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String {

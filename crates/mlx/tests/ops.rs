@@ -239,3 +239,62 @@ fn version_and_device_names() {
         mlxcel_mlx::gpu_available()
     );
 }
+
+/// Mamba2's scan over two tokens, one row, two heads sharing one group
+/// (state 2, head size 1), against the recurrence written out by hand:
+/// `Δ = clip(softplus(dt + dt_bias))`, `S = exp(-exp(a_log) Δ) S + Δ x b`,
+/// `y = S · c + d x`; heads that are not a multiple of the groups are an
+/// error, not a crash.
+#[test]
+fn ssm_scan_matches_the_recurrence_and_refuses_bad_groups() {
+    let softplus = |v: f32| (1.0 + v.exp()).ln();
+    let (xs, dts) = ([[0.5f32, -1.0], [2.0, 0.25]], [[0.3f32, -0.7], [1.2, 0.1]]);
+    let (bs, cs) = ([[1.0f32, -2.0], [0.5, 0.75]], [[0.2f32, 0.4], [-1.0, 3.0]]);
+    let (a_log, d, dt_bias) = ([0.1f32, -0.3], [0.9f32, 1.1], [0.05f32, -0.2]);
+    let init = [[0.1f32, -0.2], [0.3, 0.4]]; // [head][state]
+    let mut s = init;
+    let mut want_y = Vec::new();
+    for t in 0..2 {
+        for h in 0..2 {
+            let dt = softplus(dts[t][h] + dt_bias[h]).clamp(0.001, 100.0);
+            let decay = (-a_log[h].exp() * dt).exp();
+            let mut y = 0.0;
+            for i in 0..2 {
+                s[h][i] = decay * s[h][i] + dt * xs[t][h] * bs[t][i];
+                y += s[h][i] * cs[t][i];
+            }
+            want_y.push(y + d[h] * xs[t][h]);
+        }
+    }
+    let flat = |v: &[[f32; 2]; 2]| v.iter().flatten().copied().collect::<Vec<_>>();
+    let x = Array::from_f32(&flat(&xs), &[1, 2, 2, 1]).unwrap();
+    let dt = Array::from_f32(&flat(&dts), &[1, 2, 2]).unwrap();
+    let b = Array::from_f32(&flat(&bs), &[1, 2, 1, 2]).unwrap();
+    let c = Array::from_f32(&flat(&cs), &[1, 2, 1, 2]).unwrap();
+    let a_log = Array::from_f32(&a_log, &[2]).unwrap();
+    let d = Array::from_f32(&d, &[2]).unwrap();
+    let dt_bias = Array::from_f32(&dt_bias, &[2]).unwrap();
+    let state = Array::from_f32(&flat(&init), &[1, 2, 1, 2]).unwrap();
+    let (y, next) = mlxcel_mlx::ssm_scan(
+        &x,
+        &dt,
+        &b,
+        &c,
+        &a_log,
+        &d,
+        &dt_bias,
+        (0.001, 100.0),
+        &state,
+    )
+    .unwrap();
+    assert_eq!(y.shape(), vec![1, 2, 2, 1]);
+    close(&y.to_vec_f32().unwrap(), &want_y, 1e-5);
+    close(&next.to_vec_f32().unwrap(), &flat(&s), 1e-5);
+    // Three heads cannot share two groups.
+    let x3 = mlxcel_mlx::zeros(&[1, 2, 3, 1], mlxcel_mlx::Dtype::Float32).unwrap();
+    let b2 = mlxcel_mlx::zeros(&[1, 2, 2, 2], mlxcel_mlx::Dtype::Float32).unwrap();
+    let h3 = mlxcel_mlx::zeros(&[3], mlxcel_mlx::Dtype::Float32).unwrap();
+    let s3 = mlxcel_mlx::zeros(&[1, 3, 1, 2], mlxcel_mlx::Dtype::Float32).unwrap();
+    let dt3 = mlxcel_mlx::zeros(&[1, 2, 3], mlxcel_mlx::Dtype::Float32).unwrap();
+    assert!(mlxcel_mlx::ssm_scan(&x3, &dt3, &b2, &b2, &h3, &h3, &h3, (0.001, 100.0), &s3).is_err());
+}
