@@ -162,9 +162,11 @@ pub struct ModelArgs {
     /// one that renders tools).
     #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
     pub chat_template: Option<std::path::PathBuf>,
-    /// Split a chat reply's `<think>` block off as `reasoning_content`:
-    /// `auto` when the chat template writes `<think>` (Qwen3, QwQ,
-    /// DeepSeek-R1), `think` always, `none` never.
+    /// Split a chat reply's reasoning off as `reasoning_content`: `auto`
+    /// `<think>` blocks when the chat template writes `<think>` (Qwen3,
+    /// QwQ, DeepSeek-R1), else Gemma 4's thought channel
+    /// (`<|channel>thought` … `<channel|>`) when the vocabulary has its
+    /// tokens; `think` and `gemma4` always those; `none` never.
     #[arg(long, value_enum, default_value_t = ReasoningParserArg::Auto)]
     pub reasoning_parser: ReasoningParserArg,
     /// Let control-token strings typed in message content (`<|im_end|>`...)
@@ -276,6 +278,7 @@ pub enum AttentionPathArg {
 pub enum ReasoningParserArg {
     Auto,
     Think,
+    Gemma4,
     None,
 }
 
@@ -356,6 +359,7 @@ impl ModelArgs {
         c.reasoning_parser = match self.reasoning_parser {
             ReasoningParserArg::Auto => ReasoningParser::Auto,
             ReasoningParserArg::Think => ReasoningParser::Think,
+            ReasoningParserArg::Gemma4 => ReasoningParser::Gemma4,
             ReasoningParserArg::None => ReasoningParser::None,
         };
         c.kernel_cache_dir = match self.kernel_cache_dir.as_str() {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use mlxcel_kv::StorageBackend;
 use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, TensorParallel, WeightMode};
+use mlxcel_text::reasoning::ReasoningMarkers;
 
 /// The defaults of [`EngineConfig::new`] that flags restate.
 pub mod defaults {
@@ -131,14 +132,43 @@ pub struct EngineConfig {
 /// content (`--reasoning-parser`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReasoningParser {
-    /// When the chat template writes `<think>` (a reasoning model).
+    /// `<think>` blocks when the chat template writes `<think>` (a
+    /// reasoning model); else Gemma 4's thought channel when the
+    /// vocabulary has its `<|channel>` and `<channel|>` tokens (as mlx_lm
+    /// infers it); else none.
     #[default]
     Auto,
     /// Always: a `<think>` block opening the reply (or opened by the
     /// prompt) is reasoning.
     Think,
+    /// Always: Gemma 4's thought channel (`<|channel>thought` …
+    /// `<channel|>`) is reasoning.
+    Gemma4,
     /// Never: the reply is content as generated.
     None,
+}
+
+impl ReasoningParser {
+    /// The markers replies are split at: `template_thinks` when the chat
+    /// template writes `<think>`, `in_vocabulary` whether a token is in
+    /// the tokenizer's vocabulary.
+    pub fn markers(
+        self,
+        template_thinks: bool,
+        in_vocabulary: impl Fn(&str) -> bool,
+    ) -> Option<ReasoningMarkers> {
+        match self {
+            ReasoningParser::Think => Some(ReasoningMarkers::THINK),
+            ReasoningParser::Gemma4 => Some(ReasoningMarkers::GEMMA4_CHANNEL),
+            ReasoningParser::None => None,
+            ReasoningParser::Auto if template_thinks => Some(ReasoningMarkers::THINK),
+            ReasoningParser::Auto => ReasoningMarkers::GEMMA4_CHANNEL
+                .special_tokens
+                .iter()
+                .all(|t| in_vocabulary(t))
+                .then_some(ReasoningMarkers::GEMMA4_CHANNEL),
+        }
+    }
 }
 
 impl EngineConfig {
@@ -237,4 +267,28 @@ pub struct TensorParallelConfig {
     /// (a peer that stopped answering blocks a collective for as long as
     /// the backend waits).
     pub timeout: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `auto` reads `<think>` off the template first, then Gemma 4's
+    /// channel off the vocabulary (both of its tokens), else nothing; the
+    /// explicit values ignore both.
+    #[test]
+    fn reasoning_markers_follow_the_template_then_the_vocabulary() {
+        let gemma4 = |t: &str| matches!(t, "<|channel>" | "<channel|>");
+        let half = |t: &str| t == "<|channel>";
+        let none = |_: &str| false;
+        use ReasoningMarkers as M;
+        use ReasoningParser as P;
+        assert_eq!(P::Auto.markers(true, gemma4), Some(M::THINK));
+        assert_eq!(P::Auto.markers(false, gemma4), Some(M::GEMMA4_CHANNEL));
+        assert_eq!(P::Auto.markers(false, half), None);
+        assert_eq!(P::Auto.markers(false, none), None);
+        assert_eq!(P::Think.markers(false, none), Some(M::THINK));
+        assert_eq!(P::Gemma4.markers(true, none), Some(M::GEMMA4_CHANNEL));
+        assert_eq!(P::None.markers(true, gemma4), None);
+    }
 }

@@ -24,7 +24,7 @@ use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
 use mlxcel_text::output::tool_calls::mistral::mistral_forced_call_prefix;
 use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
 use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
-use mlxcel_text::reasoning::ReasoningSplitter;
+use mlxcel_text::reasoning::ReasoningMarkers;
 use mlxcel_text::{Text, TextError};
 
 use mlxcel_model::pooling::Pooling;
@@ -73,8 +73,9 @@ pub(crate) struct Limits {
     /// Special-token strings in message content become control tokens
     /// (`--special-tokens-in-content`).
     pub(crate) special_tokens_in_content: bool,
-    /// Chat replies are split into reasoning and content.
-    pub(crate) split_reasoning: bool,
+    /// Chat replies are split into reasoning and content, at these
+    /// markers.
+    pub(crate) reasoning: Option<ReasoningMarkers>,
     /// How embeddings are pooled and their length (the hidden size), when
     /// the model serves them.
     pub(crate) embedding: Option<(Pooling, usize)>,
@@ -182,11 +183,13 @@ impl RequestBuilder {
         // its own: the harmony reader splits it, with or without tools.
         let harmony = chat && format == ToolCallFormat::Harmony;
         // Constrained output (a schema, a forced call) is all content.
-        let reasoning =
-            (chat && limits.split_reasoning && constrained.is_none() && !harmony).then(|| {
+        let reasoning = limits
+            .reasoning
+            .filter(|_| chat && constrained.is_none() && !harmony)
+            .map(|markers| {
                 let tail = &prompt[prompt.len().saturating_sub(8)..];
                 let tail = self.text.tokenizer.decode(tail, false).unwrap_or_default();
-                ReasoningSplitter::prompt_opens_block(&tail)
+                (markers, markers.prompt_opens_block(&tail))
             });
         let tool_calls = match reply {
             Some(prefix) => ToolCallOutput::Forced { format, prefix },

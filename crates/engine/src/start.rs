@@ -11,7 +11,7 @@ use mlxcel_model::Model;
 use mlxcel_text::Text;
 
 use crate::api::EngineStats;
-use crate::config::{EngineConfig, ReasoningParser};
+use crate::config::EngineConfig;
 use crate::draft::Drafter;
 use crate::error::EngineError;
 use crate::handle::{Engine, EngineInfo};
@@ -134,11 +134,10 @@ impl Engine {
             prefill_tile = info.prefill_tile,
             "model ready"
         );
-        let split_reasoning = match config.reasoning_parser {
-            ReasoningParser::Think => true,
-            ReasoningParser::None => false,
-            ReasoningParser::Auto => text.template.as_ref().is_some_and(|t| t.knows_reasoning()),
-        };
+        let reasoning = config.reasoning_parser.markers(
+            text.template.as_ref().is_some_and(|t| t.knows_reasoning()),
+            |token| text.tokenizer.token_to_id(token).is_some(),
+        );
         let limits = Limits {
             context_length: model_config.max_position_embeddings,
             vocab_size: model_config.vocab_size.min(text.tokenizer.vocab_size()),
@@ -146,7 +145,7 @@ impl Engine {
             max_request_tokens: loaded.max_request_tokens,
             admission: loaded.admission,
             special_tokens_in_content: config.special_tokens_in_content,
-            split_reasoning,
+            reasoning,
             embedding: embedding.map(|pooling| (pooling, model_config.hidden_size)),
         };
         let engine = Engine {

@@ -1,11 +1,14 @@
 //! Splits a reasoning model's reply into its reasoning and its answer: the
 //! text between `<think>` and `</think>` (Qwen3, QwQ, DeepSeek-R1 and the
-//! models distilled from it) is reasoning, the rest content. Clients read
-//! the reasoning as `reasoning_content` beside `content`, as vLLM's and
+//! models distilled from it), or Gemma 4's thought channel between
+//! `<|channel>thought` and `<channel|>` (both markers special tokens of its
+//! vocabulary; mlx_lm's `tokenizer_utils.py` reads the same pair), is
+//! reasoning, the rest content ([`ReasoningMarkers`]). Clients read the
+//! reasoning as `reasoning_content` beside `content`, as vLLM's and
 //! llama-server's reasoning parsers return it.
 //!
 //! Rules (streaming: text arrives in arbitrary pieces, and a tag may be cut
-//! anywhere):
+//! anywhere), with `<think>`/`</think>` standing for either pair:
 //! - A reply opens a reasoning block when its first non-blank text is
 //!   `<think>`, or when the prompt already ended with `<think>` (templates
 //!   that open the block for the model). Any other start is all content.
@@ -24,8 +27,42 @@ pub enum ReplyPart {
     Content(String),
 }
 
-const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+/// The markers that open and close a reasoning block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReasoningMarkers {
+    /// Opens the block (`<think>`).
+    pub open: &'static str,
+    /// Closes it (`</think>`).
+    pub close: &'static str,
+    /// The special tokens among the markers' text: the detokenizer leaves
+    /// special tokens out of a reply, so the output filter reads these as
+    /// text ([`crate::output::OutputFilter::with_reasoning`]).
+    pub special_tokens: &'static [&'static str],
+}
+
+impl ReasoningMarkers {
+    /// `<think>` … `</think>` (Qwen3, QwQ, DeepSeek-R1), plain text in
+    /// those vocabularies.
+    pub const THINK: ReasoningMarkers = ReasoningMarkers {
+        open: "<think>",
+        close: "</think>",
+        special_tokens: &[],
+    };
+
+    /// Gemma 4's thought channel: `<|channel>thought` … `<channel|>`,
+    /// `<|channel>` and `<channel|>` special tokens.
+    pub const GEMMA4_CHANNEL: ReasoningMarkers = ReasoningMarkers {
+        open: "<|channel>thought",
+        close: "<channel|>",
+        special_tokens: &["<|channel>", "<channel|>"],
+    };
+
+    /// Whether `prompt`'s end opens a reasoning block (the opening marker
+    /// then only blanks).
+    pub fn prompt_opens_block(&self, prompt: &str) -> bool {
+        prompt.trim_end().ends_with(self.open)
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
@@ -42,16 +79,18 @@ enum State {
 /// The splitter of one choice; see the module docs.
 #[derive(Debug, Clone)]
 pub struct ReasoningSplitter {
+    markers: ReasoningMarkers,
     state: State,
     /// Text not yet decided (a partial tag, trailing blanks in the block).
     held: String,
 }
 
 impl ReasoningSplitter {
-    /// A splitter for a reply whose prompt ended inside an opened block
-    /// (`open`), or that may open one itself.
-    pub fn new(open: bool) -> Self {
+    /// A splitter of blocks between `markers`, for a reply whose prompt
+    /// ended inside an opened block (`open`), or that may open one itself.
+    pub fn new(markers: ReasoningMarkers, open: bool) -> Self {
         ReasoningSplitter {
+            markers,
             state: if open {
                 State::Inside { fresh: true }
             } else {
@@ -61,14 +100,18 @@ impl ReasoningSplitter {
         }
     }
 
-    /// Whether `prompt`'s end opens a reasoning block (`<think>` then only
-    /// blanks).
-    pub fn prompt_opens_block(prompt: &str) -> bool {
-        prompt.trim_end().ends_with(OPEN)
+    /// The markers this splitter reads.
+    pub fn markers(&self) -> ReasoningMarkers {
+        self.markers
     }
 
     /// Feeds newly decoded text; returns the parts it decided.
     pub fn push(&mut self, text: &str) -> Vec<ReplyPart> {
+        let ReasoningMarkers {
+            open: open_tag,
+            close: close_tag,
+            ..
+        } = self.markers;
         let mut out = Vec::new();
         self.held.push_str(text);
         loop {
@@ -76,12 +119,12 @@ impl ReasoningSplitter {
             match self.state {
                 State::Start => {
                     let t = buf.trim_start();
-                    if let Some(rest) = t.strip_prefix(OPEN) {
+                    if let Some(rest) = t.strip_prefix(open_tag) {
                         self.state = State::Inside { fresh: true };
                         self.held = rest.to_owned();
                         continue;
                     }
-                    if OPEN.starts_with(t) {
+                    if open_tag.starts_with(t) {
                         self.held = buf;
                     } else {
                         self.state = State::Content;
@@ -93,11 +136,11 @@ impl ReasoningSplitter {
                         let t = buf.trim_start();
                         // A model may write `<think>` again after a prompt
                         // that opened the block: it is not reasoning.
-                        if let Some(rest) = t.strip_prefix(OPEN) {
+                        if let Some(rest) = t.strip_prefix(open_tag) {
                             self.held = rest.to_owned();
                             continue;
                         }
-                        if t.is_empty() || OPEN.starts_with(t) {
+                        if t.is_empty() || open_tag.starts_with(t) {
                             self.held = t.to_owned();
                             return out;
                         }
@@ -106,17 +149,17 @@ impl ReasoningSplitter {
                     } else {
                         buf
                     };
-                    if let Some(at) = buf.find(CLOSE) {
+                    if let Some(at) = buf.find(close_tag) {
                         push(
                             &mut out,
                             ReplyPart::Reasoning(buf[..at].trim_end().to_owned()),
                         );
                         self.state = State::AfterBlock;
-                        self.held = buf[at + CLOSE.len()..].to_owned();
+                        self.held = buf[at + close_tag.len()..].to_owned();
                         continue;
                     }
                     // Hold trailing blanks and a partial `</think>`.
-                    let keep = held_tail(&buf);
+                    let keep = held_tail(&buf, close_tag);
                     let cut = buf.len() - keep;
                     push(&mut out, ReplyPart::Reasoning(buf[..cut].to_owned()));
                     self.held = buf[cut..].to_owned();
@@ -158,12 +201,13 @@ fn push(out: &mut Vec<ReplyPart>, part: ReplyPart) {
     }
 }
 
-/// Bytes at the end of `buf` to hold inside the block: a partial
-/// `</think>` and the blanks before it (trimmed if the tag follows).
-fn held_tail(buf: &str) -> usize {
-    let partial = (1..CLOSE.len())
+/// Bytes at the end of `buf` to hold inside the block: a partial `close`
+/// and the blanks before it (trimmed if the tag follows).
+fn held_tail(buf: &str, close: &str) -> usize {
+    let partial = (1..close.len())
         .rev()
-        .find(|&k| buf.ends_with(&CLOSE[..k]))
+        .filter(|&k| close.is_char_boundary(k))
+        .find(|&k| buf.ends_with(&close[..k]))
         .unwrap_or(0);
     let before = &buf[..buf.len() - partial];
     let blanks = before.len() - before.trim_end().len();
@@ -176,8 +220,13 @@ mod tests {
 
     /// The parts of `text` fed in pieces cut at `cuts` (byte offsets on
     /// character boundaries), merged.
-    fn split(open: bool, text: &str, cuts: &[usize]) -> (String, String) {
-        let mut s = ReasoningSplitter::new(open);
+    fn split_with(
+        markers: ReasoningMarkers,
+        open: bool,
+        text: &str,
+        cuts: &[usize],
+    ) -> (String, String) {
+        let mut s = ReasoningSplitter::new(markers, open);
         let mut parts = Vec::new();
         let mut last = 0;
         for &c in cuts.iter().chain(std::iter::once(&text.len())) {
@@ -198,15 +247,26 @@ mod tests {
     /// `text` split whole, then cut at every position and at every pair of
     /// positions: the same parts every time.
     fn check(open: bool, text: &str, reasoning: &str, content: &str) {
+        check_with(ReasoningMarkers::THINK, open, text, reasoning, content);
+    }
+
+    fn check_with(
+        markers: ReasoningMarkers,
+        open: bool,
+        text: &str,
+        reasoning: &str,
+        content: &str,
+    ) {
         let want = (reasoning.to_owned(), content.to_owned());
-        assert_eq!(split(open, text, &[]), want, "whole: {text:?}");
+        let split = |cuts: &[usize]| split_with(markers, open, text, cuts);
+        assert_eq!(split(&[]), want, "whole: {text:?}");
         let cuts: Vec<usize> = (1..text.len())
             .filter(|&i| text.is_char_boundary(i))
             .collect();
         for &a in &cuts {
-            assert_eq!(split(open, text, &[a]), want, "cut at {a}: {text:?}");
+            assert_eq!(split(&[a]), want, "cut at {a}: {text:?}");
             for &b in cuts.iter().filter(|&&b| b > a) {
-                assert_eq!(split(open, text, &[a, b]), want, "cuts {a},{b}: {text:?}");
+                assert_eq!(split(&[a, b]), want, "cuts {a},{b}: {text:?}");
             }
         }
     }
@@ -233,12 +293,9 @@ mod tests {
         // The model opens it again: the tag is not reasoning.
         check(true, "<think>\nHmm.</think>Done", "Hmm.", "Done");
         check(true, "<thin", "<thin", "");
-        assert!(ReasoningSplitter::prompt_opens_block(
-            "<|im_start|>assistant\n<think>\n"
-        ));
-        assert!(!ReasoningSplitter::prompt_opens_block(
-            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        ));
+        assert!(ReasoningMarkers::THINK.prompt_opens_block("<|im_start|>assistant\n<think>\n"));
+        assert!(!ReasoningMarkers::THINK
+            .prompt_opens_block("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
     }
 
     #[test]
@@ -267,5 +324,25 @@ mod tests {
     #[test]
     fn an_empty_block_gives_no_reasoning() {
         check(false, "<think>\n\n</think>\n\nHi", "", "Hi");
+    }
+
+    /// Gemma 4's thought channel: the same rules with its markers; `<think>`
+    /// is plain text there, and a channel that is not `thought` is content.
+    #[test]
+    fn gemma4_thought_channel() {
+        let g = ReasoningMarkers::GEMMA4_CHANNEL;
+        check_with(
+            g,
+            false,
+            "<|channel>thought\nAdd 2 and 2 <think>.\n<channel|>4, <channel|>.",
+            "Add 2 and 2 <think>.",
+            "4, <channel|>.",
+        );
+        check_with(g, false, "<|channel>thought<channel|>Hi", "", "Hi");
+        check_with(g, false, "<|channel>final Hi", "", "<|channel>final Hi");
+        check_with(g, true, "Hmm <channel|", "Hmm <channel|", "");
+        check_with(g, false, "<think>x</think>y", "", "<think>x</think>y");
+        assert!(g.prompt_opens_block("<start_of_turn>model\n<|channel>thought\n"));
+        assert!(!g.prompt_opens_block("<|channel>thought<channel|>"));
     }
 }

@@ -43,9 +43,10 @@ pub(crate) struct Job {
     pub(crate) constraints: Vec<ConstrainedDecoder>,
     /// How tool calls are read out of the text.
     pub(crate) tool_calls: ToolCallOutput,
-    /// `Some(open)`: the reply's `<think>` block is split off as reasoning;
-    /// `open` when the prompt already opened it.
-    pub(crate) reasoning: Option<bool>,
+    /// `Some((markers, open))`: the reply's reasoning block between
+    /// `markers` is split off as reasoning; `open` when the prompt already
+    /// opened it.
+    pub(crate) reasoning: Option<(mlxcel_text::reasoning::ReasoningMarkers, bool)>,
     /// Token ids that end a choice besides the model's EOS ids (a
     /// fill-in-the-middle prompt's control tokens), handled as EOS.
     pub(crate) stop_ids: Vec<u32>,

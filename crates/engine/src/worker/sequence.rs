@@ -191,7 +191,7 @@ impl Job {
             }
         };
         match self.reasoning {
-            Some(open) => filter.with_reasoning(ReasoningSplitter::new(open)),
+            Some((markers, open)) => filter.with_reasoning(ReasoningSplitter::new(markers, open)),
             None => filter,
         }
     }

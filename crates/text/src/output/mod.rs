@@ -142,8 +142,9 @@ pub struct OutputFilter {
     /// reasoning, its calls; its content goes on through the stop strings.
     harmony: Option<HarmonyReader>,
     /// Special tokens read as text of the reply: the markup of the tool-call
-    /// format ([`ToolCallFormat::special_markers`]), when calls are parsed.
-    markers: &'static [&'static str],
+    /// format ([`ToolCallFormat::special_markers`]), when calls are parsed,
+    /// and the reasoning markers' ([`crate::reasoning::ReasoningMarkers::special_tokens`]).
+    markers: Vec<&'static str>,
 }
 
 impl OutputFilter {
@@ -174,9 +175,9 @@ impl OutputFilter {
         Self {
             stop: StopStrings::new(stop),
             markers: if tool_calls.is_some() {
-                format.special_markers()
+                format.special_markers().to_vec()
             } else {
-                &[]
+                Vec::new()
             },
             tool_calls,
             reasoning: None,
@@ -255,8 +256,15 @@ impl OutputFilter {
     }
 
     /// The same filter, after `splitter` has taken the reasoning out: only
-    /// the answer goes through stop strings and tool-call parsing.
+    /// the answer goes through stop strings and tool-call parsing. The
+    /// special tokens among its markers (Gemma 4's `<|channel>`) are then
+    /// read as text of the reply.
     pub fn with_reasoning(mut self, splitter: ReasoningSplitter) -> Self {
+        for token in splitter.markers().special_tokens {
+            if !self.markers.contains(token) {
+                self.markers.push(token);
+            }
+        }
         self.reasoning = Some(splitter);
         self
     }
@@ -302,7 +310,7 @@ impl OutputFilter {
             tool_calls,
             reasoning: None,
             harmony,
-            markers: format.special_markers(),
+            markers: format.special_markers().to_vec(),
         }
     }
 
@@ -318,7 +326,7 @@ impl OutputFilter {
             tool_calls: (!tool_names.is_empty()).then(|| parser(tool_names)),
             reasoning: None,
             harmony: None,
-            markers: &[],
+            markers: Vec::new(),
         }
     }
 

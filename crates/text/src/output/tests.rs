@@ -1,5 +1,5 @@
 use super::*;
-use crate::reasoning::ReasoningSplitter;
+use crate::reasoning::{ReasoningMarkers, ReasoningSplitter};
 
 mod formats;
 
@@ -96,7 +96,7 @@ fn reasoning_is_split_off_before_stops_and_calls() {
                 STOP after";
     for n in 1..=text.chars().count() {
         let mut f = OutputFilter::new(&["STOP".into()], &tools(&["f"]))
-            .with_reasoning(ReasoningSplitter::new(false));
+            .with_reasoning(ReasoningSplitter::new(ReasoningMarkers::THINK, false));
         let sent = run_chunked(&mut f, text, n);
         assert_eq!(
             sent.reasoning, "STOP is no stop here, nor <tool_call> a call.",
@@ -1014,4 +1014,56 @@ fn forced_harmony_replies_make_the_call() {
     // Cut inside the name: no call, no text.
     let sent = run_forced(&required, &[T("get_wea")]);
     assert_eq!((sent.text.as_str(), sent.calls.len()), ("", 0));
+}
+
+/// Gemma 4: its thought channel (`<|channel>thought` … `<channel|>`, both
+/// markers special tokens the detokenizer leaves out) split off before
+/// its calls (markers special tokens too) are read; a special token that
+/// is neither (`<end_of_turn>`) stays out of the reply.
+#[test]
+fn gemma4_thought_channel_then_a_call_from_special_tokens() {
+    use crate::output::tool_calls::gemma4::{GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE};
+    let tools = [ToolDefinition {
+        name: "get_weather".into(),
+        description: None,
+        parameters: serde_json::json!({"type": "object"}),
+    }];
+    let mut f = OutputFilter::with_format(&[], &tools, ToolCallFormat::Gemma4).with_reasoning(
+        ReasoningSplitter::new(ReasoningMarkers::GEMMA4_CHANNEL, false),
+    );
+    assert!(f.reads_special_tokens());
+    // (special?, text) as the engine hands them over.
+    let runs = [
+        (true, "<|channel>"),
+        (false, "thought\nThe user wants "),
+        (false, "Paris' weather, <tool_call|> is text here."),
+        (true, "<channel|>"),
+        (false, "Checking."),
+        (true, GEMMA4_CALL_OPEN),
+        (false, "call:get_weather{city:"),
+        (true, GEMMA4_QUOTE),
+        (false, "Paris}, {x"),
+        (true, GEMMA4_QUOTE),
+        (false, "}"),
+        (true, GEMMA4_CALL_CLOSE),
+        (true, "<end_of_turn>"),
+    ];
+    let mut sent = Sent::default();
+    for (special, text) in runs {
+        sent.take(if special {
+            f.push_special(text)
+        } else {
+            f.push(text)
+        });
+    }
+    sent.take(f.finish());
+    assert_eq!(
+        sent.reasoning,
+        "The user wants Paris' weather, <tool_call|> is text here."
+    );
+    assert_eq!(sent.text.trim(), "Checking.");
+    assert_eq!(sent.calls.len(), 1, "{sent:?}");
+    assert_eq!(sent.calls[0].name, "get_weather");
+    let args: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).expect("JSON");
+    assert_eq!(args, serde_json::json!({"city": "Paris}, {x"}));
 }
