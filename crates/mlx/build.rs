@@ -15,7 +15,6 @@ fn main() {
         .file("src/paged_attention.cc")
         .file("src/gated_delta.cc")
         .file("src/ssm.cc")
-        .file("src/gather_qmv.cc")
         .file("src/gemv_forward.cc")
         .file("src/skinny_gemm.cc")
         .file("src/distributed.cc")
@@ -37,7 +36,6 @@ fn main() {
     println!("cargo:rerun-if-changed=src/paged_attention.cc");
     println!("cargo:rerun-if-changed=src/gated_delta.cc");
     println!("cargo:rerun-if-changed=src/ssm.cc");
-    println!("cargo:rerun-if-changed=src/gather_qmv.cc");
     println!("cargo:rerun-if-changed=src/gemv_forward.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.cc");
     println!("cargo:rerun-if-changed=src/skinny_gemm.h");

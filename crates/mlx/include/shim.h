@@ -102,11 +102,6 @@ ArrayPtr gated_rms_norm(const array& x, const array& gate, const array& weight, 
 bool gated_delta_kernel_fits(int k_dim, int v_dim);
 std::vector<array> gated_delta_kernel(const array& q, const array& k, const array& v,
                                       const array& decay, const array& beta, const array& state);
-// gather_qmv.cc: decode-time gathered quantized products on a CUDA GPU;
-// nullopt where the kernel does not apply (then MLX's gather_qmm runs).
-std::optional<array> gather_qmv(const array& x, const array& w, const array& scales,
-                                const array& biases, const array& indices, int group_size,
-                                int bits);
 // ssm.cc: Mamba2's selective state-space recurrence.
 std::unique_ptr<ArrayList> ssm_scan(const array& x, const array& dt, const array& b, const array& c,
                                     const array& a_log, const array& d, const array& dt_bias,

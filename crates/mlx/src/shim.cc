@@ -162,13 +162,6 @@ ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, boo
 }
 ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
                     const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted) {
-  // Decode-time pairs (unsorted, one row each) on a CUDA GPU: our kernel
-  // (gather_qmv.cc); every other shape, MLX's.
-  if (!sorted) {
-    if (auto y = gather_qmv(x, w, scales, biases, rhs_indices, group_size, bits)) {
-      return wrap(std::move(*y));
-    }
-  }
   return wrap(mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, /*transpose=*/true,
                              group_size, bits, "affine", std::nullopt, sorted));
 }
