@@ -1287,3 +1287,79 @@ fn gemma4_calls_use_the_marker_tokens() {
         check_weather_args(&calls[0].1);
     }
 }
+
+/// The rest of the Gemma 4 translator: a key that is not a plain word
+/// (written as a string), `const` of an object, objects without
+/// `properties` (open to keys whose values follow `additionalProperties`,
+/// or closed), `minItems`, and the depth bound (nesting past it is any
+/// value of the notation).
+#[test]
+fn gemma4_grammar_quotes_keys_and_bounds_depth() {
+    let (text_tok, gt) = load(&model_dir(), 0);
+    let mut deep = json!({"type": "integer"});
+    for _ in 0..20 {
+        deep = json!({"type": "object", "properties": {"n": deep}, "required": ["n"]});
+    }
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "odd key": {"const": {"a": [1, "x"]}},
+            "tags": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "none": {"type": "object", "additionalProperties": false},
+            "list": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "deep": deep
+        },
+        "required": ["odd key", "tags", "none", "list", "deep"]
+    });
+    let grammar = Grammar::Gemma4Calls {
+        tools: vec![("f".into(), schema)],
+        named: false,
+        single: true,
+    };
+    let q = "<|\"|>";
+    let nested = |levels: usize, inner: &str| {
+        format!("{}{inner}{}", "{n:".repeat(levels), "}".repeat(levels))
+    };
+    let args = |odd: &str, tags: &str, none: &str, list: &str, deep: &str| {
+        format!("f{{{odd}:{{a:[1,{q}x{q}]}},tags:{tags},none:{none},list:{list},deep:{deep}}}<tool_call|>")
+    };
+    let odd = format!("{q}odd key{q}");
+    let (tags, list) = ("{a:1,b_2:-3}".to_owned(), format!("[{q}{q},{q}y{q}]"));
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, &tags, "{}", &list, &nested(20, "5"))
+    ));
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, "{}", "{}", &list, &nested(20, "5"))
+    ));
+    // Past the depth bound any value goes; before it, the schema holds.
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, &tags, "{}", &list, &nested(19, &format!("{q}s{q}")))
+    ));
+    assert!(!accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, &tags, "{}", &list, &nested(3, &format!("{q}s{q}")))
+    ));
+    for (odd, tags, none, list) in [
+        ("odd key", tags.as_str(), "{}", list.as_str()),
+        (&odd, "{a:true}", "{}", &list),
+        (&odd, &tags, "{a:1}", &list),
+        (&odd, &tags, "{}", "[]"),
+        (&odd, &tags, "{}", "[1]"),
+    ] {
+        let text = args(odd, tags, none, list, &nested(20, "5"));
+        assert!(!accepts(&text_tok, &gt, &grammar, &text), "{text}");
+    }
+    let other_const = args(&odd, &tags, "{}", &list, &nested(20, "5")).replace("[1,", "[2,");
+    assert!(!accepts(&text_tok, &gt, &grammar, &other_const));
+}

@@ -31,6 +31,13 @@
 //! that breaks the notation closes the open strings, arrays and objects,
 //! and is read again as text. A reply cut inside a call leaves its
 //! arguments as far as they came. Whitespace between calls is dropped.
+//!
+//! **Forced.** Under a forced `tool_choice` the prompt ends with
+//! [`gemma4_forced_call_prefix`] and the grammar
+//! ([`crate::constraint::Grammar::Gemma4Calls`]) writes the rest of the
+//! call in this notation; the forced parser is seeded with the prefix, so
+//! the call is read from it and the generated text as any other, and no
+//! text outside calls is sent.
 
 use super::{emit_outside_text, new_call_id, release_outside, ToolCallParser};
 use crate::output::stop::partial_suffix;
