@@ -1233,6 +1233,24 @@ fn gemma4_calls_use_the_marker_tokens() {
         "{spelled:?}"
     );
     assert!(!accepts_ids(&gt, &grammar, &spelled));
+    // Nor inside a string between the quote tokens (the reader would end
+    // the string there); the same string without it is accepted.
+    let ids_of = |inner: &[&str]| -> Vec<u32> {
+        let mut ids = text_tok.encode("get_weather{city:", false).unwrap();
+        ids.push(49154);
+        for piece in inner {
+            ids.extend(text_tok.encode(piece, false).unwrap());
+        }
+        ids.push(49154);
+        ids.extend(
+            text_tok
+                .encode(",unit:<|\"|>celsius<|\"|>}<tool_call|>", false)
+                .unwrap(),
+        );
+        ids
+    };
+    assert!(accepts_ids(&gt, &grammar, &ids_of(&["a<|\"|", "b"])));
+    assert!(!accepts_ids(&gt, &grammar, &ids_of(&["a<|\"|", ">b"])));
     // Walks: the markers come as their tokens, the reader makes calls.
     let prefix = gemma4_forced_call_prefix(None);
     let mut twice = false;
