@@ -522,3 +522,58 @@ fn constraint_of(
         }),
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str) -> ToolDefinition {
+        ToolDefinition {
+            name: name.into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}}),
+        }
+    }
+
+    /// Forced calls on a Gemma 4 template: its own prefix in the prompt and
+    /// its own grammar, over the named function alone when one is named.
+    #[test]
+    fn gemma4_forced_calls_are_written_in_its_format() {
+        let tools = [tool("f"), tool("g")];
+        let schemas: Vec<_> = tools
+            .iter()
+            .map(|t| (t.name.clone(), t.parameters.clone()))
+            .collect();
+        let mut request =
+            GenerationRequest::new(Prompt::Text("x".into()), SamplingParams::greedy(), 8);
+        request.tool_choice = ToolChoice::Required;
+        request.parallel_tool_calls = false;
+        let c = constraint_of(&request, &tools, ToolCallFormat::Gemma4)
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.reply.as_deref(), Some("<|tool_call>call:"));
+        let required = Grammar::Gemma4Calls {
+            tools: schemas.clone(),
+            named: false,
+            single: true,
+        };
+        assert_eq!(c.grammar, required);
+        request.tool_choice = ToolChoice::Function("g".into());
+        let c = constraint_of(&request, &tools, ToolCallFormat::Gemma4)
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.reply.as_deref(), Some("<|tool_call>call:g{"));
+        let named = Grammar::Gemma4Calls {
+            tools: vec![schemas[1].clone()],
+            named: true,
+            single: true,
+        };
+        assert_eq!(c.grammar, named);
+        // The Hermes format keeps its JSON arguments after its own prefix.
+        let c = constraint_of(&request, &tools, ToolCallFormat::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.grammar, Grammar::JsonSchema(tools[1].parameters.clone()));
+        assert!(c.reply.is_some_and(|r| r.starts_with("<tool_call>")));
+    }
+}
