@@ -21,6 +21,7 @@ use std::time::Instant;
 use mlxcel_kv::GroupAdmission;
 use mlxcel_text::client_text::mark_client_text;
 use mlxcel_text::constraint::{ConstrainedDecoder, Grammar};
+use mlxcel_text::output::tool_calls::gemma4::gemma4_forced_call_prefix;
 use mlxcel_text::output::tool_calls::mistral::mistral_forced_call_prefix;
 use mlxcel_text::output::tool_calls::qwen3_coder::xml_forced_call_prefix;
 use mlxcel_text::output::{forced_call_prefix, harmony, ToolCallFormat};
@@ -407,8 +408,8 @@ impl RequestBuilder {
 /// The grammar a request's output must follow: a required or named tool
 /// call over `tools` (then the reply's start goes in the prompt,
 /// [`forced_call_prefix`], or the model's own for a `format` of
-/// [`ToolCallFormat::Harmony`], [`ToolCallFormat::Qwen3CoderXml`] or
-/// [`ToolCallFormat::MistralV11`],
+/// [`ToolCallFormat::Harmony`], [`ToolCallFormat::Qwen3CoderXml`],
+/// [`ToolCallFormat::MistralV11`] or [`ToolCallFormat::Gemma4`],
 /// with a grammar of that format: the model generates only the rest of the
 /// call, for a named function only its arguments, and the output filter
 /// builds the call from it), or its `response_format`.
@@ -444,6 +445,7 @@ fn constraint_of(
     };
     let xml = format == ToolCallFormat::Qwen3CoderXml;
     let mistral = format == ToolCallFormat::MistralV11;
+    let gemma4 = format == ToolCallFormat::Gemma4;
     let (grammar, only) = match &request.tool_choice {
         ToolChoice::Required if !tools.is_empty() && harmony => {
             (Grammar::HarmonyCall { tools: schemas() }, None)
@@ -463,6 +465,14 @@ fn constraint_of(
             },
             None,
         ),
+        ToolChoice::Required if !tools.is_empty() && gemma4 => (
+            Grammar::Gemma4Calls {
+                tools: schemas(),
+                named: false,
+                single: !request.parallel_tool_calls,
+            },
+            None,
+        ),
         ToolChoice::Required if !tools.is_empty() => (
             Grammar::ToolCalls {
                 tools: schemas(),
@@ -477,6 +487,12 @@ fn constraint_of(
                 .ok_or_else(|| invalid(field, format!("no tool named `{name}` to call")))?;
             let grammar = if xml {
                 Grammar::XmlCalls {
+                    tools: vec![(tool.name.clone(), tool.parameters.clone())],
+                    named: true,
+                    single: true,
+                }
+            } else if gemma4 {
+                Grammar::Gemma4Calls {
                     tools: vec![(tool.name.clone(), tool.parameters.clone())],
                     named: true,
                     single: true,
@@ -504,7 +520,63 @@ fn constraint_of(
             ToolCallFormat::Harmony => harmony::forced_call_prefix(only.map(String::as_str)),
             ToolCallFormat::Qwen3CoderXml => xml_forced_call_prefix(only.map(String::as_str)),
             ToolCallFormat::MistralV11 => mistral_forced_call_prefix(only.map(String::as_str)),
+            ToolCallFormat::Gemma4 => gemma4_forced_call_prefix(only.map(String::as_str)),
             _ => forced_call_prefix(only.map(String::as_str)),
         }),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str) -> ToolDefinition {
+        ToolDefinition {
+            name: name.into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}}),
+        }
+    }
+
+    /// Forced calls on a Gemma 4 template: its own prefix in the prompt and
+    /// its own grammar, over the named function alone when one is named.
+    #[test]
+    fn gemma4_forced_calls_are_written_in_its_format() {
+        let tools = [tool("f"), tool("g")];
+        let schemas: Vec<_> = tools
+            .iter()
+            .map(|t| (t.name.clone(), t.parameters.clone()))
+            .collect();
+        let mut request =
+            GenerationRequest::new(Prompt::Text("x".into()), SamplingParams::greedy(), 8);
+        request.tool_choice = ToolChoice::Required;
+        request.parallel_tool_calls = false;
+        let c = constraint_of(&request, &tools, ToolCallFormat::Gemma4)
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.reply.as_deref(), Some("<|tool_call>call:"));
+        let required = Grammar::Gemma4Calls {
+            tools: schemas.clone(),
+            named: false,
+            single: true,
+        };
+        assert_eq!(c.grammar, required);
+        request.tool_choice = ToolChoice::Function("g".into());
+        let c = constraint_of(&request, &tools, ToolCallFormat::Gemma4)
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.reply.as_deref(), Some("<|tool_call>call:g{"));
+        let named = Grammar::Gemma4Calls {
+            tools: vec![schemas[1].clone()],
+            named: true,
+            single: true,
+        };
+        assert_eq!(c.grammar, named);
+        // The Hermes format keeps its JSON arguments after its own prefix.
+        let c = constraint_of(&request, &tools, ToolCallFormat::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.grammar, Grammar::JsonSchema(tools[1].parameters.clone()));
+        assert!(c.reply.is_some_and(|r| r.starts_with("<tool_call>")));
+    }
 }

@@ -9,7 +9,8 @@
 //! - [`GrammarTokenizer`]: once per model, at load (builds the trie; about a
 //!   second for a 50k vocabulary).
 //! - [`Grammar`]: what a request asks for (JSON object, JSON Schema, tool
-//!   calls after a forced reply's start).
+//!   calls after a forced reply's start, in the Hermes, harmony, Mistral
+//!   v11, Qwen3-Coder XML or Gemma 4 format).
 //! - [`ConstrainedDecoder`]: one per request; per step [`mask_logits`] before
 //!   sampling, then [`accept`] the sampled token, until [`is_finished`].
 //!
@@ -29,7 +30,10 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
 use toktrie_hf_tokenizers::ByteTokenizer;
 
+use crate::output::tool_calls::gemma4::{GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE};
 use crate::tokenizer::TextTokenizer;
+
+mod gemma4;
 
 /// Errors of constrained decoding.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +86,9 @@ struct TokInner {
     /// The ids of Mistral's `[TOOL_CALLS]` and `[ARGS]` when they are
     /// special tokens (v11 tokenizers): Mistral grammars name the tokens.
     mistral_markers: Option<(u32, u32)>,
+    /// The ids of Gemma 4's `<|tool_call>`, `<tool_call|>` and `<|"|>`
+    /// when all three are special tokens: Gemma 4 grammars name the tokens.
+    gemma4_markers: Option<[u32; 3]>,
 }
 
 impl GrammarTokenizer {
@@ -139,6 +146,12 @@ impl GrammarTokenizer {
         let mistral_markers = trie
             .get_special_token("[TOOL_CALLS]")
             .zip(trie.get_special_token("[ARGS]"));
+        let gemma4_markers = match [GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE]
+            .map(|marker| trie.get_special_token(marker))
+        {
+            [Some(open), Some(close), Some(quote)] => Some([open, close, quote]),
+            _ => None,
+        };
         let mut factory = ParserFactory::new_simple(&env).map_err(tok_err)?;
         factory.quiet();
         Ok(Self {
@@ -149,6 +162,7 @@ impl GrammarTokenizer {
                 tool_tags_special,
                 harmony_special,
                 mistral_markers,
+                gemma4_markers,
             }),
         })
     }
@@ -287,13 +301,36 @@ pub enum Grammar {
         /// At most one call (`parallel_tool_calls: false`).
         single: bool,
     },
+    /// Tool calls in Gemma 4's format, continuing a reply that already
+    /// holds `<|tool_call>call:` (`tool_choice: "required"`: a function's
+    /// name, `{`, its arguments, `}<tool_call|>`; unless `single`, then
+    /// `<|tool_call>call:` and another call, any number of times) or
+    /// `<|tool_call>call:NAME{` (a named function, `named`: its arguments'
+    /// members, `}<tool_call|>`); the engine puts it in the prompt
+    /// ([`crate::output::tool_calls::gemma4::gemma4_forced_call_prefix`]).
+    /// The arguments are the parameters' JSON Schema translated into
+    /// Gemma 4's notation (keys bare, in the schema's order, the required
+    /// ones always and the others each present or not; strings between
+    /// `<|"|>` markers; a generic value where the schema says too little
+    /// or too much to translate): see the translator's notes in
+    /// `constraint/gemma4.rs`. The markers are the tokenizer's special
+    /// tokens when it has all three, else text.
+    Gemma4Calls {
+        /// `(name, parameters JSON Schema)` of each function (one, when
+        /// `named`).
+        tools: Vec<(String, Json)>,
+        /// The prefix names the function: only its arguments follow.
+        named: bool,
+        /// At most one call (`parallel_tool_calls: false`).
+        single: bool,
+    },
 }
 
 impl Grammar {
     /// Compiles the grammar without a tokenizer, to reject a bad schema early
     /// (at the HTTP edge). Errors: [`ConstraintError::InvalidGrammar`].
     pub fn validate(&self) -> Result<(), ConstraintError> {
-        let init = GrammarInit::Serialized(self.to_llg(false, false, None)?);
+        let init = GrammarInit::Serialized(self.to_llg(false, false, None, None)?);
         match init.validate(None, ParserLimits::default()).into_error() {
             Some(e) => Err(ConstraintError::InvalidGrammar(e)),
             None => Ok(()),
@@ -304,12 +341,15 @@ impl Grammar {
     /// `</tool_call>` as special tokens rather than as text;
     /// `harmony_special`: the same for harmony's `<|constrain|>` and
     /// `<|message|>`; `mistral_markers`: the ids of Mistral's
-    /// `[TOOL_CALLS]` and `[ARGS]` special tokens (else their text).
+    /// `[TOOL_CALLS]` and `[ARGS]` special tokens (else their text);
+    /// `gemma4_markers`: the same for Gemma 4's `<|tool_call>`,
+    /// `<tool_call|>` and `<|"|>`.
     fn to_llg(
         &self,
         special_tags: bool,
         harmony_special: bool,
         mistral_markers: Option<(u32, u32)>,
+        gemma4_markers: Option<[u32; 3]>,
     ) -> Result<TopLevelGrammar, ConstraintError> {
         match self {
             Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(with_layout(
@@ -337,6 +377,16 @@ impl Grammar {
                 *named,
                 *single,
                 special_tags,
+            )?)),
+            Grammar::Gemma4Calls {
+                tools,
+                named,
+                single,
+            } => Ok(TopLevelGrammar::from_lark(gemma4::gemma4_calls_lark(
+                tools,
+                *named,
+                *single,
+                gemma4_markers,
             )?)),
         }
     }
@@ -641,6 +691,7 @@ impl ConstrainedDecoder {
             tok.inner.tool_tags_special,
             tok.inner.harmony_special,
             tok.inner.mistral_markers,
+            tok.inner.gemma4_markers,
         )?;
         let parser = tok
             .inner

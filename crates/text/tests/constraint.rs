@@ -958,3 +958,426 @@ fn xml_forced_calls_follow_the_schema() {
     }
     assert_eq!(seen.len(), 2, "{seen:?}");
 }
+
+/// Whether `grammar` accepts `text` whole: every token of its encoding
+/// (`text_tok`'s, so markers the tokenizer has as tokens are those ids),
+/// then EOS.
+fn accepts(text_tok: &TextTokenizer, gt: &GrammarTokenizer, grammar: &Grammar, text: &str) -> bool {
+    accepts_ids(gt, grammar, &text_tok.encode(text, false).unwrap())
+}
+
+/// Whether `grammar` accepts the tokens `ids`, then EOS.
+fn accepts_ids(gt: &GrammarTokenizer, grammar: &Grammar, ids: &[u32]) -> bool {
+    let mut dec = ConstrainedDecoder::new(gt, grammar).unwrap();
+    ids.iter().all(|&t| dec.accept(t).is_ok()) && dec.accept(EOS).is_ok()
+}
+
+/// Tools with a nested object, an array of objects, an enum, optional
+/// keys, integers and numbers, `anyOf`, a type list, and schemas the
+/// Gemma 4 translator cannot translate (no type, `$ref`).
+fn gemma4_tools() -> Vec<(String, Value)> {
+    vec![
+        (
+            "get_weather".into(),
+            json!({
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "units": {
+                        "type": "object",
+                        "properties": {"deg": {"enum": ["C", "F"]}, "wind": {"type": "string"}},
+                        "required": ["deg"]
+                    }
+                },
+                "required": ["city"]
+            }),
+        ),
+        (
+            "route".into(),
+            json!({
+                "type": "object",
+                "properties": {
+                    "stops": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"name": {"type": "string"}, "lat": {"type": "number"}},
+                            "required": ["name", "lat"]
+                        }
+                    },
+                    "v": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+                    "flag": {"type": ["boolean", "null"]}
+                },
+                "required": ["stops"]
+            }),
+        ),
+        (
+            "anything".into(),
+            json!({
+                "type": "object",
+                "properties": {"x": {}, "y": {"$ref": "#/$defs/y"}},
+                "required": ["x"]
+            }),
+        ),
+    ]
+}
+
+/// Gemma 4's forced calls (markers as text): the grammar accepts the
+/// notation of valid arguments and nothing else.
+#[test]
+fn gemma4_grammar_accepts_valid_arguments_only() {
+    let (text_tok, gt) = load(&model_dir(), 0);
+    let required = |single| Grammar::Gemma4Calls {
+        tools: gemma4_tools(),
+        named: false,
+        single,
+    };
+    let grammar = required(false);
+    grammar.validate().unwrap();
+    let q = "<|\"|>";
+    let s = |v: &str| format!("{q}{v}{q}");
+    let end = "<tool_call|>";
+    let valid = [
+        // Every key, nested object.
+        format!(
+            "get_weather{{city:{},days:3,units:{{deg:{},wind:{}}}}}{end}",
+            s("Paris"),
+            s("C"),
+            s("")
+        ),
+        // Optional keys left out, in order.
+        format!("get_weather{{city:{}}}{end}", s("Paris")),
+        format!(
+            "get_weather{{city:{},units:{{deg:{}}}}}{end}",
+            s("a}, b: call:x,"),
+            s("F")
+        ),
+        format!("get_weather{{city:{},days:-12}}{end}", s("")),
+        // An array of objects; a number may be an integer.
+        format!(
+            "route{{stops:[{{name:{},lat:48.85}},{{name:{},lat:2}}]}}{end}",
+            s("A"),
+            s("B")
+        ),
+        format!("route{{stops:[],v:7,flag:null}}{end}"),
+        format!("route{{stops:[],v:{},flag:true}}{end}", s("abc")),
+        // No type, `$ref`: any value of the notation.
+        format!(
+            "anything{{x:{{a:[1,{},null],b:true}},y:-0.5e3}}{end}",
+            s("s")
+        ),
+        format!("anything{{x:{}}}{end}", s("t")),
+        // Several calls.
+        format!(
+            "get_weather{{city:{}}}{end}<|tool_call>call:route{{stops:[]}}{end}",
+            s("A")
+        ),
+    ];
+    for text in &valid {
+        assert!(accepts(&text_tok, &gt, &grammar, text), "{text}");
+    }
+    let invalid = [
+        // Missing required key (top level, nested, in an array item).
+        format!("get_weather{{days:3}}{end}"),
+        format!("get_weather{{city:{},units:{{}}}}{end}", s("P")),
+        format!("route{{stops:[{{name:{}}}]}}{end}", s("A")),
+        // Wrong types.
+        format!("get_weather{{city:{},days:3.5}}{end}", s("P")),
+        format!("get_weather{{city:{},days:{}}}{end}", s("P"), s("3")),
+        format!("get_weather{{city:3}}{end}"),
+        format!("route{{stops:[{{name:{},lat:{}}}]}}{end}", s("A"), s("1")),
+        format!("route{{stops:[],flag:1}}{end}"),
+        format!("route{{stops:[],v:true}}{end}"),
+        format!("route{{stops:[],v:{}}}{end}", s("abcd")),
+        // Not in the enum.
+        format!(
+            "get_weather{{city:{},units:{{deg:{}}}}}{end}",
+            s("P"),
+            s("K")
+        ),
+        // Keys out of the schema's order, unknown keys.
+        format!("get_weather{{days:3,city:{}}}{end}", s("P")),
+        format!("get_weather{{city:{},wind:3}}{end}", s("P")),
+        // An unknown function.
+        format!("get_time{{zone:{}}}{end}", s("UTC")),
+        // A string without its closing marker; a call without its end.
+        format!("get_weather{{city:{q}Paris}}{end}"),
+        format!("get_weather{{city:{}}}", s("P")),
+        // JSON is not the notation.
+        format!("get_weather{{\"city\":\"P\"}}{end}"),
+        format!("get_weather{{city: {}}}{end}", s("P")),
+        format!("anything{{x:}}{end}"),
+    ];
+    for text in &invalid {
+        assert!(!accepts(&text_tok, &gt, &grammar, text), "{text}");
+    }
+    // One call only without parallel tool calls.
+    assert!(!accepts(&text_tok, &gt, &required(true), &valid[9]));
+    assert!(accepts(&text_tok, &gt, &required(true), &valid[1]));
+    // A named function: the prompt holds `<|tool_call>call:NAME{`.
+    let named = Grammar::Gemma4Calls {
+        tools: vec![gemma4_tools().remove(0)],
+        named: true,
+        single: true,
+    };
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &named,
+        &format!("city:{}}}{end}", s("P"))
+    ));
+    assert!(!accepts(&text_tok, &gt, &named, &valid[1]));
+    assert!(!accepts(&text_tok, &gt, &named, &format!("days:1}}{end}")));
+    // Bad requests.
+    for bad in [
+        Grammar::Gemma4Calls {
+            tools: vec![],
+            named: false,
+            single: false,
+        },
+        Grammar::Gemma4Calls {
+            tools: gemma4_tools(),
+            named: true,
+            single: true,
+        },
+    ] {
+        assert!(matches!(
+            bad.validate(),
+            Err(ConstraintError::InvalidGrammar(_))
+        ));
+    }
+}
+
+/// The calls of a forced Gemma 4 reply whose generated part is `text`.
+fn gemma4_calls(text: &str, prefix: &str, names: &[&str]) -> (Vec<(String, Value)>, String) {
+    use mlxcel_engine_api::ToolDefinition;
+    use mlxcel_text::output::ToolCallFormat;
+    let tools: Vec<ToolDefinition> = names
+        .iter()
+        .map(|n| ToolDefinition {
+            name: n.to_string(),
+            description: None,
+            parameters: json!({"type": "object"}),
+        })
+        .collect();
+    calls_of(
+        OutputFilter::forced_in(ToolCallFormat::Gemma4, &[], &tools, prefix),
+        text,
+    )
+}
+
+/// Gemma 4's tokenizer has `<|tool_call>`, `<tool_call|>` and `<|"|>` as
+/// special tokens: the grammar writes those tokens (never their
+/// spelled-out text), and the forced Gemma 4 reader makes calls of the
+/// reply; with the markers as text, the same.
+#[test]
+fn gemma4_calls_use_the_marker_tokens() {
+    use mlxcel_text::output::tool_calls::gemma4::gemma4_forced_call_prefix;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("constraint-gemma4-markers");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = model_dir();
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let markers = [
+        (49152, "<|tool_call>"),
+        (49153, "<tool_call|>"),
+        (49154, "<|\"|>"),
+    ];
+    for (id, marker) in markers {
+        tokenizer["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({
+                "id": id, "content": marker, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+    }
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    ] {
+        if src.join(f).is_file() {
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
+        }
+    }
+    let (text_tok, gt) = load(&dir, 0);
+    let tools = vec![
+        ("get_weather".to_string(), weather_schema()),
+        ("get_time".to_string(), time_schema()),
+    ];
+    let grammar = Grammar::Gemma4Calls {
+        tools: tools.clone(),
+        named: false,
+        single: false,
+    };
+    // The notation with the marker tokens is accepted; a marker spelled
+    // out as text is not.
+    let valid = "get_weather{city:<|\"|>a\"|><|\"|>,unit:<|\"|>celsius<|\"|>}<tool_call|>";
+    let ids = text_tok.encode(valid, false).unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == 49154).count(), 4, "{ids:?}");
+    assert!(accepts_ids(&gt, &grammar, &ids));
+    let spelled: Vec<u32> = [
+        "get_weather{city:<|\"|",
+        ">a<|\"|>,unit:<|\"|>celsius<|\"|>}<tool_call|>",
+    ]
+    .iter()
+    .flat_map(|t| text_tok.encode(t, false).unwrap())
+    .collect();
+    assert_eq!(
+        spelled.iter().filter(|&&t| t == 49154).count(),
+        3,
+        "{spelled:?}"
+    );
+    assert!(!accepts_ids(&gt, &grammar, &spelled));
+    // Nor inside a string between the quote tokens (the reader would end
+    // the string there); the same string without it is accepted.
+    let ids_of = |inner: &[&str]| -> Vec<u32> {
+        let mut ids = text_tok.encode("get_weather{city:", false).unwrap();
+        ids.push(49154);
+        for piece in inner {
+            ids.extend(text_tok.encode(piece, false).unwrap());
+        }
+        ids.push(49154);
+        ids.extend(
+            text_tok
+                .encode(",unit:<|\"|>celsius<|\"|>}<tool_call|>", false)
+                .unwrap(),
+        );
+        ids
+    };
+    assert!(accepts_ids(&gt, &grammar, &ids_of(&["a<|\"|", "b"])));
+    assert!(!accepts_ids(&gt, &grammar, &ids_of(&["a<|\"|", ">b"])));
+    // Walks: the markers come as their tokens, the reader makes calls.
+    let prefix = gemma4_forced_call_prefix(None);
+    let mut twice = false;
+    for seed in 0..8 {
+        let w = walk(&gt, &grammar, seed, 2.3);
+        assert!(
+            w.ids.contains(&49153) && w.ids.contains(&49154),
+            "{}",
+            w.text
+        );
+        let plain: Vec<u8> = w
+            .ids
+            .iter()
+            .filter(|&&t| t < 49152)
+            .flat_map(|&t| gt.token_bytes(t))
+            .collect();
+        let plain = String::from_utf8_lossy(&plain);
+        for (_, marker) in markers {
+            assert!(!plain.contains(marker), "{}", w.text);
+        }
+        let (calls, other) = gemma4_calls(&w.text, &prefix, &["get_weather", "get_time"]);
+        assert_eq!(other, "", "{}", w.text);
+        assert!(!calls.is_empty(), "{}", w.text);
+        twice |= calls.len() > 1;
+        for (name, args) in &calls {
+            match name.as_str() {
+                "get_weather" => check_weather_args(args),
+                "get_time" => assert!(
+                    args["zone"]
+                        .as_str()
+                        .is_some_and(|z| z.chars().count() <= 12),
+                    "{args}"
+                ),
+                other => panic!("called {other}"),
+            }
+        }
+    }
+    assert!(twice, "no walk called twice");
+    // A named call, markers as text (the SmolLM2 tokenizer as it is).
+    let (_, plain_gt) = load(&model_dir(), 0);
+    let named = Grammar::Gemma4Calls {
+        tools: vec![tools[0].clone()],
+        named: true,
+        single: true,
+    };
+    let prefix = gemma4_forced_call_prefix(Some("get_weather"));
+    for seed in 0..4 {
+        let w = walk(&plain_gt, &named, seed, 0.0);
+        let (calls, other) = gemma4_calls(&w.text, &prefix, &["get_weather"]);
+        assert_eq!(other, "", "{}", w.text);
+        assert_eq!(calls.len(), 1, "{}", w.text);
+        check_weather_args(&calls[0].1);
+    }
+}
+
+/// The rest of the Gemma 4 translator: a key that is not a plain word
+/// (written as a string), `const` of an object, objects without
+/// `properties` (open to keys whose values follow `additionalProperties`,
+/// or closed), `minItems`, and the depth bound (nesting past it is any
+/// value of the notation).
+#[test]
+fn gemma4_grammar_quotes_keys_and_bounds_depth() {
+    let (text_tok, gt) = load(&model_dir(), 0);
+    let mut deep = json!({"type": "integer"});
+    for _ in 0..20 {
+        deep = json!({"type": "object", "properties": {"n": deep}, "required": ["n"]});
+    }
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "odd key": {"const": {"a": [1, "x"]}},
+            "tags": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "none": {"type": "object", "additionalProperties": false},
+            "list": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "deep": deep
+        },
+        "required": ["odd key", "tags", "none", "list", "deep"]
+    });
+    let grammar = Grammar::Gemma4Calls {
+        tools: vec![("f".into(), schema)],
+        named: false,
+        single: true,
+    };
+    let q = "<|\"|>";
+    let nested = |levels: usize, inner: &str| {
+        format!("{}{inner}{}", "{n:".repeat(levels), "}".repeat(levels))
+    };
+    let args = |odd: &str, tags: &str, none: &str, list: &str, deep: &str| {
+        format!("f{{{odd}:{{a:[1,{q}x{q}]}},tags:{tags},none:{none},list:{list},deep:{deep}}}<tool_call|>")
+    };
+    let odd = format!("{q}odd key{q}");
+    let (tags, list) = ("{a:1,b_2:-3}".to_owned(), format!("[{q}{q},{q}y{q}]"));
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, &tags, "{}", &list, &nested(20, "5"))
+    ));
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, "{}", "{}", &list, &nested(20, "5"))
+    ));
+    // Past the depth bound any value goes; before it, the schema holds.
+    assert!(accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, &tags, "{}", &list, &nested(19, &format!("{q}s{q}")))
+    ));
+    assert!(!accepts(
+        &text_tok,
+        &gt,
+        &grammar,
+        &args(&odd, &tags, "{}", &list, &nested(3, &format!("{q}s{q}")))
+    ));
+    for (odd, tags, none, list) in [
+        ("odd key", tags.as_str(), "{}", list.as_str()),
+        (&odd, "{a:true}", "{}", &list),
+        (&odd, &tags, "{a:1}", &list),
+        (&odd, &tags, "{}", "[]"),
+        (&odd, &tags, "{}", "[1]"),
+    ] {
+        let text = args(odd, tags, none, list, &nested(20, "5"));
+        assert!(!accepts(&text_tok, &gt, &grammar, &text), "{text}");
+    }
+    let other_const = args(&odd, &tags, "{}", &list, &nested(20, "5")).replace("[1,", "[2,");
+    assert!(!accepts(&text_tok, &gt, &grammar, &other_const));
+}

@@ -43,7 +43,7 @@ pub use tool_calls::hermes::{
     forced_call_prefix, parse_tool_call, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 pub use tool_calls::ToolCallFormat;
-use tool_calls::{HermesParser, MistralParser, Qwen3CoderParser, ToolCallParser};
+use tool_calls::{Gemma4Parser, HermesParser, MistralParser, Qwen3CoderParser, ToolCallParser};
 
 /// One piece of a choice's visible output.
 #[derive(Debug, Clone, PartialEq)]
@@ -285,7 +285,9 @@ impl OutputFilter {
     /// the XML one ([`tool_calls::qwen3_coder::xml_forced_call_prefix`]) for
     /// [`ToolCallFormat::Qwen3CoderXml`], Mistral's
     /// ([`tool_calls::mistral::mistral_forced_call_prefix`]) for
-    /// [`ToolCallFormat::MistralV11`] (its markers, special tokens, are
+    /// [`ToolCallFormat::MistralV11`] and Gemma 4's
+    /// ([`tool_calls::gemma4::gemma4_forced_call_prefix`]) for
+    /// [`ToolCallFormat::Gemma4`] (the markers of both, special tokens, are
     /// read as text), [`forced_call_prefix`] for the others.
     pub fn forced_in(
         format: ToolCallFormat,
@@ -299,6 +301,7 @@ impl OutputFilter {
             ToolCallFormat::MistralV11 => {
                 (Some(Box::new(MistralParser::forced(&names, prefix))), None)
             }
+            ToolCallFormat::Gemma4 => (Some(Box::new(Gemma4Parser::forced(&names, prefix))), None),
             ToolCallFormat::Qwen3CoderXml => (
                 Some(Box::new(Qwen3CoderParser::forced_with_tools(tools, prefix))),
                 None,

@@ -412,16 +412,83 @@ fn mistral_v11_cut_calls_keep_their_arguments_so_far() {
     assert_eq!(calls, [call("f", "{\"a\": \"hal")]);
 }
 
+/// A forced Gemma 4 reply, its markers fed as special tokens (as the
+/// engine feeds them) or as text: the summary of the whole, checked equal
+/// to the one of every text run fed one character at a time.
+fn forced_gemma4(prefix: &str, names: &[&str], generated: &str, special: bool) -> Summary {
+    let tools = definitions(names);
+    let runs = match special {
+        true => as_runs(generated, G.special_markers()),
+        false => vec![Run::Text(generated)],
+    };
+    let feed = |n: Option<usize>| {
+        let mut f = OutputFilter::forced_in(G, &[], &tools, prefix);
+        let mut sent = Sent::default();
+        for run in &runs {
+            match (run, n) {
+                (Run::Text(t), Some(n)) => chunks(t, n)
+                    .iter()
+                    .for_each(|piece| sent.take(f.push(piece))),
+                (Run::Text(t), None) => sent.take(f.push(t)),
+                (Run::Special(s), _) => sent.take(f.push_special(s)),
+            }
+        }
+        sent.take(f.finish());
+        summary(&sent)
+    };
+    let whole = feed(None);
+    assert_eq!(feed(Some(1)), whole, "one character at a time");
+    whole
+}
+
 #[test]
-fn forced_gemma4_replies_keep_the_tool_call_fallback() {
-    // The engine forces `<tool_call>` calls for Gemma 4.
-    let prefix = forced_call_prefix(Some("f"));
-    let tools = definitions(&["f"]);
-    let mut f = OutputFilter::forced_in(G, &[], &tools, &prefix);
-    let sent = run(&mut f, &["{\"a\": 1}", "}\n</tool_call>"]);
+fn forced_gemma4_replies_continue_their_prefix() {
+    use crate::output::tool_calls::gemma4::gemma4_forced_call_prefix;
+    // A named function: the prefix holds the name and `{`, the model the
+    // members, `}` and the closing marker. The string holds the notation's
+    // own markup.
+    let named = gemma4_forced_call_prefix(Some("f"));
+    assert_eq!(named, "<|tool_call>call:f{");
+    let generated = "a:<|\"|>x}, b:1, call:g{\"q\"<|\"|>,n:[1.5,{k:null}],ok:false}<tool_call|>";
+    let expected = call(
+        "f",
+        "{\"a\": \"x}, b:1, call:g{\\\"q\\\"\", \"n\": [1.5, {\"k\": null}], \"ok\": false}",
+    );
     assert_eq!(
-        summary(&sent),
-        (String::new(), vec![call("f", "{\"a\": 1}")])
+        json(&expected.1),
+        serde_json::json!({"a": "x}, b:1, call:g{\"q\"", "n": [1.5, {"k": null}], "ok": false})
+    );
+    for special in [false, true] {
+        assert_eq!(
+            forced_gemma4(&named, &["f", "g"], generated, special),
+            (String::new(), vec![expected.clone()]),
+            "special: {special}"
+        );
+    }
+    // Required: the model writes the name, and calls again.
+    let required = gemma4_forced_call_prefix(None);
+    assert_eq!(required, "<|tool_call>call:");
+    let generated = "g{x:[<|\"|>a,b<|\"|>]}<tool_call|><|tool_call>call:f{}<tool_call|>";
+    for special in [false, true] {
+        assert_eq!(
+            forced_gemma4(&required, &["f", "g"], generated, special),
+            (
+                String::new(),
+                vec![call("g", "{\"x\": [\"a,b\"]}"), call("f", "{}")]
+            ),
+            "special: {special}"
+        );
+    }
+    // Cut inside a string: the arguments as far as they came (as an
+    // unforced reply's), no wrapper text.
+    assert_eq!(
+        forced_gemma4(&named, &["f"], "a:<|\"|>hal", true),
+        (String::new(), vec![call("f", "{\"a\": \"hal")])
+    );
+    // Cut before the name was complete: nothing, no wrapper text.
+    assert_eq!(
+        forced_gemma4(&required, &["f", "g"], "f", false),
+        (String::new(), vec![])
     );
 }
 

@@ -31,6 +31,13 @@
 //! that breaks the notation closes the open strings, arrays and objects,
 //! and is read again as text. A reply cut inside a call leaves its
 //! arguments as far as they came. Whitespace between calls is dropped.
+//!
+//! **Forced.** Under a forced `tool_choice` the prompt ends with
+//! [`gemma4_forced_call_prefix`] and the grammar
+//! ([`crate::constraint::Grammar::Gemma4Calls`]) writes the rest of the
+//! call in this notation; the forced parser is seeded with the prefix, so
+//! the call is read from it and the generated text as any other, and no
+//! text outside calls is sent.
 
 use super::{emit_outside_text, new_call_id, release_outside, ToolCallParser};
 use crate::output::stop::partial_suffix;
@@ -45,6 +52,22 @@ pub const GEMMA4_CALL_CLOSE: &str = "<tool_call|>";
 pub const GEMMA4_QUOTE: &str = "<|\"|>";
 /// Starts a call's body: `call:NAME{`.
 const CALL_PREFIX: &str = "call:";
+
+/// The start of a forced reply in this format, put after the prompt's
+/// generation prompt: `<|tool_call>call:NAME{` for a call to `name`
+/// (`tool_choice` naming a function: the model then writes the arguments'
+/// members, `}` and `<tool_call|>`), or `<|tool_call>call:` for a call to
+/// any function (`tool_choice: "required"`: the model writes the name on,
+/// [`crate::constraint::Grammar::Gemma4Calls`]). The tokenizer reads the
+/// marker in the prompt as its special token. [`Gemma4Parser`]'s forced
+/// mode (`ToolCallParser::forced`) reads the call from this prefix and the
+/// generated text.
+pub fn gemma4_forced_call_prefix(name: Option<&str>) -> String {
+    match name {
+        Some(name) => format!("{GEMMA4_CALL_OPEN}{CALL_PREFIX}{name}{{"),
+        None => format!("{GEMMA4_CALL_OPEN}{CALL_PREFIX}"),
+    }
+}
 
 /// An open array or object of the arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
