@@ -99,7 +99,7 @@ pub(crate) fn open(kv: &mut KvCache, tier: Option<&DiskTierConfig>) -> Result<()
     let Some(tier) = tier else {
         return Ok(());
     };
-    if !kv.recurrent().layers.is_empty() {
+    if kv.has_recurrent_layers() {
         // A hit on such a model resumes only at a state snapshot, and
         // snapshots live in RAM only.
         tracing::warn!(

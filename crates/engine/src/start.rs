@@ -244,7 +244,7 @@ fn engine_thread(
         let draft = match draft {
             // Speculation is off for a target with recurrent layers
             // (`Worker::new`): no draft to load.
-            Some(_) if !kv.recurrent().layers.is_empty() => None,
+            Some(_) if kv.has_recurrent_layers() => None,
             Some(draft) => {
                 let draft_model = draft.load()?;
                 let draft_kv = plan.draft_kv_cache(draft_model.as_ref(), &kv)?;

@@ -181,7 +181,7 @@ impl<'m> Worker<'m> {
         published: Arc<Mutex<EngineStats>>,
     ) -> Self {
         let mut config = config;
-        if !kv.recurrent().layers.is_empty() && config.speculative.method.proposes() {
+        if kv.has_recurrent_layers() && config.speculative.method.proposes() {
             tracing::warn!(
                 method = %config.speculative.method,
                 "speculative decoding is off: this model's recurrent layers cannot rewind \
@@ -189,7 +189,7 @@ impl<'m> Worker<'m> {
             );
             config.speculative.method = crate::speculative::SpeculativeMethod::Off;
         }
-        if !kv.recurrent().layers.is_empty() && kv.prefix_cache_enabled() {
+        if kv.has_recurrent_layers() && kv.prefix_cache_enabled() {
             config.scheduler.snapshot_block = kv.config().block_size;
         }
         let counters = EngineStats {

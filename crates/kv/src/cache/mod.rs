@@ -305,6 +305,12 @@ impl KvCache {
         &self.recurrent
     }
 
+    /// Whether the model has recurrent layers (a hybrid: Qwen3.5, Granite
+    /// 4), whose state cannot be truncated like K/V.
+    pub fn has_recurrent_layers(&self) -> bool {
+        !self.recurrent.layers.is_empty()
+    }
+
     /// Recurrent-state snapshots kept for the prefix cache.
     pub fn snapshots(&self) -> usize {
         self.snapshots.len()
