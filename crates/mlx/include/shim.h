@@ -127,6 +127,15 @@ ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const
                                       const array& tables, const array& meta, const array& scale,
                                       int32_t block_size, int32_t window, const array& sinks);
 bool paged_attention_available();
+// paged_attention.cc (C++ only): custom GPU kernels. Whether the default
+// device is a GPU whose backend runs them; a kernel of `source` for this
+// build's backend (`fast::metal_kernel` on a Mac, `fast::cuda_kernel`
+// elsewhere).
+bool gpu_kernels_usable();
+mlx::core::fast::CustomKernelFunction gpu_custom_kernel(const std::string& name,
+                                                        const std::vector<std::string>& inputs,
+                                                        const std::vector<std::string>& outputs,
+                                                        const std::string& source);
 
 // io
 std::unique_ptr<TensorMap> load_safetensors(rust::Str path);

@@ -24,12 +24,6 @@
 // compiled on a Mac only.
 #include "mlxcel-mlx/include/shim.h"
 
-#if defined(__APPLE__)
-#include "mlx/backend/metal/metal.h"
-#else
-#include "mlx/backend/cuda/cuda.h"
-#endif
-
 #include <stdexcept>
 #include <string>
 
@@ -107,32 +101,16 @@ const char* kSource = R"(
 #endif
 
 const mx::fast::CustomKernelFunction& kernel() {
-  static const auto* k = [] {
-    const std::vector<std::string> inputs = {"q", "k", "v", "decay", "beta", "state_in"};
-    const std::vector<std::string> outputs = {"y", "state_out"};
-#if defined(__APPLE__)
-    return new mx::fast::CustomKernelFunction(
-        mx::fast::metal_kernel("mlxcel_gated_delta", inputs, outputs, kSource));
-#else
-    return new mx::fast::CustomKernelFunction(
-        mx::fast::cuda_kernel("mlxcel_gated_delta", inputs, outputs, kSource));
-#endif
-  }();
+  static const auto* k = new mx::fast::CustomKernelFunction(
+      gpu_custom_kernel("mlxcel_gated_delta", {"q", "k", "v", "decay", "beta", "state_in"},
+                        {"y", "state_out"}, kSource));
   return *k;
 }
 
 }  // namespace
 
 bool gated_delta_kernel_fits(int k_dim, int v_dim) {
-  if (mx::default_device().type != mx::Device::gpu || k_dim < 1 || k_dim > 256 || v_dim < 1 ||
-      v_dim > 1024) {
-    return false;
-  }
-#if defined(__APPLE__)
-  return mx::metal::is_available();
-#else
-  return mx::cu::is_available();
-#endif
+  return k_dim >= 1 && k_dim <= 256 && v_dim >= 1 && v_dim <= 1024 && gpu_kernels_usable();
 }
 
 std::vector<array> gated_delta_kernel(const array& q, const array& k, const array& v,

@@ -209,12 +209,12 @@ const mx::fast::CustomKernelFunction& make_kernel(const char* name,
                                                   const std::vector<std::string>& inputs,
                                                   bool sinks) {
 #if defined(__APPLE__)
-  auto* k = new mx::fast::CustomKernelFunction(
-      mx::fast::metal_kernel(name, inputs, {"o"}, with_sinks(kMetalSource, sinks)));
+  const char* source = kMetalSource;
 #else
-  auto* k = new mx::fast::CustomKernelFunction(
-      mx::fast::cuda_kernel(name, inputs, {"o"}, with_sinks(kCudaSource, sinks)));
+  const char* source = kCudaSource;
 #endif
+  auto* k = new mx::fast::CustomKernelFunction(
+      gpu_custom_kernel(name, inputs, {"o"}, with_sinks(source, sinks)));
   return *k;
 }
 
@@ -286,6 +286,21 @@ bool paged_attention_available() {
   return mx::metal::is_available();
 #else
   return mx::cu::is_available();
+#endif
+}
+
+bool gpu_kernels_usable() {
+  return mx::default_device().type == mx::Device::gpu && paged_attention_available();
+}
+
+mx::fast::CustomKernelFunction gpu_custom_kernel(const std::string& name,
+                                                 const std::vector<std::string>& inputs,
+                                                 const std::vector<std::string>& outputs,
+                                                 const std::string& source) {
+#if defined(__APPLE__)
+  return mx::fast::metal_kernel(name, inputs, outputs, source);
+#else
+  return mx::fast::cuda_kernel(name, inputs, outputs, source);
 #endif
 }
 

@@ -13,12 +13,6 @@
 // graph of a few ops per token.
 #include "mlxcel-mlx/include/shim.h"
 
-#if defined(__APPLE__)
-#include "mlx/backend/metal/metal.h"
-#else
-#include "mlx/backend/cuda/cuda.h"
-#endif
-
 #include <stdexcept>
 #include <string>
 
@@ -90,30 +84,15 @@ const char* kSource = R"(
 #endif
 
 const mx::fast::CustomKernelFunction& kernel() {
-  static const auto* k = [] {
-    const std::vector<std::string> inputs = {"x", "dt", "decay", "bm", "cm", "skip", "state_in"};
-    const std::vector<std::string> outputs = {"y", "state_out"};
-#if defined(__APPLE__)
-    return new mx::fast::CustomKernelFunction(
-        mx::fast::metal_kernel("mlxcel_ssm_scan", inputs, outputs, kSource));
-#else
-    return new mx::fast::CustomKernelFunction(
-        mx::fast::cuda_kernel("mlxcel_ssm_scan", inputs, outputs, kSource));
-#endif
-  }();
+  static const auto* k = new mx::fast::CustomKernelFunction(
+      gpu_custom_kernel("mlxcel_ssm_scan", {"x", "dt", "decay", "bm", "cm", "skip", "state_in"},
+                        {"y", "state_out"}, kSource));
   return *k;
 }
 
 bool kernel_fits(int head_dim, int state_dim) {
-  if (mx::default_device().type != mx::Device::gpu || head_dim < 1 || head_dim > 1024 ||
-      state_dim < 1 || state_dim > 256) {
-    return false;
-  }
-#if defined(__APPLE__)
-  return mx::metal::is_available();
-#else
-  return mx::cu::is_available();
-#endif
+  return head_dim >= 1 && head_dim <= 1024 && state_dim >= 1 && state_dim <= 256 &&
+         gpu_kernels_usable();
 }
 
 }  // namespace

@@ -131,18 +131,14 @@ impl GatedDeltaNet {
             dtype: ctx.dtype,
         };
         let hv = spec.v_heads as i32;
-        for (name, a, want) in [
-            ("dt_bias", &layer.dt_bias, vec![hv]),
-            ("A_log", &layer.a_log, vec![hv]),
-            ("norm.weight", &layer.norm_weight, vec![spec.v_dim as i32]),
-        ] {
-            if a.shape() != want {
-                return Err(ModelError::Config(format!(
-                    "{path}.{name} has shape {:?}, want {want:?}",
-                    a.shape()
-                )));
-            }
-        }
+        recurrent::check_shapes(
+            path,
+            &[
+                ("dt_bias", &layer.dt_bias, vec![hv]),
+                ("A_log", &layer.a_log, vec![hv]),
+                ("norm.weight", &layer.norm_weight, vec![spec.v_dim as i32]),
+            ],
+        )?;
         Ok(layer)
     }
 
@@ -202,19 +198,13 @@ impl GatedDeltaNet {
         let (hv, dv) = (s.v_heads as i32, s.v_dim as i32);
         let span = |x: &Array| recurrent::rows_span(x, start, rows.len(), len);
         let (qkv, a, b) = (span(qkv)?, span(a)?, span(b)?);
-        let states = recurrent::read_states(kv, layer, rows, || {
-            Ok(vec![
+        let [conv, state] = recurrent::read_states(kv, layer, rows, || {
+            Ok([
                 mlxcel_mlx::zeros(&[1, k1, c], self.dtype)?,
                 mlxcel_mlx::zeros(&[1, hv, dv, dk], Dtype::Float32)?,
             ])
         })?;
-        let [conv, state] = states.as_slice() else {
-            return Err(ModelError::Config(format!(
-                "layer {layer}: a recurrent state of {} arrays, want 2",
-                states.len()
-            )));
-        };
-        let (conv_out, conv_state) = recurrent::causal_conv(conv, &qkv, &self.conv_weight, None)?;
+        let (conv_out, conv_state) = recurrent::causal_conv(&conv, &qkv, &self.conv_weight, None)?;
         let part = |from: i32, width: i32, heads: i32, dim: i32| -> Result<Array, ModelError> {
             Ok(conv_out
                 .slice(&[0, 0, from], &[n, l, from + width])?
@@ -225,7 +215,7 @@ impl GatedDeltaNet {
         let k = part(key, key, hk, dk)?;
         let v = part(2 * key, hv * dv, hv, dv)?;
         let (y, state) =
-            mlxcel_mlx::gated_delta(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, state)?;
+            mlxcel_mlx::gated_delta(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, &state)?;
         recurrent::write_states(kv, layer, rows, &[conv_state, state])?;
         Ok(y.reshape(&[n * l, hv, dv])?)
     }

@@ -162,14 +162,7 @@ impl Mamba2 {
         if let Some(b) = &layer.conv_bias {
             checks.push(("conv1d.bias", b, vec![channels]));
         }
-        for (name, a, want) in checks {
-            if a.shape() != want {
-                return Err(ModelError::Config(format!(
-                    "{path}.{name} has shape {:?}, want {want:?}",
-                    a.shape()
-                )));
-            }
-        }
+        recurrent::check_shapes(path, &checks)?;
         Ok(layer)
     }
 
@@ -235,20 +228,14 @@ impl Mamba2 {
         let (inner, channels) = (s.inner() as i32, s.conv_channels() as i32);
         let span = |x: &Array| recurrent::rows_span(x, start, rows.len(), len);
         let (conv_in, dt) = (span(conv_in)?, span(dt)?);
-        let states = recurrent::read_states(kv, layer, rows, || {
-            Ok(vec![
+        let [conv, state] = recurrent::read_states(kv, layer, rows, || {
+            Ok([
                 mlxcel_mlx::zeros(&[1, s.conv_kernel as i32 - 1, channels], self.dtype)?,
                 mlxcel_mlx::zeros(&[1, heads, head_dim, state_dim], Dtype::Float32)?,
             ])
         })?;
-        let [conv, state] = states.as_slice() else {
-            return Err(ModelError::Config(format!(
-                "layer {layer}: a recurrent state of {} arrays, want 2",
-                states.len()
-            )));
-        };
         let (conv_out, conv_state) =
-            recurrent::causal_conv(conv, &conv_in, &self.conv_weight, self.conv_bias.as_ref())?;
+            recurrent::causal_conv(&conv, &conv_in, &self.conv_weight, self.conv_bias.as_ref())?;
         let bc = groups * state_dim;
         let part = |from: i32, width: i32, shape: &[i32]| -> Result<Array, ModelError> {
             Ok(conv_out
@@ -267,7 +254,7 @@ impl Mamba2 {
             &self.d,
             &self.dt_bias,
             s.dt_limit,
-            state,
+            &state,
         )?;
         recurrent::write_states(kv, layer, rows, &[conv_state, state])?;
         Ok(y.reshape(&[n * l, inner])?)

@@ -53,40 +53,62 @@ pub(crate) fn join(parts: &[Array]) -> Result<Array, ModelError> {
     })
 }
 
-/// The states of `rows` before their new tokens, each of the layer's
-/// `zero().len()` arrays joined along axis 0 (`[rows, ...]`); a row at
-/// position 0 starts from `zero()` (`[1, ...]` each).
+/// The states of `rows` before their new tokens, each of the layer's `N`
+/// arrays joined along axis 0 (`[rows, ...]`); a row at position 0 starts
+/// from `zero()` (`[1, ...]` each).
 ///
 /// # Errors
-/// A kept state of another arity ([`ModelError::Config`]); the KV view's
-/// errors (a missing state is its invariant error, never a zero state).
-pub(crate) fn read_states(
+/// A kept state of another arity than `N` ([`ModelError::Config`]); the KV
+/// view's errors (a missing state is its invariant error, never a zero
+/// state).
+pub(crate) fn read_states<const N: usize>(
     kv: &mut dyn AttentionKv,
     layer: usize,
     rows: &[usize],
-    zero: impl Fn() -> Result<Vec<Array>, ModelError>,
-) -> Result<Vec<Array>, ModelError> {
-    let mut slots: Vec<Vec<Array>> = Vec::new();
+    zero: impl Fn() -> Result<[Array; N], ModelError>,
+) -> Result<[Array; N], ModelError> {
+    let mut slots: [Vec<Array>; N] = std::array::from_fn(|_| Vec::with_capacity(rows.len()));
     for &row in rows {
-        let state = match kv.read_state(layer, row)? {
-            Some(st) => st,
+        let state: [Array; N] = match kv.read_state(layer, row)? {
+            Some(st) => st.try_into().map_err(|st: Vec<Array>| {
+                ModelError::Config(format!(
+                    "layer {layer}: a recurrent state of {} arrays, want {N}",
+                    st.len()
+                ))
+            })?,
             None => zero()?,
         };
-        if slots.is_empty() {
-            slots = vec![Vec::with_capacity(rows.len()); state.len()];
-        }
-        if state.len() != slots.len() {
-            return Err(ModelError::Config(format!(
-                "layer {layer}: a recurrent state of {} arrays, want {}",
-                state.len(),
-                slots.len()
-            )));
-        }
         for (slot, a) in slots.iter_mut().zip(state) {
             slot.push(a);
         }
     }
-    slots.iter().map(|s| join(s)).collect()
+    let joined = slots
+        .iter()
+        .map(|s| join(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    joined
+        .try_into()
+        .map_err(|_| ModelError::Config(format!("layer {layer}: no rows")))
+}
+
+/// Checks each `(name, array, want)`: the array under `{path}.{name}` has
+/// shape `want`.
+///
+/// # Errors
+/// [`ModelError::Config`] naming the first that does not.
+pub(crate) fn check_shapes(
+    path: &str,
+    checks: &[(&str, &Array, Vec<i32>)],
+) -> Result<(), ModelError> {
+    for (name, a, want) in checks {
+        if a.shape() != *want {
+            return Err(ModelError::Config(format!(
+                "{path}.{name} has shape {:?}, want {want:?}",
+                a.shape()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Writes each of `rows`' state after its real tokens: row `i` gets slice
