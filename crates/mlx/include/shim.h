@@ -36,6 +36,7 @@ ArrayPtr clone_array(const array& a);
 rust::Vec<int32_t> shape(const array& a);
 int32_t dtype_code(const array& a);
 size_t nbytes(const array& a);
+size_t buffer_bytes(const array& a);
 rust::Vec<float> to_f32_vec(const array& a);
 rust::Vec<int32_t> to_i32_vec(const array& a);
 rust::Vec<uint32_t> to_u32_vec(const array& a);

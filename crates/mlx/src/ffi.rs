@@ -19,6 +19,7 @@ pub(crate) mod bridge {
         fn shape(a: &array) -> Result<Vec<i32>>;
         fn dtype_code(a: &array) -> Result<i32>;
         fn nbytes(a: &array) -> Result<usize>;
+        fn buffer_bytes(a: &array) -> Result<usize>;
         fn to_f32_vec(a: &array) -> Result<Vec<f32>>;
         fn to_i32_vec(a: &array) -> Result<Vec<i32>>;
         fn to_u32_vec(a: &array) -> Result<Vec<u32>>;

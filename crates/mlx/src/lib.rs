@@ -196,6 +196,16 @@ impl Array {
         bridge::nbytes(self.raw()).unwrap_or(0)
     }
 
+    /// Evaluates the array and returns the size in bytes of the buffer
+    /// holding its data: larger than [`Array::nbytes`] when the array is a
+    /// view (a slice) of a larger array, whose whole buffer it keeps alive.
+    ///
+    /// # Errors
+    /// MLX errors of the evaluation.
+    pub fn buffer_bytes(&self) -> Result<usize> {
+        Ok(bridge::buffer_bytes(self.raw())?)
+    }
+
     /// Evaluates and copies the array out as float32, row-major.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         count(&READS);

@@ -66,6 +66,11 @@ int32_t dtype_code(const array& a) {
 }
 
 size_t nbytes(const array& a) { return a.nbytes(); }
+size_t buffer_bytes(const array& a) {
+  array b = a;
+  mx::eval(b);
+  return b.buffer_size();
+}
 
 template <typename T>
 static rust::Vec<T> to_vec(const array& a, mx::Dtype dt) {

@@ -194,10 +194,13 @@ impl ModelConfig {
         Self::from_json_str(&text)
     }
 
-    /// Parses the text of a `config.json`.
+    /// Parses the text of a `config.json`. Python's `json` writes
+    /// infinities and NaN as bare `Infinity`, `-Infinity` and `NaN`
+    /// (Hugging Face configs carry them, e.g. a `time_step_limit` of `[0.0,
+    /// Infinity]`); they are read as ±1e308 (infinite as `f32`) and null.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let json: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| ModelError::Config(e.to_string()))?;
+        let json: serde_json::Value = serde_json::from_str(&python_json(text))
+            .map_err(|e| ModelError::Config(e.to_string()))?;
         let json = flatten_text_config(json);
         let raw: RawConfig =
             serde_json::from_value(json.clone()).map_err(|e| ModelError::Config(e.to_string()))?;
@@ -298,6 +301,44 @@ fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, Mode
     }
 }
 
+/// `text` with Python's non-standard JSON literals outside strings made
+/// standard: `Infinity` → `1e308`, `-Infinity` → `-1e308`, `NaN` → `null`.
+fn python_json(text: &str) -> std::borrow::Cow<'_, str> {
+    if !(text.contains("Infinity") || text.contains("NaN")) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let (mut in_string, mut escaped) = (false, false);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            (in_string, escaped) = match c {
+                '\\' if !escaped => (true, true),
+                '"' if !escaped => (false, false),
+                _ => (true, false),
+            };
+        } else if c == '"' {
+            in_string = true;
+        } else {
+            let replaced = [
+                ("-Infinity", "-1e308"),
+                ("Infinity", "1e308"),
+                ("NaN", "null"),
+            ]
+            .into_iter()
+            .find(|(from, _)| rest.starts_with(from));
+            if let Some((from, to)) = replaced {
+                out.push_str(to);
+                rest = &rest[from.len()..];
+                continue;
+            }
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// A multimodal checkpoint's config (Qwen3.5, Gemma 3) nests the text
 /// model's keys under `text_config`: they are read as top-level keys, the
 /// top level filling in what `text_config` lacks (its `model_type` and
@@ -326,6 +367,25 @@ fn flatten_text_config(json: serde_json::Value) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Python's `Infinity`/`NaN` literals are read outside strings only;
+    /// a config carrying them parses.
+    #[test]
+    fn python_json_literals_are_read() {
+        let text = r#"{"a": [0.0, Infinity], "b": -Infinity, "c": NaN, "d": "NaN \" Infinity"}"#;
+        let v: serde_json::Value = serde_json::from_str(&python_json(text)).unwrap();
+        assert_eq!(v["a"][1].as_f64(), Some(1e308));
+        assert_eq!(v["b"].as_f64(), Some(-1e308));
+        assert!(v["c"].is_null());
+        assert_eq!(v["d"], "NaN \" Infinity");
+        let c = ModelConfig::from_json_str(
+            r#"{"model_type":"granitemoehybrid","hidden_size":64,"num_hidden_layers":2,
+            "intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,
+            "rms_norm_eps":1e-5,"vocab_size":256,"time_step_limit":[0.0,Infinity]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.raw["time_step_limit"][1].as_f64(), Some(1e308));
+    }
 
     #[test]
     fn smollm2_style_config() {

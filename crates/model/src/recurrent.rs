@@ -111,8 +111,9 @@ pub(crate) fn check_shapes(
     Ok(())
 }
 
-/// Writes each of `rows`' state after its real tokens: row `i` gets slice
-/// `i` (axis 0) of every array of `states` (`[rows, ...]`).
+/// Writes each of `rows`' state after its real tokens: row `i` gets row
+/// `i` (axis 0) of every array of `states` (`[rows, ...]`), in a buffer of
+/// its own ([`own_rows`]).
 ///
 /// # Errors
 /// The KV view's errors; MLX errors.
@@ -122,21 +123,31 @@ pub(crate) fn write_states(
     rows: &[usize],
     states: &[Array],
 ) -> Result<(), ModelError> {
-    for (i, &row) in rows.iter().enumerate() {
-        let i = i as i32;
-        let own = states
-            .iter()
-            .map(|x| {
-                let mut hi = x.shape().to_vec();
-                let mut lo = vec![0; hi.len()];
-                lo[0] = i;
-                hi[0] = i + 1;
-                Ok(x.slice(&lo, &hi)?)
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        kv.write_state(layer, row, own)?;
+    for (row, own) in rows.iter().zip(own_rows(states, rows.len())?) {
+        kv.write_state(layer, *row, own)?;
     }
     Ok(())
+}
+
+/// Row `i` of each of `states` (`[rows, ...]`) as `[1, ...]`, for `i` in
+/// `0..rows`, each gathered into a buffer of its own: a kept state (an
+/// entry, a prefix-cache snapshot) must not be a view that keeps the whole
+/// step's array alive (MLX slices share their source's buffer), or one
+/// sequence's state would pin every row's, and a prompt chunk's
+/// convolution state its whole input.
+///
+/// # Errors
+/// MLX errors.
+pub(crate) fn own_rows(states: &[Array], rows: usize) -> Result<Vec<Vec<Array>>, ModelError> {
+    (0..rows)
+        .map(|i| {
+            let at = Array::from_i32(&[i as i32], &[1])?;
+            states
+                .iter()
+                .map(|x| Ok(x.take(&at, 0)?))
+                .collect::<Result<Vec<_>, ModelError>>()
+        })
+        .collect()
 }
 
 /// Tokens `start..start + rows · len` of a packed `[1, tokens, width]`
@@ -170,13 +181,49 @@ pub(crate) fn causal_conv(
     weight: &Array,
     bias: Option<&Array>,
 ) -> Result<(Array, Array), ModelError> {
-    let (n, k1) = (state.shape()[0], state.shape()[1]);
-    let (l, c) = (input.shape()[1], input.shape()[2]);
+    let (k1, l) = (state.shape()[1], input.shape()[1]);
     let all = mlxcel_mlx::concatenate(&[state, input], 1)?;
-    let next = all.slice(&[0, l, 0], &[n, l + k1, c])?;
+    // Gathered, not sliced: the state is kept after the step and must not
+    // hold `all`'s buffer (`[rows, len + kernel - 1, channels]`).
+    let last: Vec<i32> = (l..l + k1).collect();
+    let next = all.take(&Array::from_i32(&last, &[k1])?, 1)?;
     let mut out = all.depthwise_conv1d(weight)?;
     if let Some(b) = bias {
         out = out.add(b)?;
     }
     Ok((out.silu()?, next))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept state owns a buffer of its own size: a prompt chunk's
+    /// convolution state does not keep the chunk's input alive, nor one
+    /// row's state the whole batch's.
+    #[test]
+    fn kept_states_do_not_pin_the_step_buffers() {
+        let (len, channels, kernel) = (1024, 64, 4);
+        let state = mlxcel_mlx::zeros(&[1, kernel - 1, channels], Dtype::Float32).unwrap();
+        let ones =
+            |shape: &[i32]| mlxcel_mlx::zeros(shape, Dtype::Float32)?.add(&Array::scalar(1.0)?);
+        let input = ones(&[1, len, channels]).unwrap();
+        let weight = ones(&[channels, kernel, 1]).unwrap();
+        let (out, next) = causal_conv(&state, &input, &weight, None).unwrap();
+        assert_eq!(out.shape(), vec![1, len, channels]);
+        assert_eq!(next.shape(), vec![1, kernel - 1, channels]);
+        assert_eq!(next.to_vec_f32().unwrap(), vec![1.0; 3 * 64]);
+        let whole = (len + kernel - 1) as usize * channels as usize * 4;
+        let own = next.buffer_bytes().unwrap();
+        assert!(own < whole / 8, "state buffer {own} bytes of {whole}");
+
+        let batch = ones(&[8, 16, 64, 16]).unwrap();
+        let rows = own_rows(&[batch], 8).unwrap();
+        assert_eq!(rows.len(), 8);
+        for row in &rows {
+            assert_eq!(row[0].shape(), vec![1, 16, 64, 16]);
+            let own = row[0].buffer_bytes().unwrap();
+            assert!(own < 2 * 16 * 64 * 16 * 4, "row buffer {own} bytes");
+        }
+    }
 }

@@ -133,6 +133,8 @@ fn load(
                 state_dim: need(keys.mamba_d_state, "mamba_d_state")?,
                 groups: need(keys.mamba_n_groups, "mamba_n_groups")?,
                 conv_kernel: need(keys.mamba_d_conv, "mamba_d_conv")?,
+                // Hugging Face's default; mlx_lm's leaves it unset (no
+                // bias), but the published configs state it.
                 conv_bias: keys.mamba_conv_bias.unwrap_or(true),
                 proj_bias: keys.mamba_proj_bias.unwrap_or(false),
                 dt_limit: keys.time_step_limit,
@@ -188,6 +190,8 @@ fn load(
         rope: match keys.position_embedding_type.as_str() {
             "nope" => RopeSpec {
                 dims: 0,
+                traditional: false,
+                scaling: RopeScaling::None,
                 ..RopeSpec::from_config(&config)
             },
             // mlx_lm applies no rope_scaling here.

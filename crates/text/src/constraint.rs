@@ -86,9 +86,9 @@ struct TokInner {
     /// The ids of Mistral's `[TOOL_CALLS]` and `[ARGS]` when they are
     /// special tokens (v11 tokenizers): Mistral grammars name the tokens.
     mistral_markers: Option<(u32, u32)>,
-    /// The ids of Gemma 4's `<|tool_call>`, `<tool_call|>` and `<|"|>`
-    /// when all three are special tokens: Gemma 4 grammars name the tokens.
-    gemma4_markers: Option<[u32; 3]>,
+    /// The ids of Gemma 4's `<|tool_call>`, `<tool_call|>` and `<|"|>`,
+    /// each when it is a special token: Gemma 4 grammars name those tokens.
+    gemma4_markers: [Option<u32>; 3],
 }
 
 impl GrammarTokenizer {
@@ -146,12 +146,8 @@ impl GrammarTokenizer {
         let mistral_markers = trie
             .get_special_token("[TOOL_CALLS]")
             .zip(trie.get_special_token("[ARGS]"));
-        let gemma4_markers = match [GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE]
-            .map(|marker| trie.get_special_token(marker))
-        {
-            [Some(open), Some(close), Some(quote)] => Some([open, close, quote]),
-            _ => None,
-        };
+        let gemma4_markers = [GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE]
+            .map(|marker| trie.get_special_token(marker));
         let mut factory = ParserFactory::new_simple(&env).map_err(tok_err)?;
         factory.quiet();
         Ok(Self {
@@ -330,7 +326,7 @@ impl Grammar {
     /// Compiles the grammar without a tokenizer, to reject a bad schema early
     /// (at the HTTP edge). Errors: [`ConstraintError::InvalidGrammar`].
     pub fn validate(&self) -> Result<(), ConstraintError> {
-        let init = GrammarInit::Serialized(self.to_llg(false, false, None, None)?);
+        let init = GrammarInit::Serialized(self.to_llg(false, false, None, [None; 3])?);
         match init.validate(None, ParserLimits::default()).into_error() {
             Some(e) => Err(ConstraintError::InvalidGrammar(e)),
             None => Ok(()),
@@ -342,14 +338,14 @@ impl Grammar {
     /// `harmony_special`: the same for harmony's `<|constrain|>` and
     /// `<|message|>`; `mistral_markers`: the ids of Mistral's
     /// `[TOOL_CALLS]` and `[ARGS]` special tokens (else their text);
-    /// `gemma4_markers`: the same for Gemma 4's `<|tool_call>`,
+    /// `gemma4_markers`: the same for each of Gemma 4's `<|tool_call>`,
     /// `<tool_call|>` and `<|"|>`.
     fn to_llg(
         &self,
         special_tags: bool,
         harmony_special: bool,
         mistral_markers: Option<(u32, u32)>,
-        gemma4_markers: Option<[u32; 3]>,
+        gemma4_markers: [Option<u32>; 3],
     ) -> Result<TopLevelGrammar, ConstraintError> {
         match self {
             Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(with_layout(

@@ -80,6 +80,10 @@ enum State {
 #[derive(Debug, Clone)]
 pub struct ReasoningSplitter {
     markers: ReasoningMarkers,
+    /// The tool-call format's opening marker when it is a special token
+    /// (Gemma 4's `<|tool_call>`): a call written inside an unclosed block
+    /// ends the block there (mlx_lm's reply state machine does the same).
+    call_open: Option<&'static str>,
     state: State,
     /// Text not yet decided (a partial tag, trailing blanks in the block).
     held: String,
@@ -88,9 +92,15 @@ pub struct ReasoningSplitter {
 impl ReasoningSplitter {
     /// A splitter of blocks between `markers`, for a reply whose prompt
     /// ended inside an opened block (`open`), or that may open one itself.
+    ///
+    /// Markers that are special tokens ([`ReasoningMarkers::special_tokens`])
+    /// cannot occur in the text of a reply: with them, the content may open
+    /// another block, and their tokens are left out of the content (as the
+    /// detokenizer leaves out special tokens).
     pub fn new(markers: ReasoningMarkers, open: bool) -> Self {
         ReasoningSplitter {
             markers,
+            call_open: None,
             state: if open {
                 State::Inside { fresh: true }
             } else {
@@ -100,9 +110,31 @@ impl ReasoningSplitter {
         }
     }
 
+    /// The same splitter, ending a block at `call_open` (a tool-call
+    /// format's opening marker, a special token) as at its closing marker.
+    pub fn with_call_marker(mut self, call_open: Option<&'static str>) -> Self {
+        self.call_open = call_open;
+        self
+    }
+
     /// The markers this splitter reads.
     pub fn markers(&self) -> ReasoningMarkers {
         self.markers
+    }
+
+    /// Whether the markers are special tokens (see [`ReasoningSplitter::new`]).
+    fn special(&self) -> bool {
+        !self.markers.special_tokens.is_empty()
+    }
+
+    /// `text` without the markers' special tokens (none to remove for
+    /// text markers).
+    fn content(&self, text: &str) -> String {
+        let mut t = text.to_owned();
+        for token in self.markers.special_tokens {
+            t = t.replace(token, "");
+        }
+        t
     }
 
     /// Feeds newly decoded text; returns the parts it decided.
@@ -128,7 +160,8 @@ impl ReasoningSplitter {
                         self.held = buf;
                     } else {
                         self.state = State::Content;
-                        push(&mut out, ReplyPart::Content(buf));
+                        self.held = buf;
+                        continue;
                     }
                 }
                 State::Inside { fresh } => {
@@ -149,14 +182,30 @@ impl ReasoningSplitter {
                     } else {
                         buf
                     };
-                    if let Some(at) = buf.find(close_tag) {
-                        push(
-                            &mut out,
-                            ReplyPart::Reasoning(buf[..at].trim_end().to_owned()),
-                        );
-                        self.state = State::AfterBlock;
-                        self.held = buf[at + close_tag.len()..].to_owned();
-                        continue;
+                    let close_at = buf.find(close_tag);
+                    let call_at = self.call_open.and_then(|m| buf.find(m));
+                    match (close_at, call_at) {
+                        (Some(at), call) if call.is_none_or(|c| at < c) => {
+                            push(
+                                &mut out,
+                                ReplyPart::Reasoning(buf[..at].trim_end().to_owned()),
+                            );
+                            self.state = State::AfterBlock;
+                            self.held = buf[at + close_tag.len()..].to_owned();
+                            continue;
+                        }
+                        (_, Some(at)) => {
+                            // A call: the block ends there, the call is
+                            // content.
+                            push(
+                                &mut out,
+                                ReplyPart::Reasoning(buf[..at].trim_end().to_owned()),
+                            );
+                            self.state = State::Content;
+                            self.held = buf[at..].to_owned();
+                            continue;
+                        }
+                        _ => {}
                     }
                     // Hold trailing blanks and a partial `</think>`.
                     let keep = held_tail(&buf, close_tag);
@@ -168,8 +217,32 @@ impl ReasoningSplitter {
                     let t = buf.trim_start();
                     if !t.is_empty() {
                         self.state = State::Content;
-                        push(&mut out, ReplyPart::Content(t.to_owned()));
+                        self.held = t.to_owned();
+                        continue;
                     }
+                }
+                State::Content if self.special() => {
+                    if let Some(at) = buf.find(open_tag) {
+                        push(&mut out, ReplyPart::Content(self.content(&buf[..at])));
+                        self.state = State::Inside { fresh: true };
+                        self.held = buf[at + open_tag.len()..].to_owned();
+                        continue;
+                    }
+                    // Hold what may be the start of another block or of
+                    // a marker token.
+                    let keep = std::iter::once(open_tag)
+                        .chain(self.markers.special_tokens.iter().copied())
+                        .filter_map(|m| {
+                            (1..m.len())
+                                .rev()
+                                .filter(|&k| m.is_char_boundary(k))
+                                .find(|&k| buf.ends_with(&m[..k]))
+                        })
+                        .max()
+                        .unwrap_or(0);
+                    let cut = buf.len() - keep;
+                    push(&mut out, ReplyPart::Content(self.content(&buf[..cut])));
+                    self.held = buf[cut..].to_owned();
                 }
                 State::Content => push(&mut out, ReplyPart::Content(buf)),
             }
@@ -182,7 +255,7 @@ impl ReasoningSplitter {
         let buf = std::mem::take(&mut self.held);
         let mut out = Vec::new();
         match self.state {
-            State::Start | State::Content => push(&mut out, ReplyPart::Content(buf)),
+            State::Start | State::Content => push(&mut out, ReplyPart::Content(self.content(&buf))),
             State::Inside { .. } => push(&mut out, ReplyPart::Reasoning(buf.trim_end().to_owned())),
             State::AfterBlock => {}
         }
@@ -336,10 +409,21 @@ mod tests {
             false,
             "<|channel>thought\nAdd 2 and 2 <think>.\n<channel|>4, <channel|>.",
             "Add 2 and 2 <think>.",
-            "4, <channel|>.",
+            "4, .",
         );
         check_with(g, false, "<|channel>thought<channel|>Hi", "", "Hi");
-        check_with(g, false, "<|channel>final Hi", "", "<|channel>final Hi");
+        // A stray channel token is left out of the content (as the
+        // detokenizer leaves special tokens out); a later block is
+        // reasoning again.
+        check_with(g, false, "<|channel>final Hi", "", "final Hi");
+        check_with(
+            g,
+            false,
+            "<|channel>thought A<channel|>x <|channel>thought B<channel|>y",
+            "AB",
+            "x y",
+        );
+        check_with(g, false, "Hi <|chan", "", "Hi <|chan");
         check_with(g, true, "Hmm <channel|", "Hmm <channel|", "");
         check_with(g, false, "<think>x</think>y", "", "<think>x</think>y");
         assert!(g.prompt_opens_block("<start_of_turn>model\n<|channel>thought\n"));

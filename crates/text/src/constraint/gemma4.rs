@@ -32,10 +32,10 @@
 //!   [`MAX_DEPTH`]: the generic value, any object, array, string, number,
 //!   boolean or null of the notation, with keys `[A-Za-z_][A-Za-z0-9_]*`.
 //!
-//! The markers are the tokenizer's special tokens when it has all three
-//! (`<[id]>` items, as Gemma 4's tokenizer writes them; the text between
-//! two quote tokens then excludes the spelled-out `<|"|>`, which the
-//! output parser would read as the string's end), else their text.
+//! Each marker is the tokenizer's special token when it has one (`<[id]>`
+//! items, as Gemma 4's tokenizer writes them; the text between two quote
+//! tokens then excludes the spelled-out `<|"|>`, which the output parser
+//! would read as the string's end), else its text.
 
 use serde_json::Value as Json;
 
@@ -57,7 +57,8 @@ fn lit(s: &str) -> String {
 /// `<|tool_call>call:` with one of the names, `{`, the arguments, `}` and
 /// `<tool_call|>`, and (unless `single`) `<|tool_call>call:` and another
 /// call, any number of times. `markers`: the ids of `<|tool_call>`,
-/// `<tool_call|>` and `<|"|>` as special tokens, else they are text.
+/// `<tool_call|>` and `<|"|>` as special tokens, each `None` where the
+/// tokenizer has it as text.
 ///
 /// Errors: [`ConstraintError::InvalidGrammar`] without tools, with several
 /// tools when `named`, or for a key that holds `<|"|>`.
@@ -65,21 +66,25 @@ pub(super) fn gemma4_calls_lark(
     tools: &[(String, Json)],
     named: bool,
     single: bool,
-    markers: Option<[u32; 3]>,
+    markers: [Option<u32>; 3],
 ) -> Result<String, ConstraintError> {
     if tools.is_empty() || (named && tools.len() != 1) {
         return Err(ConstraintError::InvalidGrammar(
             "Gemma 4 tool calls need one named tool or at least one tool".into(),
         ));
     }
-    let (open, close) = match markers {
-        Some([open, close, _]) => (format!("<[{open}]>"), format!("<[{close}]>")),
-        None => (lit(GEMMA4_CALL_OPEN), lit(GEMMA4_CALL_CLOSE)),
+    let marker = |id: Option<u32>, text: &str| match id {
+        Some(id) => format!("<[{id}]>"),
+        None => lit(text),
     };
+    let (open, close) = (
+        marker(markers[0], GEMMA4_CALL_OPEN),
+        marker(markers[1], GEMMA4_CALL_CLOSE),
+    );
     let mut lark = Lark {
         rules: String::new(),
         next: 0,
-        quote: markers.map(|[_, _, quote]| format!("<[{quote}]>")),
+        quote: markers[2].map(|quote| format!("<[{quote}]>")),
         generic: false,
     };
     let mut head = String::new();

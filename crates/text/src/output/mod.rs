@@ -145,6 +145,10 @@ pub struct OutputFilter {
     /// format ([`ToolCallFormat::special_markers`]), when calls are parsed,
     /// and the reasoning markers' ([`crate::reasoning::ReasoningMarkers::special_tokens`]).
     markers: Vec<&'static str>,
+    /// The call-opening special token of the format whose calls are parsed
+    /// ([`ToolCallFormat::special_call_open`]), where a reasoning block
+    /// ends.
+    call_open: Option<&'static str>,
 }
 
 impl OutputFilter {
@@ -179,6 +183,7 @@ impl OutputFilter {
             } else {
                 Vec::new()
             },
+            call_open: tool_calls.as_ref().and(format.special_call_open()),
             tool_calls,
             reasoning: None,
             harmony,
@@ -265,7 +270,7 @@ impl OutputFilter {
                 self.markers.push(token);
             }
         }
-        self.reasoning = Some(splitter);
+        self.reasoning = Some(splitter.with_call_marker(self.call_open));
         self
     }
 
@@ -314,6 +319,7 @@ impl OutputFilter {
             reasoning: None,
             harmony,
             markers: format.special_markers().to_vec(),
+            call_open: None,
         }
     }
 
@@ -330,6 +336,7 @@ impl OutputFilter {
             reasoning: None,
             harmony: None,
             markers: Vec::new(),
+            call_open: None,
         }
     }
 

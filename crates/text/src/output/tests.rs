@@ -1067,3 +1067,45 @@ fn gemma4_thought_channel_then_a_call_from_special_tokens() {
     let args: serde_json::Value = serde_json::from_str(&sent.calls[0].arguments).expect("JSON");
     assert_eq!(args, serde_json::json!({"city": "Paris}, {x"}));
 }
+
+/// Gemma 4: a call written inside a thought block that never closes ends
+/// the block (its markers are special tokens: they cannot be text of the
+/// reasoning); a second thought block is reasoning again, and a stray
+/// channel token never reaches the content.
+#[test]
+fn gemma4_a_call_ends_an_unclosed_thought_block() {
+    use crate::output::tool_calls::gemma4::{GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE};
+    let tools = definitions(&["f"]);
+    let runs = [
+        (true, "<|channel>"),
+        (false, "thought\nCall f. "),
+        (true, GEMMA4_CALL_OPEN),
+        (false, "call:f{x:"),
+        (true, GEMMA4_QUOTE),
+        (false, "a"),
+        (true, GEMMA4_QUOTE),
+        (false, "}"),
+        (true, GEMMA4_CALL_CLOSE),
+        (true, "<|channel>"),
+        (false, "thought Done."),
+        (true, "<channel|>"),
+        (false, "Bye"),
+        (true, "<channel|>"),
+    ];
+    let mut f = OutputFilter::with_format(&[], &tools, ToolCallFormat::Gemma4).with_reasoning(
+        ReasoningSplitter::new(ReasoningMarkers::GEMMA4_CHANNEL, false),
+    );
+    let mut sent = Sent::default();
+    for (special, text) in runs {
+        sent.take(if special {
+            f.push_special(text)
+        } else {
+            f.push(text)
+        });
+    }
+    sent.take(f.finish());
+    assert_eq!(sent.reasoning, "Call f.Done.");
+    assert_eq!(sent.text.trim(), "Bye");
+    assert_eq!(sent.calls.len(), 1, "{sent:?}");
+    assert_eq!(sent.calls[0].arguments, "{\"x\": \"a\"}");
+}

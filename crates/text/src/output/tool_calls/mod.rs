@@ -113,6 +113,18 @@ impl ToolCallFormat {
     /// formats (harmony reads its markers itself; Mistral v3's
     /// `[TOOL_CALLS]` only opens the list, which is read without it).
     pub fn special_markers(self) -> &'static [&'static str] {
+        self.markup()
+    }
+
+    /// The special token that opens a call in this format, when its markup
+    /// is special tokens ([`ToolCallFormat::special_markers`]): Gemma 4's
+    /// `<|tool_call>`, Mistral v11's `[TOOL_CALLS]`. A reasoning block
+    /// ends there ([`crate::reasoning::ReasoningSplitter::with_call_marker`]).
+    pub fn special_call_open(self) -> Option<&'static str> {
+        self.markup().first().copied()
+    }
+
+    fn markup(self) -> &'static [&'static str] {
         match self {
             ToolCallFormat::MistralV11 => &[
                 mistral::MISTRAL_TOOL_CALLS,
