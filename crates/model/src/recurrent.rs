@@ -112,8 +112,12 @@ pub(crate) fn check_shapes(
 }
 
 /// Writes each of `rows`' state after its real tokens: row `i` gets row
-/// `i` (axis 0) of every array of `states` (`[rows, ...]`), in a buffer of
-/// its own ([`own_rows`]).
+/// `i` (axis 0) of every array of `states` (`[rows, ...]`). One row's
+/// arrays are kept as they are; several rows' (a decode batch) are views
+/// of the batch's arrays (no copy, no extra kernel per row): every row
+/// keeps its newest entries, so the batch buffer would be kept whole
+/// anyway, but a prefix-cache snapshot taken from a batched decode step
+/// keeps its step's whole buffer alive until it is evicted.
 ///
 /// # Errors
 /// The KV view's errors; MLX errors.
@@ -123,31 +127,24 @@ pub(crate) fn write_states(
     rows: &[usize],
     states: &[Array],
 ) -> Result<(), ModelError> {
-    for (row, own) in rows.iter().zip(own_rows(states, rows.len())?) {
-        kv.write_state(layer, *row, own)?;
+    if let [row] = rows {
+        return Ok(kv.write_state(layer, *row, states.to_vec())?);
+    }
+    for (i, &row) in rows.iter().enumerate() {
+        let i = i as i32;
+        let own = states
+            .iter()
+            .map(|x| {
+                let mut hi = x.shape().to_vec();
+                let mut lo = vec![0; hi.len()];
+                lo[0] = i;
+                hi[0] = i + 1;
+                Ok(x.slice(&lo, &hi)?)
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        kv.write_state(layer, row, own)?;
     }
     Ok(())
-}
-
-/// Row `i` of each of `states` (`[rows, ...]`) as `[1, ...]`, for `i` in
-/// `0..rows`, each gathered into a buffer of its own: a kept state (an
-/// entry, a prefix-cache snapshot) must not be a view that keeps the whole
-/// step's array alive (MLX slices share their source's buffer), or one
-/// sequence's state would pin every row's, and a prompt chunk's
-/// convolution state its whole input.
-///
-/// # Errors
-/// MLX errors.
-pub(crate) fn own_rows(states: &[Array], rows: usize) -> Result<Vec<Vec<Array>>, ModelError> {
-    (0..rows)
-        .map(|i| {
-            let at = Array::from_i32(&[i as i32], &[1])?;
-            states
-                .iter()
-                .map(|x| Ok(x.take(&at, 0)?))
-                .collect::<Result<Vec<_>, ModelError>>()
-        })
-        .collect()
 }
 
 /// Tokens `start..start + rows · len` of a packed `[1, tokens, width]`
@@ -198,15 +195,14 @@ pub(crate) fn causal_conv(
 mod tests {
     use super::*;
 
-    /// A kept state owns a buffer of its own size: a prompt chunk's
-    /// convolution state does not keep the chunk's input alive, nor one
-    /// row's state the whole batch's.
+    /// A prompt chunk's convolution state owns a buffer of its own size:
+    /// it does not keep the chunk's input alive.
     #[test]
-    fn kept_states_do_not_pin_the_step_buffers() {
+    fn a_kept_convolution_state_does_not_pin_the_chunk() {
         let (len, channels, kernel) = (1024, 64, 4);
-        let state = mlxcel_mlx::zeros(&[1, kernel - 1, channels], Dtype::Float32).unwrap();
         let ones =
             |shape: &[i32]| mlxcel_mlx::zeros(shape, Dtype::Float32)?.add(&Array::scalar(1.0)?);
+        let state = mlxcel_mlx::zeros(&[1, kernel - 1, channels], Dtype::Float32).unwrap();
         let input = ones(&[1, len, channels]).unwrap();
         let weight = ones(&[channels, kernel, 1]).unwrap();
         let (out, next) = causal_conv(&state, &input, &weight, None).unwrap();
@@ -216,14 +212,5 @@ mod tests {
         let whole = (len + kernel - 1) as usize * channels as usize * 4;
         let own = next.buffer_bytes().unwrap();
         assert!(own < whole / 8, "state buffer {own} bytes of {whole}");
-
-        let batch = ones(&[8, 16, 64, 16]).unwrap();
-        let rows = own_rows(&[batch], 8).unwrap();
-        assert_eq!(rows.len(), 8);
-        for row in &rows {
-            assert_eq!(row[0].shape(), vec![1, 16, 64, 16]);
-            let own = row[0].buffer_bytes().unwrap();
-            assert!(own < 2 * 16 * 64 * 16 * 4, "row buffer {own} bytes");
-        }
     }
 }
