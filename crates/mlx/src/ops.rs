@@ -18,6 +18,21 @@ fn list_ref(l: &UniquePtr<bridge::ArrayList>) -> Result<&bridge::ArrayList> {
     l.as_ref().ok_or_else(|| Error("null array list".into()))
 }
 
+/// The `N` arrays of `op`'s result list.
+fn unpack<const N: usize>(op: &str, l: &UniquePtr<bridge::ArrayList>) -> Result<[Array; N]> {
+    let list = list_ref(l)?;
+    let len = bridge::array_list_len(list);
+    if len != N {
+        return Err(Error(format!("{op} returned {len} arrays, not {N}")));
+    }
+    let arrays = (0..N)
+        .map(|i| Array::wrap(bridge::array_list_get(list, i)))
+        .collect::<Result<Vec<_>>>()?;
+    arrays
+        .try_into()
+        .map_err(|_| Error(format!("{op}: {N} arrays expected")))
+}
+
 /// Evaluates all `arrays` (one graph evaluation).
 pub fn eval(arrays: &[&Array]) -> Result<()> {
     let l = list(arrays)?;
@@ -453,16 +468,7 @@ impl Array {
     /// bits 2 to 8), or a last dimension that is not a multiple of the group.
     pub fn quantize(&self, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
         let parts = bridge::quantize(self.raw(), group_size, bits)?;
-        let list = list_ref(&parts)?;
-        if bridge::array_list_len(list) != 3 {
-            return Err(Error(format!(
-                "quantize returned {} arrays, not 3",
-                bridge::array_list_len(list)
-            )));
-        }
-        let w = Array::wrap(bridge::array_list_get(list, 0))?;
-        let scales = Array::wrap(bridge::array_list_get(list, 1))?;
-        let biases = Array::wrap(bridge::array_list_get(list, 2))?;
+        let [w, scales, biases] = unpack("quantize", &parts)?;
         Ok((w, scales, biases))
     }
 
@@ -696,14 +702,8 @@ pub fn gated_delta(
         dt_bias.raw(),
         state.raw(),
     )?;
-    let list = list_ref(&parts)?;
-    if bridge::array_list_len(list) != 2 {
-        return Err(Error("gated_delta returned other than 2 arrays".into()));
-    }
-    Ok((
-        Array::wrap(bridge::array_list_get(list, 0))?,
-        Array::wrap(bridge::array_list_get(list, 1))?,
-    ))
+    let [y, state] = unpack("gated_delta", &parts)?;
+    Ok((y, state))
 }
 
 /// Mamba2's selective state-space recurrence (Dao and Gu 2024,
@@ -743,12 +743,6 @@ pub fn ssm_scan(
         dt_limit.1,
         state.raw(),
     )?;
-    let list = list_ref(&parts)?;
-    if bridge::array_list_len(list) != 2 {
-        return Err(Error("ssm_scan returned other than 2 arrays".into()));
-    }
-    Ok((
-        Array::wrap(bridge::array_list_get(list, 0))?,
-        Array::wrap(bridge::array_list_get(list, 1))?,
-    ))
+    let [y, state] = unpack("ssm_scan", &parts)?;
+    Ok((y, state))
 }

@@ -102,25 +102,15 @@ impl GatedDeltaNet {
         let linear = |ctx: &mut LoadContext<'_>, name: &str| {
             Linear::load(ctx, &format!("{path}.{name}"), false)
         };
-        let mut conv_weight = ctx.float(&format!("{path}.conv1d.weight"))?;
-        let channels = spec.conv_channels() as i32;
-        let kernel = spec.conv_kernel as i32;
-        if conv_weight.shape() == [channels, 1, kernel] {
-            conv_weight = conv_weight.transpose(&[0, 2, 1])?;
-        }
-        if conv_weight.shape() != [channels, kernel, 1] {
-            return Err(ModelError::Config(format!(
-                "{path}.conv1d.weight has shape {:?}, want [{channels}, {kernel}, 1]",
-                conv_weight.shape()
-            )));
-        }
+        let conv_weight =
+            recurrent::load_conv_weight(ctx, path, spec.conv_channels(), spec.conv_kernel)?;
         let layer = GatedDeltaNet {
             spec: *spec,
             in_proj_qkv: linear(ctx, "in_proj_qkv")?,
             in_proj_z: linear(ctx, "in_proj_z")?,
             in_proj_b: linear(ctx, "in_proj_b")?,
             in_proj_a: linear(ctx, "in_proj_a")?,
-            conv_weight: conv_weight.contiguous()?,
+            conv_weight,
             dt_bias: ctx.float(&format!("{path}.dt_bias"))?,
             a_log: ctx
                 .weights

@@ -482,6 +482,14 @@ impl Mlp {
         }
     }
 
+    /// Every tensor of the MLP (gate, up, down).
+    pub fn arrays(&self) -> Vec<&Array> {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .into_iter()
+            .flat_map(Linear::arrays)
+            .collect()
+    }
+
     /// `[..., hidden] -> [..., hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
         let g = self.gate_proj.forward(x)?;

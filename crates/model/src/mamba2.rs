@@ -118,18 +118,8 @@ impl Mamba2 {
                 spec.heads, spec.groups, spec.conv_kernel
             )));
         }
-        let channels = spec.conv_channels() as i32;
-        let kernel = spec.conv_kernel as i32;
-        let mut conv_weight = ctx.float(&format!("{path}.conv1d.weight"))?;
-        if conv_weight.shape() == [channels, 1, kernel] {
-            conv_weight = conv_weight.transpose(&[0, 2, 1])?;
-        }
-        if conv_weight.shape() != [channels, kernel, 1] {
-            return Err(ModelError::Config(format!(
-                "{path}.conv1d.weight has shape {:?}, want [{channels}, {kernel}, 1]",
-                conv_weight.shape()
-            )));
-        }
+        let conv_weight =
+            recurrent::load_conv_weight(ctx, path, spec.conv_channels(), spec.conv_kernel)?;
         let conv_bias = match spec.conv_bias {
             true => Some(ctx.float(&format!("{path}.conv1d.bias"))?),
             false => None,
@@ -143,7 +133,7 @@ impl Mamba2 {
         let layer = Mamba2 {
             spec: *spec,
             in_proj: Linear::load(ctx, &format!("{path}.in_proj"), spec.proj_bias)?,
-            conv_weight: conv_weight.contiguous()?,
+            conv_weight,
             conv_bias,
             dt_bias: float32(ctx, "dt_bias")?,
             a_log: float32(ctx, "A_log")?,
@@ -160,7 +150,7 @@ impl Mamba2 {
             ("norm.weight", &layer.norm_weight, vec![spec.inner() as i32]),
         ];
         if let Some(b) = &layer.conv_bias {
-            checks.push(("conv1d.bias", b, vec![channels]));
+            checks.push(("conv1d.bias", b, vec![spec.conv_channels() as i32]));
         }
         recurrent::check_shapes(path, &checks)?;
         Ok(layer)

@@ -654,9 +654,8 @@ impl SparseMoe {
         }
         v.extend(&self.biases);
         if let Some((mlp, gate)) = &self.shared {
-            for l in [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj, gate] {
-                v.extend(l.arrays());
-            }
+            v.extend(mlp.arrays());
+            v.extend(gate.arrays());
         }
         v
     }

@@ -7,6 +7,7 @@
 use mlxcel_kv::AttentionKv;
 use mlxcel_mlx::{Array, Dtype};
 
+use crate::layers::LoadContext;
 use crate::step::Step;
 use crate::ModelError;
 
@@ -89,6 +90,32 @@ pub(crate) fn read_states<const N: usize>(
     joined
         .try_into()
         .map_err(|_| ModelError::Config(format!("layer {layer}: no rows")))
+}
+
+/// The depthwise convolution weight `{path}.conv1d.weight` of `channels`
+/// filters of width `kernel`, as MLX's `Conv1d` lays it out: `[channels,
+/// kernel, 1]`; Hugging Face's `[channels, 1, kernel]` is transposed.
+///
+/// # Errors
+/// A missing tensor; any other shape ([`ModelError::Config`]).
+pub(crate) fn load_conv_weight(
+    ctx: &mut LoadContext<'_>,
+    path: &str,
+    channels: usize,
+    kernel: usize,
+) -> Result<Array, ModelError> {
+    let (channels, kernel) = (channels as i32, kernel as i32);
+    let mut weight = ctx.float(&format!("{path}.conv1d.weight"))?;
+    if weight.shape() == [channels, 1, kernel] {
+        weight = weight.transpose(&[0, 2, 1])?;
+    }
+    if weight.shape() != [channels, kernel, 1] {
+        return Err(ModelError::Config(format!(
+            "{path}.conv1d.weight has shape {:?}, want [{channels}, {kernel}, 1]",
+            weight.shape()
+        )));
+    }
+    Ok(weight.contiguous()?)
 }
 
 /// Checks each `(name, array, want)`: the array under `{path}.{name}` has

@@ -145,13 +145,6 @@ enum FeedForward {
     SparseAndDense(Box<SparseMoe>, Mlp),
 }
 
-fn mlp_arrays(m: &Mlp) -> Vec<&Array> {
-    [&m.gate_proj, &m.up_proj, &m.down_proj]
-        .into_iter()
-        .flat_map(|l| l.arrays())
-        .collect()
-}
-
 impl FeedForward {
     fn forward(&self, x: &Array) -> Result<Array, ModelError> {
         match self {
@@ -163,11 +156,11 @@ impl FeedForward {
 
     fn arrays(&self) -> Vec<&Array> {
         match self {
-            FeedForward::Dense(m) => mlp_arrays(m),
+            FeedForward::Dense(m) => m.arrays(),
             FeedForward::Sparse(m) => m.arrays(),
             FeedForward::SparseAndDense(s, d) => {
                 let mut v = s.arrays();
-                v.extend(mlp_arrays(d));
+                v.extend(d.arrays());
                 v
             }
         }

@@ -776,9 +776,7 @@ impl Layer {
             &self.scalar,
         ];
         v.extend(self.attn.arrays());
-        for l in [&self.mlp.gate_proj, &self.mlp.up_proj, &self.mlp.down_proj] {
-            v.extend(l.arrays());
-        }
+        v.extend(self.mlp.arrays());
         if let Some((g, p, n)) = &self.per_layer {
             v.extend(g.arrays());
             v.extend(p.arrays());
