@@ -147,6 +147,7 @@ fn log_ready(local: std::net::SocketAddr, model: &str, gpu: bool, stats: &Engine
         kv_tokens,
         kv_bytes,
         kv_storage = %stats.kv_storage_backend,
+        kv_dtype = %stats.kv_cache_dtype,
         speculative = %stats.speculative_method,
         "ready: serving requests"
     );

@@ -382,6 +382,8 @@ fn check_ready_line(server: &Server, model: &str) {
     let tokens = total * stats["block_size"].as_u64().expect("block_size");
     let bytes = total * stats["block_bytes"].as_u64().expect("block_bytes");
     assert!(tokens > 0, "{stats}");
+    assert_eq!(stats["capacity_tokens"], tokens, "{stats}");
+    let kv_dtype = stats["kv_cache_dtype"].as_str().expect("kv_cache_dtype");
     let gpu = mlxcel_mlx::gpu_available();
     let device = format!(
         "device={}, {}",
@@ -394,6 +396,7 @@ fn check_ready_line(server: &Server, model: &str) {
         device,
         format!("kv_tokens={tokens}"),
         format!("kv_bytes={bytes}"),
+        format!("kv_dtype={kv_dtype}"),
     ] {
         assert!(line.contains(&field), "{field} not in {line}");
     }

@@ -56,8 +56,12 @@ pub struct EngineConfig {
     /// KV cache budget in bytes; `None` = auto (room for `parallel`
     /// sequences of the model's full context, at most a quarter of RAM).
     pub kv_cache_budget: Option<usize>,
-    /// KV storage; `None` = auto (paged when `parallel > 1`).
+    /// KV storage; `None` = auto (paged when `parallel > 1` or the KV
+    /// dtype is quantized).
     pub storage_backend: Option<StorageBackend>,
+    /// How K/V are stored: the compute dtype, another float type, or
+    /// quantized (int8, int4: paged storage only).
+    pub kv_cache_dtype: mlxcel_kv::KvCacheDtype,
     /// How decode rows read a paged cache.
     pub attention_path: AttentionPath,
     /// Check KV invariants after every step (on in debug builds).
@@ -187,6 +191,7 @@ impl EngineConfig {
             kv_block_size: defaults::KV_BLOCK_SIZE,
             kv_cache_budget: None,
             storage_backend: None,
+            kv_cache_dtype: mlxcel_kv::KvCacheDtype::Auto,
             attention_path: AttentionPath::BatchedDecode,
             check_invariants: cfg!(debug_assertions),
             prefix_cache: true,

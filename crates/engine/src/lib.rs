@@ -49,7 +49,7 @@ pub use config::{
 };
 pub use error::{EngineError, StepError};
 pub use handle::{Engine, EngineInfo};
-pub use mlxcel_kv::StorageBackend;
+pub use mlxcel_kv::{KvCacheDtype, StorageBackend};
 pub use mlxcel_model::AttentionPath;
 pub use runner::tensor_parallel::follower::run_follower;
 pub use speculative::{SpeculativeConfig, SpeculativeMethod};

@@ -3,8 +3,8 @@
 //! pool per KV group, from the memory budget).
 
 use mlxcel_kv::{
-    Admission, GroupAdmission, KvCache, KvCacheConfig, KvGroupConfig, KvLayout, LayerState,
-    PrefixCacheConfig, RecurrentConfig, StorageBackend,
+    Admission, GroupAdmission, KvCache, KvCacheConfig, KvCacheDtype, KvGroupConfig, KvLayout,
+    LayerState, PrefixCacheConfig, RecurrentConfig, StorageBackend,
 };
 use mlxcel_model::Model;
 
@@ -23,6 +23,8 @@ pub(crate) struct EnginePlan {
     /// KV cache budget in bytes (`None`: auto).
     budget: Option<usize>,
     backend: StorageBackend,
+    /// How K/V are stored.
+    kv_dtype: KvCacheDtype,
     /// Prefix cache: (extra key, capacity in blocks) when on (paged
     /// storage only).
     prefix: Option<(u64, Option<usize>)>,
@@ -63,11 +65,21 @@ impl EnginePlan {
         let tile = config
             .prefill_tile
             .unwrap_or_else(|| crate::platform::auto_prefill_tile(gpu));
-        let backend = config.storage_backend.unwrap_or(if config.parallel > 1 {
-            StorageBackend::Paged
-        } else {
-            StorageBackend::Dense
-        });
+        let quantized = config.kv_cache_dtype.bits().is_some();
+        let backend = config
+            .storage_backend
+            .unwrap_or(if config.parallel > 1 || quantized {
+                StorageBackend::Paged
+            } else {
+                StorageBackend::Dense
+            });
+        if quantized && backend == StorageBackend::Dense {
+            return Err(EngineError::Config(format!(
+                "--kv-cache-dtype {} stores quantized blocks in the paged pool; \
+                 drop --decode-storage-backend dense",
+                config.kv_cache_dtype
+            )));
+        }
         Ok(EnginePlan {
             worker: WorkerConfig {
                 scheduler: SchedulerConfig {
@@ -86,6 +98,7 @@ impl EnginePlan {
             },
             block_size: config.kv_block_size,
             budget: config.kv_cache_budget,
+            kv_dtype: config.kv_cache_dtype,
             backend,
             // Several KV groups force paged storage (`kv_cache`), so the
             // prefix cache is decided with the cache.
@@ -106,7 +119,10 @@ impl EnginePlan {
     /// model has such layers) gets the rest. Several groups need paged
     /// storage, and can't run under tensor parallelism.
     pub(crate) fn kv_cache(&self, model: &dyn Model) -> Result<KvCache, EngineError> {
-        let layout = model.kv_layout();
+        let layout = KvLayout {
+            kv_dtype: self.kv_dtype,
+            ..model.kv_layout()
+        };
         let states = model.layer_states();
         let recurrent = self.recurrent_config(&states)?;
         let windows: Vec<Option<usize>> = states.iter().map(LayerState::window).collect();

@@ -21,6 +21,7 @@ fn per_append_us(backend: StorageBackend, blocks: usize) -> f64 {
         kv_heads: 3,
         head_dim: 64,
         dtype: Dtype::Float32,
+        kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
     };
     let mut cache = KvCache::new(KvCacheConfig {
         layout,

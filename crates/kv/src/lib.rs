@@ -63,5 +63,5 @@ pub use prefix::{hold_from, GroupHit, PrefixCache, PrefixCacheStats};
 pub use recurrent::{RecurrentConfig, ENTRIES_KEPT};
 pub use replica::{CopyLayout, KvReplica, ReplicaStep, RowLayout, StepLayout};
 pub use sequence::{Appended, BlockCopy, SequenceBlocks, Slot};
-pub use step::{AttentionKv, PagedKv, StepKv};
-pub use storage::{KvLayout, DENSE_GROW_STEP};
+pub use step::{AttentionKv, PagedKv, PagedQuant, StepKv};
+pub use storage::{KvCacheDtype, KvLayout, KvQuant, DENSE_GROW_STEP};

@@ -339,16 +339,11 @@ impl AttentionKv for ReplicaStep<'_> {
             self.tables = Some((rows.to_vec(), tables, meta));
         }
         match &self.tables {
-            Some((_, tables, meta)) => {
-                let (keys, values) = self.storage.layer(layer)?;
-                Ok(Some(PagedKv {
-                    keys,
-                    values,
-                    tables,
-                    meta,
-                    block_size: self.block_size,
-                }))
-            }
+            Some((_, tables, meta)) => Ok(Some(self.storage.layer(layer)?.paged_kv(
+                tables,
+                meta,
+                self.block_size,
+            )?)),
             None => Ok(None),
         }
     }

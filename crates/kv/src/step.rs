@@ -17,6 +17,7 @@ use mlxcel_mlx::Array;
 
 use crate::cache::KvCache;
 use crate::error::KvError;
+use crate::storage::PoolLayer;
 
 /// What the attention layer needs from the KV cache during one step.
 pub trait AttentionKv {
@@ -95,10 +96,15 @@ pub trait AttentionKv {
 /// [`AttentionKv::read_paged`]).
 #[derive(Debug)]
 pub struct PagedKv<'a> {
-    /// `[slots, kv_heads, head_dim]`, slot = block id * block size + offset.
+    /// `[slots, kv_heads, head_dim]` as stored (float; its dtype may
+    /// differ from the compute dtype, see `KvCacheDtype`), or, quantized,
+    /// uint32 `[slots, kv_heads, head_dim * bits / 32]`; slot = block id *
+    /// block size + offset.
     pub keys: &'a Array,
-    /// `[slots, kv_heads, head_dim]`.
+    /// As `keys`.
     pub values: &'a Array,
+    /// The scales and biases of quantized pools; `None` for float ones.
+    pub quantized: Option<PagedQuant<'a>>,
     /// int32 `[rows, max_blocks]`: each row's live blocks in position order
     /// (shorter rows padded with their last block, never read).
     pub tables: &'a Array,
@@ -107,6 +113,63 @@ pub struct PagedKv<'a> {
     pub meta: &'a Array,
     /// Tokens per block.
     pub block_size: usize,
+}
+
+/// The quantization parameters of a quantized paged pool (MLX's affine
+/// quantization: element `= q · scale + bias` per group).
+#[derive(Debug)]
+pub struct PagedQuant<'a> {
+    /// `[slots, kv_heads, head_dim / group_size]`, compute dtype.
+    pub key_scales: &'a Array,
+    /// As `key_scales`.
+    pub key_biases: &'a Array,
+    /// As `key_scales`.
+    pub value_scales: &'a Array,
+    /// As `key_scales`.
+    pub value_biases: &'a Array,
+    /// Bits per element (8 or 4).
+    pub bits: usize,
+    /// Elements per scale and bias.
+    pub group_size: usize,
+}
+
+impl<'a> PoolLayer<'a> {
+    /// The pool with `tables` and `meta` (see [`PagedKv`]).
+    pub(crate) fn paged_kv(
+        self,
+        tables: &'a Array,
+        meta: &'a Array,
+        block_size: usize,
+    ) -> Result<PagedKv<'a>, KvError> {
+        let (keys, values, quantized) = match (self.keys, self.values, self.quant) {
+            ([k], [v], None) => (k, v, None),
+            ([k, ks, kb], [v, vs, vb], Some(q)) => (
+                k,
+                v,
+                Some(PagedQuant {
+                    key_scales: ks,
+                    key_biases: kb,
+                    value_scales: vs,
+                    value_biases: vb,
+                    bits: q.bits,
+                    group_size: q.group_size,
+                }),
+            ),
+            _ => {
+                return Err(KvError::Invariant(
+                    "pool arrays do not match the KV dtype".into(),
+                ))
+            }
+        };
+        Ok(PagedKv {
+            keys,
+            values,
+            quantized,
+            tables,
+            meta,
+            block_size,
+        })
+    }
 }
 
 /// One row of a step.
@@ -426,16 +489,11 @@ impl AttentionKv for StepKv<'_> {
             self.built[g].tables = Some((rows.to_vec(), tables, meta));
         }
         match (&self.built[g].tables, &self.cache.groups[g].paged) {
-            (Some((_, tables, meta)), Some(pool)) => {
-                let (keys, values) = pool.layer(local)?;
-                Ok(Some(PagedKv {
-                    keys,
-                    values,
-                    tables,
-                    meta,
-                    block_size: self.cache.config().block_size,
-                }))
-            }
+            (Some((_, tables, meta)), Some(pool)) => Ok(Some(pool.layer(local)?.paged_kv(
+                tables,
+                meta,
+                self.cache.config().block_size,
+            )?)),
             _ => Ok(None),
         }
     }

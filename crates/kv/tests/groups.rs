@@ -30,6 +30,7 @@ fn grouped_cache(full_blocks: usize, window_blocks: usize, prefix: bool) -> KvCa
                 kv_heads: 1,
                 head_dim: HEAD_DIM,
                 dtype: Dtype::Float32,
+                kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
             },
             block_size: BS,
             num_blocks: full_blocks + window_blocks,

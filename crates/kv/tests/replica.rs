@@ -22,6 +22,7 @@ fn layout() -> KvLayout {
         kv_heads: 1,
         head_dim: 2,
         dtype: Dtype::Float32,
+        kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
     }
 }
 

@@ -54,6 +54,7 @@ fn cache(backend: StorageBackend, grouped: bool) -> Result<KvCache, KvError> {
                 kv_heads: 1,
                 head_dim: 1,
                 dtype: Dtype::Float32,
+                kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
             },
             block_size: BS,
             num_blocks: blocks,
@@ -141,6 +142,7 @@ fn sharing_that_does_not_map_to_stored_kv_is_refused() {
         kv_heads: 1,
         head_dim: 1,
         dtype: Dtype::Float32,
+        kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
     };
     let config = KvCacheConfig {
         layout,

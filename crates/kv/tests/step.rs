@@ -30,6 +30,7 @@ fn cache_with(
             kv_heads: 1,
             head_dim: HEAD_DIM,
             dtype: Dtype::Float32,
+            kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
         },
         block_size,
         num_blocks,

@@ -127,6 +127,18 @@ ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array
 ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const array& v_pool,
                                       const array& tables, const array& meta, const array& scale,
                                       int32_t block_size, int32_t window, const array& sinks);
+ArrayPtr paged_decode_attention_quantized(const array& q, const array& k_pool,
+                                          const array& k_scales, const array& k_biases,
+                                          const array& v_pool, const array& v_scales,
+                                          const array& v_biases, const array& tables,
+                                          const array& meta, const array& scale,
+                                          int32_t block_size, int32_t window, int32_t group_size,
+                                          int32_t bits);
+ArrayPtr paged_decode_attention_quantized_sinks(
+    const array& q, const array& k_pool, const array& k_scales, const array& k_biases,
+    const array& v_pool, const array& v_scales, const array& v_biases, const array& tables,
+    const array& meta, const array& scale, int32_t block_size, int32_t window,
+    int32_t group_size, int32_t bits, const array& sinks);
 bool paged_attention_available();
 // paged_attention.cc (C++ only): custom GPU kernels. Whether the default
 // device is a GPU whose backend runs them; a kernel of `source` for this

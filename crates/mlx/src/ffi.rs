@@ -242,6 +242,41 @@ pub(crate) mod bridge {
             window: i32,
             sinks: &array,
         ) -> Result<UniquePtr<array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn paged_decode_attention_quantized(
+            q: &array,
+            k_pool: &array,
+            k_scales: &array,
+            k_biases: &array,
+            v_pool: &array,
+            v_scales: &array,
+            v_biases: &array,
+            tables: &array,
+            meta: &array,
+            scale: &array,
+            block_size: i32,
+            window: i32,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn paged_decode_attention_quantized_sinks(
+            q: &array,
+            k_pool: &array,
+            k_scales: &array,
+            k_biases: &array,
+            v_pool: &array,
+            v_scales: &array,
+            v_biases: &array,
+            tables: &array,
+            meta: &array,
+            scale: &array,
+            block_size: i32,
+            window: i32,
+            group_size: i32,
+            bits: i32,
+            sinks: &array,
+        ) -> Result<UniquePtr<array>>;
         fn paged_attention_available() -> Result<bool>;
         fn use_device(gpu: bool) -> Result<()>;
         fn version() -> Result<String>;

@@ -652,6 +652,89 @@ pub fn paged_decode_attention(
     })
 }
 
+/// The quantization of a paged pool read by
+/// [`paged_decode_attention_quantized`]: MLX's affine quantization (see
+/// [`Array::quantize`]), one scale and bias per `group_size` elements of a
+/// head.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedQuantArrays<'a> {
+    /// `[slots, kv_heads, head_dim / group_size]`, `q`'s dtype.
+    pub key_scales: &'a Array,
+    /// As `key_scales`.
+    pub key_biases: &'a Array,
+    /// As `key_scales`.
+    pub value_scales: &'a Array,
+    /// As `key_scales`.
+    pub value_biases: &'a Array,
+    /// Elements per scale and bias: 32 or 64.
+    pub group_size: i32,
+    /// Bits per element: 8 or 4 (`32 / bits` elements per uint32 word).
+    pub bits: i32,
+}
+
+/// [`paged_decode_attention`] over quantized pools: `k_pool`/`v_pool` are
+/// uint32 `[slots, kv_heads, head_dim * bits / 32]` (MLX's packing, the
+/// first element in the lowest bits), dequantized as the kernel reads them
+/// (`q · scale + bias`, float32 arithmetic). Same tables, meta, window and
+/// sinks; returns `[rows, heads, head_dim]`.
+///
+/// # Errors
+/// As [`paged_decode_attention`], and scales or biases of another shape
+/// or dtype than `q`'s, bits other than 8 or 4, a group size other than 32
+/// or 64 (or not dividing `head_dim`).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_quantized(
+    q: &Array,
+    k_pool: &Array,
+    v_pool: &Array,
+    quant: PagedQuantArrays<'_>,
+    tables: &Array,
+    meta: &Array,
+    scale: &Array,
+    block_size: i32,
+    window: Option<usize>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    let w = window_arg(window)?;
+    let (ks, kb, vs, vb) = (
+        quant.key_scales.raw(),
+        quant.key_biases.raw(),
+        quant.value_scales.raw(),
+        quant.value_biases.raw(),
+    );
+    let (g, bits) = (quant.group_size, quant.bits);
+    let (q, k, v, t, m, s) = (
+        q.raw(),
+        k_pool.raw(),
+        v_pool.raw(),
+        tables.raw(),
+        meta.raw(),
+        scale.raw(),
+    );
+    Array::wrap(match sinks {
+        None => bridge::paged_decode_attention_quantized(
+            q, k, ks, kb, v, vs, vb, t, m, s, block_size, w, g, bits,
+        ),
+        Some(sinks) => bridge::paged_decode_attention_quantized_sinks(
+            q,
+            k,
+            ks,
+            kb,
+            v,
+            vs,
+            vb,
+            t,
+            m,
+            s,
+            block_size,
+            w,
+            g,
+            bits,
+            sinks.raw(),
+        ),
+    })
+}
+
 /// The paged kernel's `WINDOW`: the window in keys, 0 for none.
 fn window_arg(window: Option<usize>) -> Result<i32> {
     i32::try_from(window.unwrap_or(0)).map_err(|_| {

@@ -21,6 +21,12 @@
 //   meta    int32 [rows, 2]                      (offset of the first live key
 //                                                 in the row's first block, live keys)
 //   scale   float32 [1]                          softmax scale
+// Quantized pools (the `_q` variants, MLX's affine quantization: element =
+// q * scale + bias, BITS 8 or 4, `32 / BITS` elements per uint32 word, the
+// first in the lowest bits, one scale and bias per G elements of a head):
+//   k_pool, v_pool  uint32 [slots, kv_heads, head_dim * BITS / 32]
+//   k_scales, k_biases, v_scales, v_biases  [slots, kv_heads, head_dim / G]
+//                                                 compute dtype
 //   sinks   float32 [heads]                      (the `_sinks` variant) a
 //                                                 per-head logit in the
 //                                                 softmax's denominator that
@@ -55,6 +61,7 @@ constexpr int kWarps = 4;
 const char* kMetalSource = R"(
   constexpr int WARPS = 4;
   constexpr int PER = D / 32;
+  @QCONSTS@
   uint group = threadgroup_position_in_grid.x;
   uint tid = thread_position_in_threadgroup.x;
   int row = group / HEADS;
@@ -79,15 +86,15 @@ const char* kMetalSource = R"(
   for (int t = warp; t < len; t += WARPS) {
     int p = first + t;
     size_t slot = size_t(tables[row * max_blocks + p / BS]) * BS + p % BS;
-    size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
+    size_t hrow = slot * KV_HEADS + kvh;
     float s = 0.0f;
-    for (int i = 0; i < PER; ++i) s += qv[i] * float(k_pool[base + i]);
+    for (int i = 0; i < PER; ++i) s += qv[i] * @K@;
     s = simd_sum(s);
     float m_new = max(m, s);
     float corr = fast::exp(m - m_new);
     float e = fast::exp(s - m_new);
     l = l * corr + e;
-    for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + e * float(v_pool[base + i]);
+    for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + e * @V@;
     m = m_new;
   }
   threadgroup float sm[WARPS];
@@ -120,6 +127,7 @@ const char* kMetalSource = R"(
 const char* kCudaSource = R"(
   constexpr int WARPS = 4;
   constexpr int PER = D / 32;
+  @QCONSTS@
   const int row = blockIdx.x / HEADS;
   const int head = blockIdx.x % HEADS;
   const int kvh = head / (HEADS / KV_HEADS);
@@ -142,10 +150,10 @@ const char* kCudaSource = R"(
   for (int t = warp; t < len; t += WARPS) {
     const int p = first + t;
     const size_t slot = (size_t)tables[row * max_blocks + p / BS] * BS + p % BS;
-    const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
+    const size_t hrow = slot * KV_HEADS + kvh;
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) s += qv[i] * static_cast<float>(k_pool[base + i]);
+    for (int i = 0; i < PER; ++i) s += qv[i] * @K@;
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
     const float m_new = fmaxf(m, s);
@@ -153,7 +161,7 @@ const char* kCudaSource = R"(
     const float e = __expf(s - m_new);
     l = l * corr + e;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + e * static_cast<float>(v_pool[base + i]);
+    for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + e * @V@;
     m = m_new;
   }
   __shared__ float sm[WARPS];
@@ -185,68 +193,120 @@ const char* kCudaSource = R"(
 #endif
 
 const std::vector<std::string> kInputs = {"q", "k_pool", "v_pool", "tables", "meta", "scale"};
+const std::vector<std::string> kQuantInputs = {"q",        "k_pool",   "k_scales", "k_biases",
+                                               "v_pool",   "v_scales", "v_biases", "tables",
+                                               "meta",     "scale"};
 
-// `source` with its sink placeholders filled: with `sinks`, the head's sink
+void put(std::string& s, const std::string& mark, const std::string& code) {
+  for (auto at = s.find(mark); at != std::string::npos; at = s.find(mark)) {
+    s.replace(at, mark.size(), code);
+  }
+}
+
+// Element `i` of this lane's slice of K (`x` = "k") or V ("v") at head row
+// `hrow` (= slot * KV_HEADS + kvh), as float: read from a float pool, or
+// unpacked from its word and dequantized.
+std::string element(const std::string& x, bool quantized) {
+  const std::string e = "(lane * PER + i)";
+  if (!quantized) return "(float)" + x + "_pool[hrow * D + " + e + "]";
+  const std::string g = "hrow * NG + " + e + " / G";
+  return "((float)((" + x + "_pool[hrow * WPH + " + e + " / EPW] >> ((" + e +
+         " % EPW) * BITS)) & MASK) * (float)" + x + "_scales[" + g + "] + (float)" + x +
+         "_biases[" + g + "])";
+}
+
+// `source` with its placeholders filled: with `sinks`, the head's sink
 // logit (float32 `sinks[head]`, gpt-oss) joins the softmax's denominator and
-// no value; without, the placeholders go.
-std::string with_sinks(const char* source, bool sinks) {
+// no value; without, the placeholders go. `quantized` reads the pools as
+// words with scales and biases (template BITS and G).
+std::string fill(const char* source, bool sinks, bool quantized) {
   std::string s(source);
-  auto put = [&s](const std::string& mark, const std::string& code) {
-    const auto at = s.find(mark);
-    if (at != std::string::npos) s.replace(at, mark.size(), code);
-  };
 #if defined(__APPLE__)
-  put("@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = max(mx_, sink);" : "");
-  put("@SINK_ADD@", sinks ? "total = fast::exp(sink - mx_);" : "");
+  put(s, "@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = max(mx_, sink);" : "");
+  put(s, "@SINK_ADD@", sinks ? "total = fast::exp(sink - mx_);" : "");
 #else
-  put("@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = fmaxf(mx_, sink);" : "");
-  put("@SINK_ADD@", sinks ? "total = __expf(sink - mx_);" : "");
+  put(s, "@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = fmaxf(mx_, sink);" : "");
+  put(s, "@SINK_ADD@", sinks ? "total = __expf(sink - mx_);" : "");
 #endif
+  put(s, "@QCONSTS@",
+      quantized ? "constexpr int EPW = 32 / BITS; constexpr int WPH = D / EPW; "
+                  "constexpr int NG = D / G; constexpr unsigned MASK = (1u << BITS) - 1u;"
+                : "");
+  put(s, "@K@", element("k", quantized));
+  put(s, "@V@", element("v", quantized));
   return s;
 }
 
-const mx::fast::CustomKernelFunction& make_kernel(const char* name,
-                                                  const std::vector<std::string>& inputs,
-                                                  bool sinks) {
+const mx::fast::CustomKernelFunction& make_kernel(const std::string& name, bool sinks,
+                                                  bool quantized) {
 #if defined(__APPLE__)
   const char* source = kMetalSource;
 #else
   const char* source = kCudaSource;
 #endif
+  auto inputs = quantized ? kQuantInputs : kInputs;
+  if (sinks) inputs.push_back("sinks");
   auto* k = new mx::fast::CustomKernelFunction(
-      gpu_custom_kernel(name, inputs, {"o"}, with_sinks(source, sinks)));
+      gpu_custom_kernel(name, inputs, {"o"}, fill(source, sinks, quantized)));
   return *k;
 }
 
-// The kernel without sinks, and the one with (its own name, so each is
-// compiled and cached once, on its first call).
-const mx::fast::CustomKernelFunction& kernel(bool sinks) {
-  static const auto& plain = make_kernel("mlxcel_paged_decode_attention", kInputs, false);
-  static const auto& with = [] {
-    auto inputs = kInputs;
-    inputs.push_back("sinks");
-    return std::ref(make_kernel("mlxcel_paged_decode_attention_sinks", inputs, true));
-  }().get();
+// The four kernels (float or quantized pools, with or without sinks), each
+// under its own name so that each is compiled and cached once, on its
+// first call.
+const mx::fast::CustomKernelFunction& kernel(bool sinks, bool quantized) {
+  static const auto& plain = make_kernel("mlxcel_paged_decode_attention", false, false);
+  static const auto& with = make_kernel("mlxcel_paged_decode_attention_sinks", true, false);
+  static const auto& plain_q = make_kernel("mlxcel_paged_decode_attention_q", false, true);
+  static const auto& with_q = make_kernel("mlxcel_paged_decode_attention_sinks_q", true, true);
+  if (quantized) return sinks ? with_q : plain_q;
   return sinks ? with : plain;
 }
+
+// The scales and biases of quantized pools.
+struct Quant {
+  const array& k_scales;
+  const array& k_biases;
+  const array& v_scales;
+  const array& v_biases;
+  int group_size;
+  int bits;
+};
 
 }  // namespace
 
 namespace {
 ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const array& tables,
                const array& meta, const array& scale, int32_t block_size, int32_t window,
-               const array* sinks) {
+               const array* sinks, const Quant* quant) {
   if (q.ndim() != 3 || k_pool.ndim() != 3 || v_pool.ndim() != 3 || tables.ndim() != 2 ||
       meta.ndim() != 2) {
     throw std::invalid_argument("[paged_decode_attention] bad ranks");
   }
   const int rows = q.shape(0), heads = q.shape(1), dim = q.shape(2);
   const int kv_heads = k_pool.shape(1);
+  // The pools' last dimension: head_dim floats, or its packed words.
+  int stored = dim;
+  if (quant != nullptr) {
+    const int g = quant->group_size, bits = quant->bits;
+    if ((bits != 8 && bits != 4) || (g != 32 && g != 64) || dim % g != 0) {
+      throw std::invalid_argument("[paged_decode_attention] bad quantization");
+    }
+    stored = dim * bits / 32;
+    for (const array* a : {&quant->k_scales, &quant->k_biases, &quant->v_scales, &quant->v_biases}) {
+      if (a->ndim() != 3 || a->shape(0) != k_pool.shape(0) || a->shape(1) != kv_heads ||
+          a->shape(2) != dim / g || a->dtype() != q.dtype()) {
+        throw std::invalid_argument("[paged_decode_attention] scales or biases do not match");
+      }
+    }
+  }
+  const auto pool_dtype = quant != nullptr ? mx::uint32 : q.dtype();
   if (dim % 32 != 0 || dim > 256 || kv_heads == 0 || heads % kv_heads != 0 ||
-      k_pool.shape(2) != dim || v_pool.shape(2) != dim || tables.shape(0) != rows ||
-      meta.shape(0) != rows || meta.shape(1) != 2 || tables.dtype() != mx::int32 ||
-      meta.dtype() != mx::int32 || scale.dtype() != mx::float32 || block_size < 1 || window < 0 ||
-      k_pool.dtype() != q.dtype() || v_pool.dtype() != q.dtype()) {
+      k_pool.shape(2) != stored || v_pool.shape(2) != stored || v_pool.shape(0) != k_pool.shape(0) ||
+      v_pool.shape(1) != kv_heads || tables.shape(0) != rows || meta.shape(0) != rows ||
+      meta.shape(1) != 2 || tables.dtype() != mx::int32 || meta.dtype() != mx::int32 ||
+      scale.dtype() != mx::float32 || block_size < 1 || window < 0 ||
+      k_pool.dtype() != pool_dtype || v_pool.dtype() != pool_dtype) {
     throw std::invalid_argument("[paged_decode_attention] inputs do not match");
   }
   if (sinks != nullptr &&
@@ -254,17 +314,27 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
     throw std::invalid_argument("[paged_decode_attention] sinks must be float32 [heads]");
   }
   const int threads = 32 * kWarps;
-  std::vector<array> inputs = {q, k_pool, v_pool, tables, meta, scale};
+  std::vector<array> inputs =
+      quant == nullptr
+          ? std::vector<array>{q, k_pool, v_pool, tables, meta, scale}
+          : std::vector<array>{q,           k_pool,           quant->k_scales, quant->k_biases,
+                               v_pool,      quant->v_scales,  quant->v_biases, tables,
+                               meta,        scale};
   if (sinks != nullptr) inputs.push_back(*sinks);
-  auto out = kernel(sinks != nullptr)(inputs, {q.shape()}, {q.dtype()},
-                      {rows * heads * threads, 1, 1}, {threads, 1, 1},
-                      {{"T", q.dtype()},
-                       {"HEADS", heads},
-                       {"KV_HEADS", kv_heads},
-                       {"D", dim},
-                       {"BS", static_cast<int>(block_size)},
-                       {"WINDOW", static_cast<int>(window)}},
-                      std::nullopt, false, {});
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs = {
+      {"T", q.dtype()},
+      {"HEADS", heads},
+      {"KV_HEADS", kv_heads},
+      {"D", dim},
+      {"BS", static_cast<int>(block_size)},
+      {"WINDOW", static_cast<int>(window)}};
+  if (quant != nullptr) {
+    targs.push_back({"BITS", quant->bits});
+    targs.push_back({"G", quant->group_size});
+  }
+  auto out = kernel(sinks != nullptr, quant != nullptr)(
+      inputs, {q.shape()}, {q.dtype()}, {rows * heads * threads, 1, 1}, {threads, 1, 1}, targs,
+      std::nullopt, false, {});
   return std::make_unique<array>(std::move(out[0]));
 }
 }  // namespace
@@ -272,13 +342,33 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
 ArrayPtr paged_decode_attention(const array& q, const array& k_pool, const array& v_pool,
                                 const array& tables, const array& meta, const array& scale,
                                 int32_t block_size, int32_t window) {
-  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, nullptr);
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, nullptr, nullptr);
 }
 
 ArrayPtr paged_decode_attention_sinks(const array& q, const array& k_pool, const array& v_pool,
                                       const array& tables, const array& meta, const array& scale,
                                       int32_t block_size, int32_t window, const array& sinks) {
-  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, &sinks);
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, &sinks, nullptr);
+}
+
+ArrayPtr paged_decode_attention_quantized(const array& q, const array& k_pool,
+                                          const array& k_scales, const array& k_biases,
+                                          const array& v_pool, const array& v_scales,
+                                          const array& v_biases, const array& tables,
+                                          const array& meta, const array& scale,
+                                          int32_t block_size, int32_t window, int32_t group_size,
+                                          int32_t bits) {
+  const Quant quant{k_scales, k_biases, v_scales, v_biases, group_size, bits};
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, nullptr, &quant);
+}
+
+ArrayPtr paged_decode_attention_quantized_sinks(
+    const array& q, const array& k_pool, const array& k_scales, const array& k_biases,
+    const array& v_pool, const array& v_scales, const array& v_biases, const array& tables,
+    const array& meta, const array& scale, int32_t block_size, int32_t window,
+    int32_t group_size, int32_t bits, const array& sinks) {
+  const Quant quant{k_scales, k_biases, v_scales, v_biases, group_size, bits};
+  return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, &sinks, &quant);
 }
 
 bool paged_attention_available() {

@@ -484,20 +484,48 @@ impl Attention {
         // Windowed layers too: the kernel attends to each row's last
         // `window` live keys.
         if step.paged_kernel && kernel_fits {
-            if let Some(pool) = kv.read_paged(layer, &ids)? {
+            // Float pools are read as they are when stored in the compute
+            // dtype (a cast pool is gathered and cast back instead);
+            // quantized ones are dequantized by the kernel as it reads.
+            if let Some(pool) = kv
+                .read_paged(layer, &ids)?
+                .filter(|p| p.quantized.is_some() || p.keys.dtype() == q.dtype())
+            {
                 let q = q.reshape(&[rows as i32, h, d])?;
                 let (scale, bs) = (&self.scale_array, pool.block_size as i32);
-                let o = mlxcel_mlx::paged_decode_attention(
-                    &q,
-                    pool.keys,
-                    pool.values,
-                    pool.tables,
-                    pool.meta,
-                    scale,
-                    bs,
-                    self.window,
-                    self.sinks.as_ref().map(|s| &s.float32),
-                )?;
+                let sinks = self.sinks.as_ref().map(|s| &s.float32);
+                let o = match &pool.quantized {
+                    None => mlxcel_mlx::paged_decode_attention(
+                        &q,
+                        pool.keys,
+                        pool.values,
+                        pool.tables,
+                        pool.meta,
+                        scale,
+                        bs,
+                        self.window,
+                        sinks,
+                    )?,
+                    Some(qz) => mlxcel_mlx::paged_decode_attention_quantized(
+                        &q,
+                        pool.keys,
+                        pool.values,
+                        mlxcel_mlx::PagedQuantArrays {
+                            key_scales: qz.key_scales,
+                            key_biases: qz.key_biases,
+                            value_scales: qz.value_scales,
+                            value_biases: qz.value_biases,
+                            group_size: qz.group_size as i32,
+                            bits: qz.bits as i32,
+                        },
+                        pool.tables,
+                        pool.meta,
+                        scale,
+                        bs,
+                        self.window,
+                        sinks,
+                    )?,
+                };
                 mark("attn.paged_kernel", &[&o])?;
                 return Ok(o.reshape(&[rows as i32, h * d])?);
             }

@@ -174,6 +174,7 @@ pub trait Model: Send {
             kv_heads: c.num_key_value_heads / ranks,
             head_dim: c.head_dim,
             dtype: self.dtype(),
+            kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
         }
     }
 }

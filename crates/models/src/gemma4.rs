@@ -526,6 +526,7 @@ fn load(
             kv_heads: stored_kv,
             head_dim: stored,
             dtype: options.dtype,
+            kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
         },
         dtype: options.dtype,
         config,

@@ -15,6 +15,8 @@ async fn cache_stats_reports_the_pool_and_the_prefix_cache() {
     let body = reply.json();
     assert_eq!(body["enabled"], true);
     assert_eq!(body["block_size"], 32);
+    assert_eq!(body["kv_cache_dtype"], "int8");
+    assert_eq!(body["capacity_tokens"], 100 * 32);
     assert_eq!(
         body["blocks"],
         json!({"total": 100, "used": 10, "free": 90, "cached": 8, "active": 2})

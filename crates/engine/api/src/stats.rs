@@ -67,6 +67,9 @@ pub struct EngineStats {
     pub waiting: usize,
     /// `dense` or `paged`.
     pub kv_storage_backend: String,
+    /// How K/V are stored (`--kv-cache-dtype`, resolved: `float16`,
+    /// `int8`, ...).
+    pub kv_cache_dtype: String,
     /// Tokens per KV block.
     pub kv_block_size: usize,
     /// Bytes of K/V per block.

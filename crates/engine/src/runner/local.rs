@@ -386,6 +386,7 @@ mod tests {
                 kv_heads: 1,
                 head_dim: 2,
                 dtype: Dtype::Float32,
+                kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
             },
             block_size: 4,
             num_blocks: 4,

@@ -194,6 +194,7 @@ impl<'m> Worker<'m> {
         }
         let counters = EngineStats {
             kv_storage_backend: kv.config().backend.to_string(),
+            kv_cache_dtype: kv.config().layout.kv_dtype_name(),
             kv_block_size: kv.config().block_size,
             speculative_method: config.speculative.method.to_string(),
             ..EngineStats::default()

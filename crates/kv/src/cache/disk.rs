@@ -63,8 +63,9 @@ impl KvCache {
             .collect();
         let text = format!(
             "format={FORMAT_VERSION}|fingerprint={fingerprint:016x}|extra={extra:016x}|\
-             dtype={:?}|block_size={}|kv_heads={}|head_dim={}|storage=paged|groups={groups:?}",
-            l.dtype, self.config.block_size, l.kv_heads, l.head_dim
+             dtype={:?}|kv_dtype={}|block_size={}|kv_heads={}|head_dim={}|storage=paged|\
+             groups={groups:?}",
+            l.dtype, l.kv_dtype, self.config.block_size, l.kv_heads, l.head_dim
         );
         xxh3_64_with_seed(text.as_bytes(), BLOCK_HASH_SEED)
     }
@@ -141,6 +142,8 @@ fn meta_of(key: u64, layout: &KvLayout, g: usize, group: &Group, hash: BlockHash
         kv_heads: layout.kv_heads as u32,
         head_dim: layout.head_dim as u32,
         dtype: layout.dtype as i32 as u32,
+        bits: layout.quant().map_or(0, |q| q.bits as u32),
+        group_size: layout.quant().map_or(0, |q| q.group_size as u32),
     }
 }
 
@@ -215,7 +218,8 @@ fn slots_of(blocks: &[BlockId], bs: usize) -> Vec<i32> {
 }
 
 /// Each block's payload (crate::disk::format): per layer of the group,
-/// its keys then its values, float32 little-endian.
+/// its keys then its values as stored, 4 bytes an element (uint32 words
+/// raw, floats as float32), little-endian.
 fn read_blocks(group: &Group, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>, KvError> {
     let paged = group
         .paged
@@ -225,13 +229,19 @@ fn read_blocks(group: &Group, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>, KvErro
     let slots = slots_of(blocks, bs);
     let idx = Array::from_i32(&slots, &[slots.len() as i32])?;
     let mut out: Vec<Vec<u8>> = vec![Vec::new(); blocks.len()];
+    let per_block = |n: usize| n / blocks.len().max(1);
     for l in 0..group.config.layers.len() {
-        let (k, v) = paged.layer(l)?;
-        for pool in [k, v] {
-            let data = pool.take(&idx, 0)?.astype(Dtype::Float32)?.to_vec_f32()?;
-            let per = data.len() / blocks.len().max(1);
-            for (b, chunk) in data.chunks(per.max(1)).enumerate() {
-                out[b].extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+        for part in paged.take_stored(l, &idx)? {
+            if part.dtype() == Dtype::Uint32 {
+                let data = part.to_vec_u32()?;
+                for (b, chunk) in data.chunks(per_block(data.len()).max(1)).enumerate() {
+                    out[b].extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+                }
+            } else {
+                let data = part.astype(Dtype::Float32)?.to_vec_f32()?;
+                for (b, chunk) in data.chunks(per_block(data.len()).max(1)).enumerate() {
+                    out[b].extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+                }
             }
         }
     }
@@ -255,23 +265,37 @@ fn write_blocks(
     let slots = slots_of(blocks, bs);
     let n = slots.len() as i32;
     let idx = Array::from_i32(&slots, &[n, 1, 1])?;
-    let per_array = bs * layout.kv_heads * layout.head_dim;
-    let shape = [n, layout.kv_heads as i32, layout.head_dim as i32];
+    let parts = layout.stored_parts();
+    let h = layout.kv_heads;
+    // Byte offset of each part inside a block's payload.
+    let mut at = 0;
     for l in 0..layers {
-        let mut kv = [Vec::new(), Vec::new()];
-        for p in payloads {
-            for (which, half) in kv.iter_mut().enumerate() {
-                let at = (2 * l + which) * per_array * 4;
-                half.extend(
-                    p[at..at + per_array * 4]
+        let mut kv: [Vec<Array>; 2] = [Vec::new(), Vec::new()];
+        for half in kv.iter_mut() {
+            for &(x, dtype) in &parts {
+                let len = bs * h * x as usize * 4;
+                let bytes = payloads.iter().flat_map(|p| &p[at..at + len]);
+                let shape = [n, h as i32, x];
+                let words = bytes.collect::<Vec<_>>();
+                let word = |c: &[&u8]| [*c[0], *c[1], *c[2], *c[3]];
+                let arr = if dtype == Dtype::Uint32 {
+                    let v: Vec<u32> = words
                         .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
+                        .map(|c| u32::from_le_bytes(word(c)))
+                        .collect();
+                    Array::from_u32(&v, &shape)?
+                } else {
+                    let v: Vec<f32> = words
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(word(c)))
+                        .collect();
+                    Array::from_f32(&v, &shape)?.astype(dtype)?
+                };
+                half.push(arr);
+                at += len;
             }
         }
-        let k = Array::from_f32(&kv[0], &shape)?.astype(layout.dtype)?;
-        let v = Array::from_f32(&kv[1], &shape)?.astype(layout.dtype)?;
-        paged.write(l, &idx, &k, &v)?;
+        paged.write_stored(l, &idx, &kv[0], &kv[1])?;
     }
     let arrays: Vec<&Array> = paged.arrays().collect();
     mlxcel_mlx::eval(&arrays)?;

@@ -253,6 +253,10 @@ impl KvCache {
                 config.num_blocks
             )));
         }
+        if config.backend == StorageBackend::Dense {
+            config.layout.check_dense()?;
+        }
+        config.layout.check()?;
         if config.backend == StorageBackend::Dense && groups.len() > 1 {
             return Err(KvError::Invariant(
                 "the dense backend holds one KV group; use paged storage".into(),

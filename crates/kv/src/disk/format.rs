@@ -14,13 +14,18 @@
 //! | 4 | layers in the group |
 //! | 4 | K/V heads |
 //! | 4 | head dimension |
-//! | 4 | KV dtype code (MLX's) |
+//! | 4 | KV dtype code (MLX's compute dtype) |
+//! | 4 | bits per element when quantized (8, 4), else 0 |
+//! | 4 | quantization group size in elements, else 0 |
 //! | 8 | payload length, in bytes |
 //! | 8 | checksum: XXH3-64 (seed 0) of every byte before it, then the payload |
 //!
 //! The payload is, per layer of the group in order, the block's keys then
-//! its values, `[block_size, kv_heads, head_dim]` float32 each (float16 and
-//! bfloat16 K/V convert to float32 and back exactly).
+//! its values, as stored in the pool, 4 bytes an element: float K/V
+//! `[block_size, kv_heads, head_dim]` as float32 (float16 and bfloat16
+//! convert to float32 and back exactly); quantized K/V as their uint32
+//! words `[block_size, kv_heads, head_dim * bits / 32]`, then scales and
+//! biases `[block_size, kv_heads, head_dim / group_size]` as float32.
 
 use xxhash_rust::xxh3::Xxh3;
 
@@ -30,10 +35,10 @@ use crate::hash::BlockHash;
 pub const MAGIC: [u8; 8] = *b"MLXCKVB\0";
 
 /// The version of the layout above; a file of another version is skipped.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Bytes of the header, checksum included.
-pub const HEADER_BYTES: usize = 8 + 4 + 8 + 16 + 4 * 6 + 8 + 8;
+pub const HEADER_BYTES: usize = 8 + 4 + 8 + 16 + 4 * 8 + 8 + 8;
 
 /// What a block file says about its contents (its header without the
 /// checksum).
@@ -57,15 +62,30 @@ pub struct BlockMeta {
     pub head_dim: u32,
     /// MLX dtype code of the K/V the block came from.
     pub dtype: u32,
+    /// Bits per element of quantized K/V; 0 for float storage.
+    pub bits: u32,
+    /// Elements per scale and bias of quantized K/V; 0 for float storage.
+    pub group_size: u32,
 }
 
 impl BlockMeta {
-    /// Payload bytes of such a block: K and V of every layer, float32.
+    /// 4-byte elements of one token's K (or V) in one head: `head_dim`
+    /// floats, or the quantized words plus a scale and a bias per group.
+    pub fn elements_per_head(&self) -> u64 {
+        let d = u64::from(self.head_dim);
+        match (self.bits, self.group_size) {
+            (0, _) | (_, 0) => d,
+            (bits, g) => d * u64::from(bits) / 32 + 2 * d / u64::from(g),
+        }
+    }
+
+    /// Payload bytes of such a block: K and V of every layer, 4 bytes an
+    /// element.
     pub fn payload_bytes(&self) -> u64 {
         2 * u64::from(self.layers)
             * u64::from(self.block_size)
             * u64::from(self.kv_heads)
-            * u64::from(self.head_dim)
+            * self.elements_per_head()
             * 4
     }
 
@@ -88,6 +108,8 @@ impl BlockMeta {
             self.kv_heads,
             self.head_dim,
             self.dtype,
+            self.bits,
+            self.group_size,
         ] {
             h.extend_from_slice(&v.to_le_bytes());
         }
@@ -168,8 +190,10 @@ pub fn decode<'a>(bytes: &'a [u8], want: &BlockMeta) -> Result<&'a [u8], FormatE
         kv_heads: u32_at(bytes, 48),
         head_dim: u32_at(bytes, 52),
         dtype: u32_at(bytes, 56),
+        bits: u32_at(bytes, 60),
+        group_size: u32_at(bytes, 64),
     };
-    if got != *want || u64_at(bytes, 60) != want.payload_bytes() {
+    if got != *want || u64_at(bytes, 68) != want.payload_bytes() {
         return Err(FormatError::Foreign);
     }
     if bytes.len() as u64 != expected {
@@ -199,6 +223,8 @@ mod tests {
             kv_heads: 1,
             head_dim: 2,
             dtype: 10,
+            bits: 0,
+            group_size: 0,
         }
     }
 
@@ -224,8 +250,21 @@ mod tests {
         let mut bad = file.clone();
         bad[0] = b'X';
         assert_eq!(decode(&bad, &m), Err(FormatError::BadMagic));
-        // Another model's key.
+        // Another model's key; the same block quantized.
         let other = BlockMeta { key: 12, ..m };
         assert_eq!(decode(&file, &other), Err(FormatError::Foreign));
+        let q8 = BlockMeta {
+            bits: 8,
+            group_size: 32,
+            head_dim: 64,
+            ..m
+        };
+        // Per token and head: 64 / 4 words, a scale and a bias for each of
+        // 2 groups; K and V of 2 tokens.
+        assert_eq!(q8.payload_bytes(), 2 * 2 * (16 + 2 * 2) * 4);
+        assert!(matches!(
+            decode(&file, &q8),
+            Err(FormatError::Truncated { .. })
+        ));
     }
 }

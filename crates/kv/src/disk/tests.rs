@@ -17,6 +17,8 @@ fn meta(key: u64, hash: u128) -> BlockMeta {
         kv_heads: 1,
         head_dim: 2,
         dtype: 10,
+        bits: 0,
+        group_size: 0,
     }
 }
 

@@ -332,10 +332,15 @@ pub struct CacheStats {
     pub enabled: bool,
     /// Where KV blocks live.
     pub storage_backend: String,
+    /// How K/V are stored: `float32`, `float16`, `bfloat16` (the compute
+    /// dtype or `--kv-cache-dtype`), `int8` or `int4` (quantized).
+    pub kv_cache_dtype: String,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Bytes per KV block.
     pub block_bytes: usize,
+    /// Tokens the KV pools hold (`blocks.total * block_size`).
+    pub capacity_tokens: usize,
     /// The pool's blocks by state.
     pub blocks: BlockCounts,
     /// Cached blocks.
@@ -479,8 +484,10 @@ impl From<&mlxcel_engine_api::EngineStats> for CacheStats {
             object: "cache.stats",
             enabled: s.prefix_cache_enabled,
             storage_backend: s.kv_storage_backend.clone(),
+            kv_cache_dtype: s.kv_cache_dtype.clone(),
             block_size: s.kv_block_size,
             block_bytes: s.kv_block_bytes,
+            capacity_tokens: s.kv_blocks_total * s.kv_block_size,
             blocks: BlockCounts {
                 total: s.kv_blocks_total,
                 used: s.kv_blocks_used,

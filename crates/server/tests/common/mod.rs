@@ -254,6 +254,7 @@ impl InferenceService for FakeService {
             running: self.senders.lock().unwrap().len(),
             waiting: 1,
             kv_storage_backend: "paged".into(),
+            kv_cache_dtype: "int8".into(),
             kv_block_size: 32,
             kv_block_bytes: 1024,
             kv_blocks_total: 100,
