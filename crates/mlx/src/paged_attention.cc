@@ -45,6 +45,7 @@
 #include "mlx/backend/cuda/cuda.h"
 #endif
 
+#include <algorithm>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -57,15 +58,22 @@ namespace {
 constexpr int kWarps = 4;
 
 #if defined(__APPLE__)
-// One threadgroup of kWarps simdgroups per (row, head).
+// One threadgroup of kWarps simdgroups per (row, head, part): a row's live
+// keys are split into `parts` contiguous ranges (the grid's size over rows
+// x heads); simdgroup w takes keys w, w + 4, ... of its range with an
+// online softmax, lanes split head_dim; the simdgroups merge at the end
+// (@FINISH@: the output, or the part's partial sums for the merge kernel).
 const char* kMetalSource = R"(
   constexpr int WARPS = 4;
   constexpr int PER = D / 32;
   @QCONSTS@
   uint group = threadgroup_position_in_grid.x;
   uint tid = thread_position_in_threadgroup.x;
-  int row = group / HEADS;
-  int head = group % HEADS;
+  int parts = threadgroups_per_grid.x / (tables_shape[0] * HEADS);
+  int part = group % parts;
+  int bid = group / parts;
+  int row = bid / HEADS;
+  int head = bid % HEADS;
   int kvh = head / (HEADS / KV_HEADS);
   int warp = tid / 32;
   int lane = tid % 32;
@@ -73,6 +81,9 @@ const char* kMetalSource = R"(
   int first = meta[row * 2];
   int len = meta[row * 2 + 1];
   if (WINDOW > 0 && len > WINDOW) { first += len - WINDOW; len = WINDOW; }
+  int chunk = (len + parts - 1) / parts;
+  int lo = part * chunk;
+  int hi = min(len, lo + chunk);
   float sc = scale[0];
   float qv[PER];
   size_t qbase = (size_t(row) * HEADS + head) * D + lane * PER;
@@ -83,7 +94,7 @@ const char* kMetalSource = R"(
   float l = 0.0f;
   float acc[PER];
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
-  for (int t = warp; t < len; t += WARPS) {
+  for (int t = lo + warp; t < hi; t += WARPS) {
     int p = first + t;
     size_t slot = size_t(tables[row * max_blocks + p / BS]) * BS + p % BS;
     size_t hrow = slot * KV_HEADS + kvh;
@@ -116,20 +127,48 @@ const char* kMetalSource = R"(
       total += sl[w] * c;
       for (int i = 0; i < PER; ++i) out[i] += sacc[w * D + lane * PER + i] * c;
     }
-    for (int i = 0; i < PER; ++i) {
-      o[qbase + i] = T(out[i] / total);
-    }
+    @FINISH@
   }
 )";
+
+// One simdgroup per (row, head): merges the parts' partial sums (lanes
+// split head_dim), with the head's sink logit when there is one.
+const char* kMetalMerge = R"(
+  constexpr int PER = D / 32;
+  uint bid = threadgroup_position_in_grid.x;
+  uint lane = thread_position_in_threadgroup.x;
+  int parts = part_ml_shape[1];
+  int head = bid % HEADS;
+  float mx_ = -1e30f;
+  for (int p = 0; p < parts; ++p) mx_ = max(mx_, part_ml[(size_t(bid) * parts + p) * 2]);
+  @SINK_MAX@
+  float total = 0.0f;
+  @SINK_ADD@
+  float out[PER];
+  for (int i = 0; i < PER; ++i) out[i] = 0.0f;
+  for (int p = 0; p < parts; ++p) {
+    size_t at = size_t(bid) * parts + p;
+    float c = fast::exp(part_ml[at * 2] - mx_);
+    total += part_ml[at * 2 + 1] * c;
+    for (int i = 0; i < PER; ++i) out[i] += part_o[at * D + lane * PER + i] * c;
+  }
+  for (int i = 0; i < PER; ++i) o[size_t(bid) * D + lane * PER + i] = T(out[i] / total);
+)";
 #else
-// One block of kWarps warps per (row, head): warp w takes keys w, w + 4, ...
-// with an online softmax, lanes split head_dim; the warps merge at the end.
+// One block of kWarps warps per (row, head, part): a row's live keys are
+// split into `parts` contiguous ranges (the grid's size over rows x heads);
+// warp w takes keys w, w + 4, ... of its range with an online softmax,
+// lanes split head_dim; the warps merge at the end (@FINISH@: the output,
+// or the part's partial sums for the merge kernel).
 const char* kCudaSource = R"(
   constexpr int WARPS = 4;
   constexpr int PER = D / 32;
   @QCONSTS@
-  const int row = blockIdx.x / HEADS;
-  const int head = blockIdx.x % HEADS;
+  const int parts = gridDim.x / (tables_shape[0] * HEADS);
+  const int part = blockIdx.x % parts;
+  const int bid = blockIdx.x / parts;
+  const int row = bid / HEADS;
+  const int head = bid % HEADS;
   const int kvh = head / (HEADS / KV_HEADS);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -137,6 +176,9 @@ const char* kCudaSource = R"(
   int first = meta[row * 2];
   int len = meta[row * 2 + 1];
   if (WINDOW > 0 && len > WINDOW) { first += len - WINDOW; len = WINDOW; }
+  const int chunk = (len + parts - 1) / parts;
+  const int lo = part * chunk;
+  const int hi = min(len, lo + chunk);
   const float sc = scale[0];
   float qv[PER];
   const size_t qbase = ((size_t)row * HEADS + head) * D + lane * PER;
@@ -147,7 +189,7 @@ const char* kCudaSource = R"(
   float acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
-  for (int t = warp; t < len; t += WARPS) {
+  for (int t = lo + warp; t < hi; t += WARPS) {
     const int p = first + t;
     const size_t slot = (size_t)tables[row * max_blocks + p / BS] * BS + p % BS;
     const size_t hrow = slot * KV_HEADS + kvh;
@@ -186,11 +228,52 @@ const char* kCudaSource = R"(
 #pragma unroll
       for (int i = 0; i < PER; ++i) out[i] += sacc[w * D + lane * PER + i] * c;
     }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) o[qbase + i] = static_cast<T>(out[i] / total);
+    @FINISH@
   }
 )";
+
+// One warp per (row, head): merges the parts' partial sums (lanes split
+// head_dim), with the head's sink logit when there is one.
+const char* kCudaMerge = R"(
+  constexpr int PER = D / 32;
+  const int bid = blockIdx.x;
+  const int lane = threadIdx.x;
+  const int parts = part_ml_shape[1];
+  const int head = bid % HEADS;
+  float mx_ = -1e30f;
+  for (int p = 0; p < parts; ++p) mx_ = fmaxf(mx_, part_ml[((size_t)bid * parts + p) * 2]);
+  @SINK_MAX@
+  float total = 0.0f;
+  @SINK_ADD@
+  float out[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) out[i] = 0.0f;
+  for (int p = 0; p < parts; ++p) {
+    const size_t at = (size_t)bid * parts + p;
+    const float c = __expf(part_ml[at * 2] - mx_);
+    total += part_ml[at * 2 + 1] * c;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) out[i] += part_o[at * D + lane * PER + i] * c;
+  }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) o[(size_t)bid * D + lane * PER + i] = static_cast<T>(out[i] / total);
+)";
 #endif
+
+// The end of the main kernel: one part writes the output (normalized),
+// several write their partial sums (unnormalized, with their max logit
+// and denominator) for the merge kernel.
+#if defined(__APPLE__)
+const char* kFinishOne =
+    "for (int i = 0; i < PER; ++i) o[qbase + i] = T(out[i] / total);";
+#else
+const char* kFinishOne =
+    "for (int i = 0; i < PER; ++i) o[qbase + i] = static_cast<T>(out[i] / total);";
+#endif
+const char* kFinishPart =
+    "const size_t at = (size_t)bid * parts + part;"
+    "for (int i = 0; i < PER; ++i) part_o[at * D + lane * PER + i] = out[i];"
+    "if (lane == 0) { part_ml[at * 2] = mx_; part_ml[at * 2 + 1] = total; }";
 
 const std::vector<std::string> kInputs = {"q", "k_pool", "v_pool", "tables", "meta", "scale"};
 const std::vector<std::string> kQuantInputs = {"q",        "k_pool",   "k_scales", "k_biases",
@@ -218,8 +301,9 @@ std::string element(const std::string& x, bool quantized) {
 // `source` with its placeholders filled: with `sinks`, the head's sink
 // logit (float32 `sinks[head]`, gpt-oss) joins the softmax's denominator and
 // no value; without, the placeholders go. `quantized` reads the pools as
-// words with scales and biases (template BITS and G).
-std::string fill(const char* source, bool sinks, bool quantized) {
+// words with scales and biases (template BITS and G); `finish` ends the
+// main kernel (kFinishOne or kFinishPart).
+std::string fill(const char* source, bool sinks, bool quantized, const char* finish) {
   std::string s(source);
 #if defined(__APPLE__)
   put(s, "@SINK_MAX@", sinks ? "const float sink = sinks[head]; mx_ = max(mx_, sink);" : "");
@@ -234,34 +318,82 @@ std::string fill(const char* source, bool sinks, bool quantized) {
                 : "");
   put(s, "@K@", element("k", quantized));
   put(s, "@V@", element("v", quantized));
+  put(s, "@FINISH@", finish);
   return s;
 }
 
-const mx::fast::CustomKernelFunction& make_kernel(const std::string& name, bool sinks,
+// What one kernel object computes.
+enum class Kind {
+  // The whole attention of each (row, head) in one block.
+  One,
+  // One part of a split row's keys, to partial sums.
+  Part,
+  // The merge of the parts.
+  Merge,
+};
+
+const mx::fast::CustomKernelFunction& make_kernel(const std::string& name, Kind kind, bool sinks,
                                                   bool quantized) {
 #if defined(__APPLE__)
-  const char* source = kMetalSource;
+  const char* main = kMetalSource;
+  const char* merge = kMetalMerge;
 #else
-  const char* source = kCudaSource;
+  const char* main = kCudaSource;
+  const char* merge = kCudaMerge;
 #endif
-  auto inputs = quantized ? kQuantInputs : kInputs;
+  std::vector<std::string> inputs;
+  std::vector<std::string> outputs = {"o"};
+  std::string source;
+  if (kind == Kind::Merge) {
+    inputs = {"part_o", "part_ml"};
+    source = fill(merge, sinks, false, "");
+  } else {
+    inputs = quantized ? kQuantInputs : kInputs;
+    if (kind == Kind::Part) {
+      outputs = {"part_o", "part_ml"};
+      source = fill(main, false, quantized, kFinishPart);
+    } else {
+      source = fill(main, sinks, quantized, kFinishOne);
+    }
+  }
   if (sinks) inputs.push_back("sinks");
-  auto* k = new mx::fast::CustomKernelFunction(
-      gpu_custom_kernel(name, inputs, {"o"}, fill(source, sinks, quantized)));
+  auto* k = new mx::fast::CustomKernelFunction(gpu_custom_kernel(name, inputs, outputs, source));
   return *k;
 }
 
-// The four kernels (float or quantized pools, with or without sinks), each
-// under its own name so that each is compiled and cached once, on its
-// first call.
-const mx::fast::CustomKernelFunction& kernel(bool sinks, bool quantized) {
-  static const auto& plain = make_kernel("mlxcel_paged_decode_attention", false, false);
-  static const auto& with = make_kernel("mlxcel_paged_decode_attention_sinks", true, false);
-  static const auto& plain_q = make_kernel("mlxcel_paged_decode_attention_q", false, true);
-  static const auto& with_q = make_kernel("mlxcel_paged_decode_attention_sinks_q", true, true);
-  if (quantized) return sinks ? with_q : plain_q;
-  return sinks ? with : plain;
+// The kernels, each under its own name so that each is compiled and cached
+// once, on its first call: the one-block kernel (float or quantized pools,
+// with or without sinks), the part kernel (float or quantized; sinks join
+// in the merge) and the merge (with or without sinks).
+const mx::fast::CustomKernelFunction& kernel(Kind kind, bool sinks, bool quantized) {
+  static const auto& one = make_kernel("mlxcel_paged_decode_attention", Kind::One, false, false);
+  static const auto& one_s =
+      make_kernel("mlxcel_paged_decode_attention_sinks", Kind::One, true, false);
+  static const auto& one_q = make_kernel("mlxcel_paged_decode_attention_q", Kind::One, false, true);
+  static const auto& one_sq =
+      make_kernel("mlxcel_paged_decode_attention_sinks_q", Kind::One, true, true);
+  static const auto& part = make_kernel("mlxcel_paged_decode_part", Kind::Part, false, false);
+  static const auto& part_q = make_kernel("mlxcel_paged_decode_part_q", Kind::Part, false, true);
+  static const auto& merge = make_kernel("mlxcel_paged_decode_merge", Kind::Merge, false, false);
+  static const auto& merge_s = make_kernel("mlxcel_paged_decode_merge_sinks", Kind::Merge, true, false);
+  switch (kind) {
+    case Kind::Part:
+      return quantized ? part_q : part;
+    case Kind::Merge:
+      return sinks ? merge_s : merge;
+    case Kind::One:
+    default:
+      if (quantized) return sinks ? one_sq : one_q;
+      return sinks ? one_s : one;
+  }
 }
+
+// Keys one part takes at least, and the most parts a row is split into.
+constexpr int kKeysPerPart = 256;
+constexpr int kMaxParts = 32;
+// Blocks a launch needs before splitting stops paying: (row, head) blocks
+// at or above it keep one block each.
+constexpr int kSplitBelowBlocks = 256;
 
 // The scales and biases of quantized pools.
 struct Quant {
@@ -332,9 +464,32 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
     targs.push_back({"BITS", quant->bits});
     targs.push_back({"G", quant->group_size});
   }
-  auto out = kernel(sinks != nullptr, quant != nullptr)(
-      inputs, {q.shape()}, {q.dtype()}, {rows * heads * threads, 1, 1}, {threads, 1, 1}, targs,
-      std::nullopt, false, {});
+  // Few (row, head) blocks over long rows leave most of the GPU idle and
+  // each warp walking hundreds of keys one after the other: split each
+  // row's keys into parts (flash-decoding; Dao et al. 2023), computed in
+  // parallel and merged by a second kernel.
+  int keys = tables.shape(1) * block_size;
+  if (window > 0) keys = std::min(keys, static_cast<int>(window));
+  int parts = 1;
+  if (rows * heads < kSplitBelowBlocks) {
+    parts = std::max(1, std::min(kMaxParts, keys / kKeysPerPart));
+  }
+  const bool quantized = quant != nullptr;
+  if (parts == 1) {
+    auto out = kernel(Kind::One, sinks != nullptr, quantized)(
+        inputs, {q.shape()}, {q.dtype()}, {rows * heads * threads, 1, 1}, {threads, 1, 1}, targs,
+        std::nullopt, false, {});
+    return std::make_unique<array>(std::move(out[0]));
+  }
+  if (sinks != nullptr) inputs.pop_back();
+  auto partial = kernel(Kind::Part, false, quantized)(
+      inputs, {{rows * heads, parts, dim}, {rows * heads, parts, 2}}, {mx::float32, mx::float32},
+      {rows * heads * parts * threads, 1, 1}, {threads, 1, 1}, targs, std::nullopt, false, {});
+  std::vector<array> merge_inputs = {partial[0], partial[1]};
+  if (sinks != nullptr) merge_inputs.push_back(*sinks);
+  auto out = kernel(Kind::Merge, sinks != nullptr, false)(
+      merge_inputs, {q.shape()}, {q.dtype()}, {rows * heads * 32, 1, 1}, {32, 1, 1},
+      {{"T", q.dtype()}, {"HEADS", heads}, {"D", dim}}, std::nullopt, false, {});
   return std::make_unique<array>(std::move(out[0]));
 }
 }  // namespace
