@@ -107,9 +107,11 @@ impl std::str::FromStr for KvCacheDtype {
             "float32" | "fp32" | "f32" => KvCacheDtype::Float32,
             "int8" | "q8" => KvCacheDtype::Int8,
             "int4" | "q4" => KvCacheDtype::Int4,
-            other => return Err(format!(
+            other => {
+                return Err(format!(
                 "unknown KV cache dtype {other:?} (auto, float16, bfloat16, float32, int8, int4)"
-            )),
+            ))
+            }
         })
     }
 }
