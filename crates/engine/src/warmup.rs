@@ -12,7 +12,8 @@
 //!
 //! - one prompt of a full prefill chunk plus 24 tokens, decoded for a few
 //!   tokens (a large chunk, a 17-32-token chunk, one-row pipelined decode
-//!   sampled on the device);
+//!   sampled on the device; on paged storage a row that long runs the
+//!   paged kernel split into parts, and its merge);
 //! - one sampled 12-token prompt (an 8-16-token chunk, sampling on the
 //!   host);
 //! - `min(parallel, 12)` 12-token prompts at once, half greedy and half

@@ -274,21 +274,20 @@ fn write_blocks(
         for half in kv.iter_mut() {
             for &(x, dtype) in &parts {
                 let len = bs * h * x as usize * 4;
-                let bytes = payloads.iter().flat_map(|p| &p[at..at + len]);
                 let shape = [n, h as i32, x];
-                let words = bytes.collect::<Vec<_>>();
-                let word = |c: &[&u8]| [*c[0], *c[1], *c[2], *c[3]];
+                // Each block's 4-byte elements of this part, in block order.
+                let words = || {
+                    payloads.iter().flat_map(move |p| {
+                        p[at..at + len]
+                            .chunks_exact(4)
+                            .map(|c| [c[0], c[1], c[2], c[3]])
+                    })
+                };
                 let arr = if dtype == Dtype::Uint32 {
-                    let v: Vec<u32> = words
-                        .chunks_exact(4)
-                        .map(|c| u32::from_le_bytes(word(c)))
-                        .collect();
+                    let v: Vec<u32> = words().map(u32::from_le_bytes).collect();
                     Array::from_u32(&v, &shape)?
                 } else {
-                    let v: Vec<f32> = words
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes(word(c)))
-                        .collect();
+                    let v: Vec<f32> = words().map(f32::from_le_bytes).collect();
                     Array::from_f32(&v, &shape)?.astype(dtype)?
                 };
                 half.push(arr);
