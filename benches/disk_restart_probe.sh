@@ -4,6 +4,7 @@
 # request's seconds and cached tokens, and the server's own log lines for
 # the save at stop and the read at admission (RUST_LOG=info).
 #   bash benches/disk_restart_probe.sh [MODEL_DIR]
+# MLXCEL_ARGS adds server flags (e.g. "--kv-cache-dtype int8").
 set -euo pipefail
 MODEL="${1:-models/SmolLM2-135M-Instruct}"
 DIR="$(mktemp -d)"
@@ -11,7 +12,7 @@ LOG="$DIR/server.log"
 PORT=18472
 start() {
   RUST_LOG=info,tower_http=warn target/release/mlxcel-server -m "$MODEL" --port "$PORT" \
-    --prompt-cache-dir "$DIR/pc" >> "$LOG" 2>&1 &
+    --prompt-cache-dir "$DIR/pc" ${MLXCEL_ARGS:-} >> "$LOG" 2>&1 &
   PID=$!
   for _ in $(seq 1 120); do curl -sf "localhost:$PORT/health" >/dev/null && return; sleep 1; done
   echo "server not ready" >&2; exit 1

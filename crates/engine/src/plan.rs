@@ -271,7 +271,15 @@ impl EnginePlan {
     ) -> Result<KvCache, EngineError> {
         let tokens = target.group_pool(0).map_or(0, |p| p.counts().total) * self.block_size;
         let plan = EnginePlan {
-            budget: Some(tokens * draft.kv_layout().bytes_per_token()),
+            // As the draft's K/V are stored (the same --kv-cache-dtype).
+            budget: Some(
+                tokens
+                    * KvLayout {
+                        kv_dtype: self.kv_dtype,
+                        ..draft.kv_layout()
+                    }
+                    .bytes_per_token(),
+            ),
             ..*self
         };
         let kv = plan.kv_cache(draft)?;

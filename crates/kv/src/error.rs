@@ -83,12 +83,11 @@ pub enum KvError {
     /// MLX failed on the tensor side (allocation, scatter, gather).
     #[error(transparent)]
     Mlx(#[from] mlxcel_mlx::Error),
-    /// A consistency check failed (see the `check_invariants` helpers).
     /// A cache configuration that can't be built (e.g. a quantized KV
     /// dtype for heads the quantizer can't split, or on dense storage).
     #[error("{0}")]
     Config(String),
-
+    /// A consistency check failed (see the `check_invariants` helpers).
     #[error("KV bookkeeping invariant violated: {0}")]
     Invariant(String),
 }

@@ -487,10 +487,10 @@ impl Attention {
             // Float pools are read as they are when stored in the compute
             // dtype (a cast pool is gathered and cast back instead);
             // quantized ones are dequantized by the kernel as it reads.
-            if let Some(pool) = kv
-                .read_paged(layer, &ids)?
-                .filter(|p| p.quantized.is_some() || p.keys.dtype() == q.dtype())
-            {
+            if let Some(pool) = kv.read_paged(layer, &ids)?.filter(|p| match &p.quantized {
+                Some(qz) => qz.key_scales.dtype() == q.dtype(),
+                None => p.keys.dtype() == q.dtype(),
+            }) {
                 let q = q.reshape(&[rows as i32, h, d])?;
                 let (scale, bs) = (&self.scale_array, pool.block_size as i32);
                 let sinks = self.sinks.as_ref().map(|s| &s.float32);

@@ -52,7 +52,17 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
             model.dtype()
         )));
     }
-    let mut kv = KvReplica::new(model.kv_layout(), setup.num_blocks, setup.block_size)?;
+    // Rank 0's KV dtype: every rank stores its heads' K/V alike, in the
+    // same number of blocks.
+    let kv_dtype = setup
+        .kv_dtype
+        .parse::<mlxcel_kv::KvCacheDtype>()
+        .map_err(EngineError::Config)?;
+    let layout = mlxcel_kv::KvLayout {
+        kv_dtype,
+        ..model.kv_layout()
+    };
+    let mut kv = KvReplica::new(layout, setup.num_blocks, setup.block_size)?;
     tracing::info!(
         rank = tp.shard.rank,
         num_blocks = setup.num_blocks,

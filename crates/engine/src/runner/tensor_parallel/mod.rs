@@ -70,6 +70,7 @@ impl<'m> LeaderRunner<'m> {
             dtype: model.dtype(),
             num_blocks: c.num_blocks,
             block_size: c.block_size,
+            kv_dtype: c.layout.kv_dtype.name().into(),
         }))?;
         Ok(runner)
     }

@@ -43,6 +43,8 @@ pub(crate) struct Setup {
     /// The K/V pool every rank allocates: blocks, and tokens per block.
     pub(crate) num_blocks: usize,
     pub(crate) block_size: usize,
+    /// How every rank stores K/V (`KvCacheDtype::name`: `auto`, `int8`...).
+    pub(crate) kv_dtype: String,
 }
 
 /// One row of a step as it crosses ranks.
@@ -218,9 +220,11 @@ mod tests {
             dtype: Dtype::Bfloat16,
             num_blocks: 10,
             block_size: 32,
+            kv_dtype: "int8".into(),
         });
         let json = serde_json::to_string(&plan).unwrap();
         assert!(json.contains("\"bfloat16\""), "{json}");
+        assert!(json.contains("\"int8\""), "{json}");
         assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
     }
 }
