@@ -67,6 +67,7 @@ pub fn run_follower(config: &EngineConfig) -> Result<(), EngineError> {
         rank = tp.shard.rank,
         num_blocks = setup.num_blocks,
         block_size = setup.block_size,
+        kv_dtype = %kv_dtype,
         "tensor-parallel follower ready"
     );
     loop {
