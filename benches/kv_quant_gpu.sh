@@ -4,7 +4,8 @@
 # /tmp, see docs/performance.md), from the checkout, with the real SmolLM2 carried as
 # the EXTRA tar smol.tar. `correctness` compares the paged kernel (one
 # block, or split parts + merge) with the gather + dequantize path;
-# `speed` measures decode on the Qwen2.5-1.5B shape (random weights).
+# `speed` measures decode on the Qwen2.5-1.5B shape (random weights);
+# `sinks` runs the split kernel's merge with sinks and windows.
 # Results: benches/results/2026-12-03-kv-quant-h200.md.
 set -u
 case "${1:-}" in
@@ -72,5 +73,32 @@ echo "== 1 stream, 4k prompt, dense"; run -n 256 --runs 2 --decode-storage-backe
 echo "== mlx_lm 1 stream, 4k prompt"
 timeout 150 python3 -m mlx_lm generate --model $M --prompt "$(cat /tmp/prompt.txt)" --max-tokens 256 --ignore-chat-template 2>&1 | grep -E "Prompt:|Generation:|rror"
 ;;
-*) echo "usage: $0 correctness|speed" >&2; exit 2;;
+sinks)
+# gpt-oss-small (sinks, a 128-token window on alternate layers) and
+# qwen3.5-small (hybrid) in float32: kernel vs gather path on long rows.
+. /tmp/stash/env.sh
+[ -f .gpu-cache/kernels.tgz ] && mkdir -p ~/.cache/mlxcel && tar -C ~/.cache/mlxcel -xzf .gpu-cache/kernels.tgz
+for m in gpt-oss-small qwen3.5-small; do
+python3 benches/gpu_models.py $m /tmp/m/$m --tokenizer /tmp/stash/tok --bits 0 --dtype float32 >/dev/null
+python3 - <<'PY'
+import json
+t = open("README.md").read()
+json.dump(["Summarize:\n" + t[:n] for n in (5000, 9000)], open("/tmp/long.json", "w"))
+json.dump(["Summarize:\n" + t[:7000]], open("/tmp/one.json", "w"))
+PY
+for set in long one; do
+for kv in auto int8; do
+  for path in paged batched; do
+    timeout 200 /tmp/mlxcel generate -m /tmp/m/$m --dtype float32 --prompts-file /tmp/$set.json -n 32 --ignore-eos \
+      --kv-cache-dtype $kv --attention-path $path --print-token-ids 2>&1 | grep -E '"ids"|rror|anic' > /tmp/ids-$m-$set-$kv-$path.txt
+  done
+  if cmp -s /tmp/ids-$m-$set-$kv-paged.txt /tmp/ids-$m-$set-$kv-batched.txt; then r=same; else r=DIFFERENT; fi
+  echo "$m $set $kv: kernel vs gather path: $r ($(grep -c ids /tmp/ids-$m-$set-$kv-paged.txt) rows)"
+done
+done
+done
+head -c 300 /tmp/ids-gpt-oss-small-one-int8-paged.txt; echo
+head -c 300 /tmp/ids-gpt-oss-small-one-int8-batched.txt; echo
+;;
+*) echo "usage: $0 correctness|speed|sinks" >&2; exit 2;;
 esac
