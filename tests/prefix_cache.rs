@@ -86,8 +86,8 @@ fn argmax(v: &[f32]) -> usize {
         .0
 }
 
-#[test]
-fn warm_logits_match_cold_logits() {
+/// The test model in float32, its weights dequantized.
+fn float32_model() -> Box<dyn Model> {
     let dir = model_dir();
     let config = mlxcel_engine::loader::read_config(&dir).expect("config");
     let options = LoadOptions {
@@ -95,7 +95,12 @@ fn warm_logits_match_cold_logits() {
         weight_mode: WeightMode::Dequantized,
         quantize: None,
     };
-    let model = mlxcel_engine::loader::load_model(&dir, config, options).expect("model");
+    mlxcel_engine::loader::load_model(&dir, config, options).expect("model")
+}
+
+#[test]
+fn warm_logits_match_cold_logits() {
+    let model = float32_model();
     let mut kv = KvCache::new(KvCacheConfig {
         layout: model.kv_layout(),
         block_size: 32,
@@ -145,14 +150,7 @@ fn warm_logits_match_cold_logits() {
 #[test]
 fn quantized_kv_answers_warm_as_cold_batched_as_alone_and_near_float_kv() {
     use mlxcel_kv::{KvCacheDtype, KvLayout};
-    let dir = model_dir();
-    let config = mlxcel_engine::loader::read_config(&dir).expect("config");
-    let options = LoadOptions {
-        dtype: Dtype::Float32,
-        weight_mode: WeightMode::Dequantized,
-        quantize: None,
-    };
-    let model = mlxcel_engine::loader::load_model(&dir, config, options).expect("model");
+    let model = float32_model();
     let cache = |kv_dtype| {
         KvCache::new(KvCacheConfig {
             layout: KvLayout {

@@ -109,14 +109,16 @@ fn read_with_next(cache: &mut KvCache, seq: &KvSequence, next: &[f32], l: usize)
         .expect("padded")
         .expect("paged reads padded");
     assert_eq!(lens, vec![k.dim(2).unwrap() as usize]);
-    let flat = |a: &Array| -> Vec<f32> {
-        a.transpose(&[0, 2, 1, 3])
-            .and_then(|a| a.to_vec_f32())
-            .expect("values")
-    };
     assert_eq!(flat(&pk), flat(&k), "padded read == row read");
     assert_eq!(flat(&pv), flat(&v), "padded read == row read");
     [flat(&k), flat(&v)]
+}
+
+/// A read `[1, heads, tokens, dim]` as `[tokens, heads, dim]` flat.
+fn flat(a: &Array) -> Vec<f32> {
+    a.transpose(&[0, 2, 1, 3])
+        .and_then(|a| a.to_vec_f32())
+        .expect("values")
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -154,11 +156,6 @@ fn stored_kv_reads_back_what_mlx_quantizes_or_casts_through_every_read_and_a_for
             } else {
                 let mut step = kv.step(&[(&seq, 1)]).expect("step");
                 let (k, v) = step.read(l, 0).expect("read");
-                let flat = |a: &Array| {
-                    a.transpose(&[0, 2, 1, 3])
-                        .and_then(|a| a.to_vec_f32())
-                        .expect("values")
-                };
                 [flat(&k), flat(&v)]
             };
             let written: Vec<f32> = shift(&[prompt.clone(), a.clone()].concat());
@@ -178,11 +175,6 @@ fn stored_kv_reads_back_what_mlx_quantizes_or_casts_through_every_read_and_a_for
         let [pk, _] = {
             let mut step = kv.step(&[(&seq, 1)]).expect("step");
             let (k, v) = step.read(0, 0).expect("read");
-            let flat = |a: &Array| {
-                a.transpose(&[0, 2, 1, 3])
-                    .and_then(|a| a.to_vec_f32())
-                    .expect("values")
-            };
             [flat(&k), flat(&v)]
         };
         let per = HEADS * HEAD_DIM;
