@@ -361,6 +361,15 @@ impl PagedStorage {
                 )));
             }
             for (p, n) in pool.iter_mut().zip(new) {
+                // MLX's scatter would broadcast the pool to a wider value
+                // (e.g. more heads) instead of failing.
+                if n.shape().len() != 3 || n.dim(1)? != p.dim(1)? || n.dim(2)? != p.dim(2)? {
+                    return Err(KvError::Invariant(format!(
+                        "K/V of shape {:?} written into a pool of {:?}",
+                        n.shape(),
+                        p.shape()
+                    )));
+                }
                 // Replace the handle so that the graph node holds the only
                 // reference to the old buffer: MLX then donates it
                 // (in-place write).

@@ -332,7 +332,9 @@ impl Attention {
             sinks,
             v_norm,
             attn_dim: stored as i32,
-            stored_kv_heads: stored_kv as i32,
+            // This rank's share, as `kv_heads` (repeated heads are
+            // refused under tensor parallelism above).
+            stored_kv_heads: (stored_kv / ranks) as i32,
         })
     }
 
