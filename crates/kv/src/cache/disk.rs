@@ -229,19 +229,21 @@ fn read_blocks(group: &Group, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>, KvErro
     let slots = slots_of(blocks, bs);
     let idx = Array::from_i32(&slots, &[slots.len() as i32])?;
     let mut out: Vec<Vec<u8>> = vec![Vec::new(); blocks.len()];
-    let per_block = |n: usize| n / blocks.len().max(1);
     for l in 0..group.config.layers.len() {
         for part in paged.take_stored(l, &idx)? {
-            if part.dtype() == Dtype::Uint32 {
-                let data = part.to_vec_u32()?;
-                for (b, chunk) in data.chunks(per_block(data.len()).max(1)).enumerate() {
-                    out[b].extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
-                }
+            // 4 little-endian bytes an element: words raw, floats as float32.
+            let bytes: Vec<u8> = if part.dtype() == Dtype::Uint32 {
+                part.to_vec_u32()?
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect()
             } else {
                 let data = part.astype(Dtype::Float32)?.to_vec_f32()?;
-                for (b, chunk) in data.chunks(per_block(data.len()).max(1)).enumerate() {
-                    out[b].extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
-                }
+                data.iter().flat_map(|x| x.to_le_bytes()).collect()
+            };
+            let per_block = (bytes.len() / blocks.len().max(1)).max(1);
+            for (b, chunk) in bytes.chunks(per_block).enumerate() {
+                out[b].extend_from_slice(chunk);
             }
         }
     }
