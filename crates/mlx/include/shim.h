@@ -31,6 +31,8 @@ struct TensorMap {
 ArrayPtr from_f32(rust::Slice<const float> data, rust::Slice<const int32_t> shape);
 ArrayPtr from_i32(rust::Slice<const int32_t> data, rust::Slice<const int32_t> shape);
 ArrayPtr from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> shape);
+ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, int32_t dtype);
+void copy_bytes(const array& a, rust::Slice<uint8_t> out);
 ArrayPtr scalar_f32(float v);
 ArrayPtr clone_array(const array& a);
 rust::Vec<int32_t> shape(const array& a);
@@ -53,6 +55,7 @@ void async_eval_many(const ArrayList& arrays);
 
 // ops
 ArrayPtr astype(const array& a, int32_t dtype);
+ArrayPtr view_as(const array& a, int32_t dtype);
 ArrayPtr add(const array& a, const array& b);
 ArrayPtr subtract(const array& a, const array& b);
 ArrayPtr multiply(const array& a, const array& b);

@@ -23,7 +23,9 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    pub(crate) fn from_code(c: i32) -> Option<Dtype> {
+    /// The dtype of MLX's code `c` (`Dtype as i32`); `None` for a code
+    /// MLX doesn't define.
+    pub fn from_code(c: i32) -> Option<Dtype> {
         use Dtype::*;
         Some(match c {
             0 => Bool,

@@ -14,6 +14,8 @@ pub(crate) mod bridge {
         fn from_f32(data: &[f32], shape: &[i32]) -> Result<UniquePtr<array>>;
         fn from_i32(data: &[i32], shape: &[i32]) -> Result<UniquePtr<array>>;
         fn from_u32(data: &[u32], shape: &[i32]) -> Result<UniquePtr<array>>;
+        fn from_bytes(data: &[u8], shape: &[i32], dtype: i32) -> Result<UniquePtr<array>>;
+        fn copy_bytes(a: &array, out: &mut [u8]) -> Result<()>;
         fn scalar_f32(v: f32) -> Result<UniquePtr<array>>;
         fn clone_array(a: &array) -> Result<UniquePtr<array>>;
         fn shape(a: &array) -> Result<Vec<i32>>;
@@ -33,6 +35,7 @@ pub(crate) mod bridge {
         fn async_eval_many(arrays: &ArrayList) -> Result<()>;
 
         fn astype(a: &array, dtype: i32) -> Result<UniquePtr<array>>;
+        fn view_as(a: &array, dtype: i32) -> Result<UniquePtr<array>>;
         fn add(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn subtract(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;

@@ -158,6 +158,27 @@ impl Array {
         Self::wrap_uncounted(bridge::from_u32(data, shape))
     }
 
+    /// An array of `shape` and `dtype` from its raw row-major bytes,
+    /// little-endian as MLX keeps them (no conversion; the inverse of
+    /// [`Array::to_bytes`]).
+    ///
+    /// # Errors
+    /// `data` not `shape`'s element count times the dtype's size.
+    pub fn from_bytes(data: &[u8], shape: &[i32], dtype: Dtype) -> Result<Array> {
+        count(&UPLOADS);
+        Self::wrap_uncounted(bridge::from_bytes(data, shape, dtype as i32))
+    }
+
+    /// The array's raw row-major bytes (evaluates it), `nbytes()` long.
+    ///
+    /// # Errors
+    /// An evaluation failure.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.nbytes()];
+        bridge::copy_bytes(self.raw(), &mut out)?;
+        Ok(out)
+    }
+
     /// A float32 scalar (shape `[]`).
     pub fn scalar(v: f32) -> Result<Array> {
         count(&UPLOADS);

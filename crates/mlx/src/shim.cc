@@ -1,4 +1,5 @@
 // Implementation of the cxx shim over MLX. See include/shim.h.
+#include <cstring>
 #include "mlxcel-mlx/include/shim.h"
 
 #include <cmath>
@@ -52,6 +53,30 @@ ArrayPtr from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> s
   auto sh = to_shape(shape);
   return wrap(array(data.data(), sh, mx::uint32));
 }
+// Raw little-endian bytes as an array of `dtype` (a byte copy, then MLX's
+// `view`: no conversion).
+ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, int32_t dtype) {
+  auto dt = dtype_from_code(dtype);
+  auto sh = to_shape(shape);
+  size_t n = dt.size();
+  for (auto d : sh) n *= static_cast<size_t>(d);
+  if (n != data.size()) {
+    throw std::invalid_argument("from_bytes: " + std::to_string(data.size()) + " bytes for " +
+                                std::to_string(n));
+  }
+  array bytes(data.data(), mx::Shape{static_cast<int32_t>(n)}, mx::uint8);
+  return wrap(mx::reshape(mx::view(bytes, dt), sh));
+}
+// The bytes of `a`, row-major, into `out` (exactly `a.nbytes()` long).
+void copy_bytes(const array& a, rust::Slice<uint8_t> out) {
+  array c = mx::contiguous(a);
+  c.eval();
+  if (c.nbytes() != out.size()) {
+    throw std::invalid_argument("copy_bytes: " + std::to_string(c.nbytes()) + " bytes into " +
+                                std::to_string(out.size()));
+  }
+  std::memcpy(out.data(), c.data<uint8_t>(), out.size());
+}
 ArrayPtr scalar_f32(float v) { return wrap(array(v)); }
 ArrayPtr clone_array(const array& a) { return wrap(a); }
 
@@ -102,6 +127,7 @@ void eval_many(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval_many(const ArrayList& arrays) { mx::async_eval(arrays.items); }
 
 ArrayPtr astype(const array& a, int32_t dtype) { return wrap(mx::astype(a, dtype_from_code(dtype))); }
+ArrayPtr view_as(const array& a, int32_t dtype) { return wrap(mx::view(a, dtype_from_code(dtype))); }
 ArrayPtr add(const array& a, const array& b) { return wrap(mx::add(a, b)); }
 ArrayPtr subtract(const array& a, const array& b) { return wrap(mx::subtract(a, b)); }
 ArrayPtr multiply(const array& a, const array& b) { return wrap(mx::multiply(a, b)); }

@@ -298,3 +298,35 @@ fn ssm_scan_matches_the_recurrence_and_refuses_bad_groups() {
     let dt3 = mlxcel_mlx::zeros(&[1, 2, 3], mlxcel_mlx::Dtype::Float32).unwrap();
     assert!(mlxcel_mlx::ssm_scan(&x3, &dt3, &b2, &b2, &h3, &h3, &h3, (0.001, 100.0), &s3).is_err());
 }
+
+#[test]
+fn raw_bytes_round_trip_without_conversion() {
+    // 1.5 and -2.0 as bfloat16: 0x3fc0 and 0xc000, little-endian.
+    let a = Array::from_f32(&[1.5, -2.0, 0.25, 8.0], &[2, 2])
+        .unwrap()
+        .astype(Dtype::Bfloat16)
+        .unwrap();
+    let bytes = a.to_bytes().unwrap();
+    assert_eq!(&bytes[..4], &[0xc0, 0x3f, 0x00, 0xc0]);
+    assert_eq!(bytes.len(), 8);
+    let back = Array::from_bytes(&bytes, &[2, 2], Dtype::Bfloat16).unwrap();
+    assert_eq!(back.dtype(), Dtype::Bfloat16);
+    assert_eq!(back.shape(), vec![2, 2]);
+    assert_eq!(
+        back.astype(Dtype::Float32).unwrap().to_vec_f32().unwrap(),
+        vec![1.5, -2.0, 0.25, 8.0]
+    );
+    // A strided view reads out in row-major order.
+    let t = Array::from_f32(&[1.0, 2.0, 3.0, 4.0], &[2, 2])
+        .unwrap()
+        .transpose(&[1, 0])
+        .unwrap();
+    let tb = t.to_bytes().unwrap();
+    let floats: Vec<f32> = tb
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(floats, vec![1.0, 3.0, 2.0, 4.0]);
+    // Bytes that don't fill the shape are an error.
+    assert!(Array::from_bytes(&bytes[..6], &[2, 2], Dtype::Bfloat16).is_err());
+}
