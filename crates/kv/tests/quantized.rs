@@ -288,7 +288,7 @@ fn quantized_kv_is_refused_where_it_cannot_be_stored() {
 }
 
 #[test]
-fn quantized_blocks_survive_the_disk_tier_exactly_and_only_for_their_dtype() {
+fn stored_blocks_survive_the_disk_tier_byte_for_byte_and_only_for_their_dtype() {
     let dir = std::env::temp_dir().join(format!("mlxcel-kv-quantized-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let tier = DiskTierConfig {
@@ -300,7 +300,32 @@ fn quantized_blocks_survive_the_disk_tier_exactly_and_only_for_their_dtype() {
     let values = random(&mut rng, 8);
     let next = random(&mut rng, 1);
     let tokens: Vec<u32> = (100..109).collect();
-    for kv_dtype in [KvCacheDtype::Int8, KvCacheDtype::Int4] {
+    let files = |dir: &std::path::Path| -> Vec<(std::path::PathBuf, u64)> {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        let mut out: Vec<_> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "kvb"))
+            .map(|e| (e.path(), e.metadata().expect("metadata").len()))
+            .collect();
+        out.sort();
+        out
+    };
+    // Payload bytes of one token's K (or V) in one head, as the pool keeps
+    // it: 8 or 4 bits a feature plus a float32 scale and bias per 64; 2
+    // bytes a feature for the float casts.
+    let per_head = |kv_dtype: KvCacheDtype| match kv_dtype.bits() {
+        Some(bits) => HEAD_DIM * bits / 8 + 2 * 4,
+        None => HEAD_DIM * 2,
+    };
+    for kv_dtype in [
+        KvCacheDtype::Int8,
+        KvCacheDtype::Int4,
+        KvCacheDtype::Float16,
+        KvCacheDtype::Bfloat16,
+    ] {
+        let before = files(&dir);
         // Compute 8 tokens (two full blocks), donate, save at a clean stop.
         let mut first = cache(kv_dtype, true);
         first.open_disk_tier(&tier).expect("tier");
@@ -312,6 +337,21 @@ fn quantized_blocks_survive_the_disk_tier_exactly_and_only_for_their_dtype() {
         assert_eq!(first.save_to_disk(), 2, "{kv_dtype}: blocks saved");
         drop(seq);
         drop(first);
+        // Each file is the header and the block's bytes as stored.
+        let new: Vec<_> = files(&dir)
+            .into_iter()
+            .filter(|f| !before.contains(f))
+            .collect();
+        assert_eq!(new.len(), 2, "{kv_dtype}: two new files");
+        let payload = 2 * LAYERS * BLOCK * HEADS * per_head(kv_dtype);
+        for (path, len) in &new {
+            assert_eq!(
+                *len as usize,
+                mlxcel_kv::disk::format::HEADER_BYTES + payload,
+                "{kv_dtype}: {}",
+                path.display()
+            );
+        }
         // A new cache of the same dtype starts warm from the files.
         let mut second = cache(kv_dtype, true);
         second.open_disk_tier(&tier).expect("tier");
@@ -322,9 +362,9 @@ fn quantized_blocks_survive_the_disk_tier_exactly_and_only_for_their_dtype() {
         assert_eq!(v, want_v, "{kv_dtype}: values from disk");
     }
     // Another KV dtype in the same directory finds none of them.
-    let mut other = cache(KvCacheDtype::Float16, true);
+    let mut other = cache(KvCacheDtype::Float32, true);
     other.open_disk_tier(&tier).expect("tier");
     let (_, cached) = other.new_sequence_for_prompt(&tokens).expect("lookup");
-    assert_eq!(cached, 0, "float16 cache served no quantized block");
+    assert_eq!(cached, 0, "float32 cache served no other dtype's block");
     let _ = std::fs::remove_dir_all(&dir);
 }

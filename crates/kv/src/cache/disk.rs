@@ -6,8 +6,9 @@
 //!
 //! Everything runs on the engine thread, synchronously: a save reads the
 //! blocks' K/V back from the pool arrays (one gather per layer for every
-//! block evicted by one allocation), a load reads, checks and writes them
-//! in (one scatter per layer for every block one lookup loads).
+//! block evicted by one allocation), a load reads and checks the files (on
+//! several threads, [`DiskStore::get_many`]) and writes them in (one
+//! scatter per layer for every block one lookup loads).
 
 use std::path::PathBuf;
 
@@ -27,6 +28,10 @@ use crate::StorageBackend;
 /// Blocks saved per gather at a clean stop (bounds the host memory one
 /// batch takes: `SAVE_BATCH × block bytes` as float32).
 const SAVE_BATCH: usize = 64;
+
+/// Most runs of consecutive blocks a load writes with slice updates; more
+/// fragmented loads use one scatter.
+const MAX_SLICE_RUNS: usize = 16;
 
 /// How to open the disk tier ([`KvCache::open_disk_tier`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,7 +146,9 @@ fn meta_of(key: u64, layout: &KvLayout, g: usize, group: &Group, hash: BlockHash
         layers: group.config.layers.len() as u32,
         kv_heads: layout.kv_heads as u32,
         head_dim: layout.head_dim as u32,
-        dtype: layout.dtype as i32 as u32,
+        // The floats stored: the K/V of float storage (a cast one in its
+        // own dtype), the scales and biases of quantized storage.
+        dtype: layout.kv_dtype.float_dtype(layout.dtype) as i32 as u32,
         bits: layout.quant().map_or(0, |q| q.bits as u32),
         group_size: layout.quant().map_or(0, |q| q.group_size as u32),
     }
@@ -218,8 +225,8 @@ fn slots_of(blocks: &[BlockId], bs: usize) -> Vec<i32> {
 }
 
 /// Each block's payload (crate::disk::format): per layer of the group,
-/// its keys then its values as stored, 4 bytes an element (uint32 words
-/// raw, floats as float32), little-endian.
+/// its keys then its values, each part's bytes as stored in the pool
+/// (`Array::to_bytes`: no conversion).
 fn read_blocks(group: &Group, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>, KvError> {
     let paged = group
         .paged
@@ -231,16 +238,7 @@ fn read_blocks(group: &Group, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>, KvErro
     let mut out: Vec<Vec<u8>> = vec![Vec::new(); blocks.len()];
     for l in 0..group.config.layers.len() {
         for part in paged.take_stored(l, &idx)? {
-            // 4 little-endian bytes an element: words raw, floats as float32.
-            let bytes: Vec<u8> = if part.dtype() == Dtype::Uint32 {
-                part.to_vec_u32()?
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect()
-            } else {
-                let data = part.astype(Dtype::Float32)?.to_vec_f32()?;
-                data.iter().flat_map(|x| x.to_le_bytes()).collect()
-            };
+            let bytes = part.to_bytes()?;
             let per_block = (bytes.len() / blocks.len().max(1)).max(1);
             for (b, chunk) in bytes.chunks(per_block).enumerate() {
                 out[b].extend_from_slice(chunk);
@@ -256,7 +254,7 @@ fn write_blocks(
     group: &mut Group,
     layout: &KvLayout,
     blocks: &[BlockId],
-    payloads: &[Vec<u8>],
+    payloads: &[&[u8]],
 ) -> Result<(), KvError> {
     let bs = group.pool.block_size();
     let layers = group.config.layers.len();
@@ -266,37 +264,57 @@ fn write_blocks(
         .ok_or(KvError::Invariant("disk tier without paged storage".into()))?;
     let slots = slots_of(blocks, bs);
     let n = slots.len() as i32;
-    let idx = Array::from_i32(&slots, &[n, 1, 1])?;
+    // Runs of consecutive slots (blocks allocated in a row, as in a pool
+    // a restart left empty) are written with slice updates; scattered
+    // blocks with one scatter.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for b in blocks {
+        let first = b.index() * bs;
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == first => *len += bs,
+            _ => runs.push((first, bs)),
+        }
+    }
+    let idx = if runs.len() > MAX_SLICE_RUNS {
+        Some(Array::from_i32(&slots, &[n, 1, 1])?)
+    } else {
+        None
+    };
     let parts = layout.stored_parts();
     let h = layout.kv_heads;
+    // Every block's payload in one upload `[blocks, payload bytes]`; each
+    // layer's parts are sliced out of it on the device.
+    let block_bytes = payloads.first().map_or(0, |p| p.len());
+    if payloads.iter().any(|p| p.len() != block_bytes) {
+        return Err(KvError::Invariant(
+            "disk payloads of different sizes".into(),
+        ));
+    }
+    let mut all = Vec::with_capacity(block_bytes * payloads.len());
+    for p in payloads {
+        all.extend_from_slice(p);
+    }
+    let nb = payloads.len() as i32;
+    let all = Array::from_bytes(&all, &[nb, block_bytes as i32], Dtype::Uint8)?;
     // Byte offset of each part inside a block's payload.
     let mut at = 0;
     for l in 0..layers {
         let mut kv: [Vec<Array>; 2] = [Vec::new(), Vec::new()];
         for half in kv.iter_mut() {
             for &(x, dtype) in &parts {
-                let len = bs * h * x as usize * 4;
-                let shape = [n, h as i32, x];
-                // Each block's 4-byte elements of this part, in block order.
-                let words = || {
-                    payloads.iter().flat_map(move |p| {
-                        p[at..at + len]
-                            .chunks_exact(4)
-                            .map(|c| [c[0], c[1], c[2], c[3]])
-                    })
-                };
-                let arr = if dtype == Dtype::Uint32 {
-                    let v: Vec<u32> = words().map(u32::from_le_bytes).collect();
-                    Array::from_u32(&v, &shape)?
-                } else {
-                    let v: Vec<f32> = words().map(f32::from_le_bytes).collect();
-                    Array::from_f32(&v, &shape)?.astype(dtype)?
-                };
+                let len = bs * h * x as usize * dtype.size_bytes();
+                let arr = all
+                    .slice(&[0, at as i32], &[nb, (at + len) as i32])?
+                    .view_as(dtype)?
+                    .reshape(&[n, h as i32, x])?;
                 half.push(arr);
                 at += len;
             }
         }
-        paged.write_stored(l, &idx, &kv[0], &kv[1])?;
+        match &idx {
+            Some(idx) => paged.write_stored(l, idx, &kv[0], &kv[1])?,
+            None => paged.write_stored_runs(l, &runs, &kv[0], &kv[1])?,
+        }
     }
     let arrays: Vec<&Array> = paged.arrays().collect();
     mlxcel_mlx::eval(&arrays)?;
@@ -348,30 +366,41 @@ impl KvCache {
         let key = tier.store.key();
         let started = std::time::Instant::now();
         let mut loaded = 0;
+        let mut read_s = 0.0;
         for (g, group) in self.groups.iter_mut().enumerate() {
             let from = hold_from(cached, group.config.keep, chunk) / bs;
             // Hold the blocks already in RAM so loading can't evict them.
             let mut held: Vec<(usize, BlockId)> = Vec::new();
-            let mut load: Vec<(usize, BlockHash, Vec<u8>)> = Vec::new();
+            let mut wants: Vec<(usize, BlockHash)> = Vec::new();
             for (i, &h) in hashes.iter().enumerate().take(n).skip(from.min(n)) {
                 if let Some(id) = group.pool.cached_block(h) {
                     group.pool.touch(&[id])?;
                     held.push((i, id));
                     continue;
                 }
-                if load.len() >= group.pool.free_blocks() {
+                if wants.len() >= group.pool.free_blocks() || !tier.store.contains(h, g as u32) {
                     break;
                 }
-                match tier.store.get(&meta_of(key, &layout, g, group, h)) {
-                    Some(payload) => load.push((i, h, payload)),
-                    None => break,
-                }
+                wants.push((i, h));
             }
+            // Read in parallel; the run ends at the first unusable file.
+            let metas: Vec<BlockMeta> = wants
+                .iter()
+                .map(|&(_, h)| meta_of(key, &layout, g, group, h))
+                .collect();
+            let reading = std::time::Instant::now();
+            let payloads = tier.store.get_many(&metas);
+            read_s += reading.elapsed().as_secs_f64();
+            let load: Vec<(usize, BlockHash, Vec<u8>)> = wants
+                .into_iter()
+                .zip(payloads)
+                .map_while(|((i, h), payload)| Some((i, h, payload?)))
+                .collect();
             if !load.is_empty() {
                 let ids = group.pool.allocate(load.len())?;
                 let evicted = group.pool.take_evicted();
                 save_evicted_to(tier, &layout, g, group, evicted);
-                let payloads: Vec<Vec<u8>> = load.iter().map(|(_, _, p)| p.clone()).collect();
+                let payloads: Vec<&[u8]> = load.iter().map(|(_, _, p)| p.as_slice()).collect();
                 match write_blocks(group, &layout, &ids, &payloads) {
                     Ok(()) => {
                         for (&id, (_, h, _)) in ids.iter().zip(&load) {
@@ -394,6 +423,7 @@ impl KvCache {
             tracing::info!(
                 blocks = loaded,
                 seconds = started.elapsed().as_secs_f64(),
+                read_seconds = read_s,
                 "prompt cache blocks read from disk"
             );
         }

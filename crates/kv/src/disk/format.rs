@@ -14,19 +14,22 @@
 //! | 4 | layers in the group |
 //! | 4 | K/V heads |
 //! | 4 | head dimension |
-//! | 4 | KV dtype code (MLX's compute dtype) |
+//! | 4 | float element dtype code (MLX's): of the K/V, or of the scales and biases of quantized K/V |
 //! | 4 | bits per element when quantized (8, 4), else 0 |
 //! | 4 | quantization group size in elements, else 0 |
 //! | 8 | payload length, in bytes |
 //! | 8 | checksum: XXH3-64 (seed 0) of every byte before it, then the payload |
 //!
 //! The payload is, per layer of the group in order, the block's keys then
-//! its values, as stored in the pool, 4 bytes an element: float K/V
-//! `[block_size, kv_heads, head_dim]` as float32 (float16 and bfloat16
-//! convert to float32 and back exactly); quantized K/V as their uint32
-//! words `[block_size, kv_heads, head_dim * bits / 32]`, then scales and
-//! biases `[block_size, kv_heads, head_dim / group_size]` as float32.
+//! its values, the pool's bytes as stored (no conversion): float K/V
+//! `[block_size, kv_heads, head_dim]` in their dtype (2 or 4 bytes an
+//! element); quantized K/V as their uint32 words `[block_size, kv_heads,
+//! head_dim * bits / 32]`, then scales and biases `[block_size, kv_heads,
+//! head_dim / group_size]` in the header's float dtype. Format 2 kept every
+//! float as float32 (twice the bytes of a float16 pool); its files are
+//! skipped as another version.
 
+use mlxcel_mlx::Dtype;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::hash::BlockHash;
@@ -35,7 +38,7 @@ use crate::hash::BlockHash;
 pub const MAGIC: [u8; 8] = *b"MLXCKVB\0";
 
 /// The version of the layout above; a file of another version is skipped.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Bytes of the header, checksum included.
 pub const HEADER_BYTES: usize = 8 + 4 + 8 + 16 + 4 * 8 + 8 + 8;
@@ -60,7 +63,8 @@ pub struct BlockMeta {
     pub kv_heads: u32,
     /// Features per head.
     pub head_dim: u32,
-    /// MLX dtype code of the K/V the block came from.
+    /// MLX dtype code of the stored floats: the K/V of float storage, the
+    /// scales and biases of quantized storage.
     pub dtype: u32,
     /// Bits per element of quantized K/V; 0 for float storage.
     pub bits: u32,
@@ -69,24 +73,27 @@ pub struct BlockMeta {
 }
 
 impl BlockMeta {
-    /// 4-byte elements of one token's K (or V) in one head: `head_dim`
-    /// floats, or the quantized words plus a scale and a bias per group.
-    pub fn elements_per_head(&self) -> u64 {
+    /// Bytes of one token's K (or V) in one head: `head_dim` floats, or the
+    /// quantized words plus a scale and a bias per group. A dtype code MLX
+    /// doesn't know counts 4 bytes (its files are foreign anyway).
+    pub fn bytes_per_head(&self) -> u64 {
         let d = u64::from(self.head_dim);
+        let float = i32::try_from(self.dtype)
+            .ok()
+            .and_then(Dtype::from_code)
+            .map_or(4, |t| t.size_bytes() as u64);
         match (self.bits, self.group_size) {
-            (0, _) | (_, 0) => d,
-            (bits, g) => d * u64::from(bits) / 32 + 2 * d / u64::from(g),
+            (0, _) | (_, 0) => d * float,
+            (bits, g) => d * u64::from(bits) / 8 + 2 * d / u64::from(g) * float,
         }
     }
 
-    /// Payload bytes of such a block: K and V of every layer, 4 bytes an
-    /// element.
+    /// Payload bytes of such a block: K and V of every layer.
     pub fn payload_bytes(&self) -> u64 {
         2 * u64::from(self.layers)
             * u64::from(self.block_size)
             * u64::from(self.kv_heads)
-            * self.elements_per_head()
-            * 4
+            * self.bytes_per_head()
     }
 
     /// Bytes of the whole file.
@@ -259,9 +266,12 @@ mod tests {
             head_dim: 64,
             ..m
         };
-        // Per token and head: 64 / 4 words, a scale and a bias for each of
-        // 2 groups; K and V of 2 tokens.
-        assert_eq!(q8.payload_bytes(), 2 * 2 * (16 + 2 * 2) * 4);
+        // Per token and head: 64 bytes of 8-bit codes, a float32 scale and
+        // bias for each of 2 groups; K and V of 2 tokens.
+        assert_eq!(q8.payload_bytes(), 2 * 2 * (64 + 2 * 2 * 4));
+        // Float storage: 2 bytes an element for float16 and bfloat16.
+        assert_eq!(m.payload_bytes(), 2 * 2 * 2 * 4);
+        assert_eq!(BlockMeta { dtype: 12, ..m }.payload_bytes(), 2 * 2 * 2 * 2);
         assert!(matches!(
             decode(&file, &q8),
             Err(FormatError::Truncated { .. })

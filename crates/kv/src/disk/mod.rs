@@ -38,6 +38,9 @@ use format::BlockMeta;
 /// The extension of block files.
 const EXT: &str = "kvb";
 
+/// Most threads [`DiskStore::get_many`] reads files on.
+pub const READ_THREADS: usize = 8;
+
 /// Why the disk tier could not open its directory.
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
@@ -332,34 +335,71 @@ impl DiskStore {
     /// removed from the index and deleted). A served file becomes the
     /// most recently used.
     pub fn get(&mut self, want: &BlockMeta) -> Option<Vec<u8>> {
-        if !self.contains(want.hash, want.group) {
-            return None;
-        }
-        let path = self.path(want.hash, want.group);
-        let checked = read_all(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| match format::decode(&bytes, want) {
-                Ok(p) => Ok(p.to_vec()),
-                Err(e) => Err(e.to_string()),
-            });
-        match checked {
-            Ok(payload) => {
-                self.stats.hits += 1;
-                let bytes = want.file_bytes();
-                self.insert(want.hash, want.group, bytes);
-                if let Ok(f) = File::options().write(true).open(&path) {
-                    let _ = f.set_modified(SystemTime::now());
+        self.get_many(std::slice::from_ref(want)).pop().flatten()
+    }
+
+    /// [`DiskStore::get`] of every block of `wants`, in order: the files
+    /// are read and checked on up to [`READ_THREADS`] threads at once
+    /// (reads of a long prefix are bound by the storage's queue depth and
+    /// the checksum, not by one thread's `read`), then counted and
+    /// refreshed in order.
+    pub fn get_many(&mut self, wants: &[BlockMeta]) -> Vec<Option<Vec<u8>>> {
+        let paths: Vec<Option<PathBuf>> = wants
+            .iter()
+            .map(|w| {
+                self.contains(w.hash, w.group)
+                    .then(|| self.path(w.hash, w.group))
+            })
+            .collect();
+        let mut checked: Vec<Option<Result<Vec<u8>, String>>> = vec![None; wants.len()];
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(READ_THREADS)
+            .min(wants.len());
+        let read = |wants: &[BlockMeta], paths: &[Option<PathBuf>], out: &mut [Option<_>]| {
+            for ((want, path), slot) in wants.iter().zip(paths).zip(out) {
+                *slot = path.as_deref().map(|p| read_checked(p, want));
+            }
+        };
+        if threads <= 1 {
+            read(wants, &paths, &mut checked);
+        } else {
+            let chunk = wants.len().div_ceil(threads);
+            std::thread::scope(|s| {
+                for ((w, p), out) in wants
+                    .chunks(chunk)
+                    .zip(paths.chunks(chunk))
+                    .zip(checked.chunks_mut(chunk))
+                {
+                    s.spawn(move || read(w, p, out));
                 }
-                Some(payload)
-            }
-            Err(why) => {
-                tracing::warn!(file = %path.display(), error = %why, "skipping an unusable prompt cache file");
-                self.stats.skipped += 1;
-                self.forget(want.hash, want.group);
-                let _ = fs::remove_file(&path);
-                None
+            });
+        }
+        let mut out = Vec::with_capacity(wants.len());
+        for ((want, path), result) in wants.iter().zip(paths).zip(checked) {
+            let (Some(path), Some(result)) = (path, result) else {
+                out.push(None);
+                continue;
+            };
+            match result {
+                Ok(payload) => {
+                    self.stats.hits += 1;
+                    self.insert(want.hash, want.group, want.file_bytes());
+                    if let Ok(f) = File::options().write(true).open(&path) {
+                        let _ = f.set_modified(SystemTime::now());
+                    }
+                    out.push(Some(payload));
+                }
+                Err(why) => {
+                    tracing::warn!(file = %path.display(), error = %why, "skipping an unusable prompt cache file");
+                    self.stats.skipped += 1;
+                    self.forget(want.hash, want.group);
+                    let _ = fs::remove_file(&path);
+                    out.push(None);
+                }
             }
         }
+        out
     }
 
     /// Deletes every file of this key; returns (files, bytes) removed.
@@ -388,6 +428,15 @@ fn parse_name(rest: &str) -> Option<(BlockHash, u32)> {
         BlockHash(u128::from_str_radix(hash, 16).ok()?),
         group.parse().ok()?,
     ))
+}
+
+/// The payload of the file at `path`, checked against `want`
+/// ([`format::decode`]); the reason it is unusable otherwise.
+fn read_checked(path: &Path, want: &BlockMeta) -> Result<Vec<u8>, String> {
+    let mut bytes = read_all(path).map_err(|e| e.to_string())?;
+    format::decode(&bytes, want).map_err(|e| e.to_string())?;
+    bytes.drain(..format::HEADER_BYTES);
+    Ok(bytes)
 }
 
 fn read_all(path: &Path) -> std::io::Result<Vec<u8>> {
