@@ -379,50 +379,6 @@ impl PagedStorage {
         Ok(())
     }
 
-    /// Writes already stored parts (each `[tokens, kv_heads, x]`) of layer
-    /// `layer` into runs of consecutive slots, `(first slot, tokens)` each,
-    /// the parts' tokens in run order: one slice update per run and part
-    /// instead of a scatter (the disk tier's bulk load, whose blocks are
-    /// mostly consecutive).
-    pub(crate) fn write_stored_runs(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        keys: &[Array],
-        values: &[Array],
-    ) -> Result<(), KvError> {
-        let (pk, pv) = self.layer_mut(layer)?;
-        let total: usize = runs.iter().map(|r| r.1).sum();
-        for (pool, new) in [(pk, keys), (pv, values)] {
-            if pool.len() != new.len() {
-                return Err(KvError::Invariant(format!(
-                    "{} stored parts written into a pool of {}",
-                    new.len(),
-                    pool.len()
-                )));
-            }
-            for (p, n) in pool.iter_mut().zip(new) {
-                let (h, x) = (p.dim(1)?, p.dim(2)?);
-                if n.shape() != [total as i32, h, x] {
-                    return Err(KvError::Invariant(format!(
-                        "K/V of shape {:?} written into runs of {total} slots of a pool of {:?}",
-                        n.shape(),
-                        p.shape()
-                    )));
-                }
-                let mut at = 0;
-                for &(first, len) in runs {
-                    let (a, b) = (at as i32, (at + len) as i32);
-                    let (f, l) = (first as i32, (first + len) as i32);
-                    let part = n.slice(&[a, 0, 0], &[b, h, x])?;
-                    *p = p.slice_update(&part, &[f, 0, 0], &[l, h, x])?;
-                    at += len;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Gathers layer `layer`'s K/V at `slots` (int32 `[rows * len]`) as
     /// `[rows, kv_heads, len, head_dim]` in the compute dtype (dequantized
     /// or cast back when stored otherwise).

@@ -55,7 +55,6 @@ void async_eval_many(const ArrayList& arrays);
 
 // ops
 ArrayPtr astype(const array& a, int32_t dtype);
-ArrayPtr view_as(const array& a, int32_t dtype);
 ArrayPtr add(const array& a, const array& b);
 ArrayPtr subtract(const array& a, const array& b);
 ArrayPtr multiply(const array& a, const array& b);

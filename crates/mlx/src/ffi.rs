@@ -35,7 +35,6 @@ pub(crate) mod bridge {
         fn async_eval_many(arrays: &ArrayList) -> Result<()>;
 
         fn astype(a: &array, dtype: i32) -> Result<UniquePtr<array>>;
-        fn view_as(a: &array, dtype: i32) -> Result<UniquePtr<array>>;
         fn add(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn subtract(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;

@@ -233,19 +233,6 @@ impl Array {
         Array::wrap(bridge::astype(self.raw(), dtype as i32))
     }
 
-    /// The same bytes read as `dtype` (no conversion, MLX's `view`): the
-    /// last axis scales by the ratio of the element sizes, e.g. uint8
-    /// `[.., 2n]` viewed as bfloat16 is `[.., n]`.
-    ///
-    /// # Errors
-    /// A last axis whose bytes do not divide into the new element size.
-    pub fn view_as(&self, dtype: Dtype) -> Result<Array> {
-        if self.dtype() == dtype {
-            return Ok(self.clone());
-        }
-        Array::wrap(bridge::view_as(self.raw(), dtype as i32))
-    }
-
     /// Elementwise `self + other` with broadcasting.
     pub fn add(&self, other: &Array) -> Result<Array> {
         Array::wrap(bridge::add(self.raw(), other.raw()))

@@ -127,7 +127,6 @@ void eval_many(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval_many(const ArrayList& arrays) { mx::async_eval(arrays.items); }
 
 ArrayPtr astype(const array& a, int32_t dtype) { return wrap(mx::astype(a, dtype_from_code(dtype))); }
-ArrayPtr view_as(const array& a, int32_t dtype) { return wrap(mx::view(a, dtype_from_code(dtype))); }
 ArrayPtr add(const array& a, const array& b) { return wrap(mx::add(a, b)); }
 ArrayPtr subtract(const array& a, const array& b) { return wrap(mx::subtract(a, b)); }
 ArrayPtr multiply(const array& a, const array& b) { return wrap(mx::multiply(a, b)); }
