@@ -180,7 +180,8 @@ def restart_ratios(results, restart_after):
         if len(turns) <= restart_after or restart_after < 2:
             continue
         warm = sorted(t["ttft_s"] for t in turns[1:restart_after])
-        warm_median = warm[len(warm) // 2]
+        mid = len(warm) // 2
+        warm_median = warm[mid] if len(warm) % 2 else (warm[mid - 1] + warm[mid]) / 2
         after = turns[restart_after]["ttft_s"]
         out[name] = {"ram_warm_median_s": warm_median, "after_restart_s": after,
                      "after_restart_over_ram_warm": after / warm_median,

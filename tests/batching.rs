@@ -25,8 +25,8 @@ use rand_core::{RngCore, SeedableRng};
 const TOKEN_PROMPT_LENGTHS: &[usize] = &[1, 31, 32, 33, 63, 64, 65, 300, 2, 17, 97, 129];
 
 /// Completion tokens of the token prompts (the goldens' chats take
-/// `GOLDEN_MAX_TOKENS`): enough for every one to decode across a block
-/// boundary, half the decode steps of the goldens' length.
+/// `GOLDEN_MAX_TOKENS`, 32): the prompts of 17, 31, 32, 63, 64 and 300
+/// tokens still decode across a block boundary.
 const TOKEN_PROMPT_MAX_TOKENS: usize = 24;
 
 /// Completion tokens of prompt `i` of [`prompts`].

@@ -111,8 +111,9 @@ fn a_restart_starts_warm_from_disk_and_answers_like_a_cold_run() {
     let d = disk(&third);
     // The lookup reads its blocks' files together: every one is skipped.
     assert!(d.skipped >= 6 && d.hits == 0, "{d:?}");
-    drop(third); // Its clean stop saves the blocks it computed.
-                 // A full reset deletes this model's files, not the foreign one.
+    // Its clean stop saves the blocks it computed; a full reset then
+    // deletes this model's files, not the foreign one.
+    drop(third);
     let fourth = Engine::start(smollm(&dir)).expect("restart");
     let reset = fourth.reset_prefix_cache(false).expect("reset");
     assert!(reset.disk_blocks_freed >= 6, "{reset:?}");

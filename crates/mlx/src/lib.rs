@@ -158,9 +158,9 @@ impl Array {
         Self::wrap_uncounted(bridge::from_u32(data, shape))
     }
 
-    /// An array of `shape` and `dtype` from its raw row-major bytes,
-    /// little-endian as MLX keeps them (no conversion; the inverse of
-    /// [`Array::to_bytes`]).
+    /// An array of `shape` and `dtype` from its raw row-major bytes, in
+    /// the machine's byte order as MLX keeps them (no conversion; the
+    /// inverse of [`Array::to_bytes`]).
     ///
     /// # Errors
     /// `data` not `shape`'s element count times the dtype's size.
@@ -174,6 +174,7 @@ impl Array {
     /// # Errors
     /// An evaluation failure.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        count(&READS);
         let mut out = vec![0u8; self.nbytes()];
         bridge::copy_bytes(self.raw(), &mut out)?;
         Ok(out)

@@ -1,9 +1,10 @@
 // Implementation of the cxx shim over MLX. See include/shim.h.
-#include <cstring>
 #include "mlxcel-mlx/include/shim.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <variant>
 
@@ -53,8 +54,8 @@ ArrayPtr from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> s
   auto sh = to_shape(shape);
   return wrap(array(data.data(), sh, mx::uint32));
 }
-// Raw little-endian bytes as an array of `dtype` (a byte copy, then MLX's
-// `view`: no conversion).
+// Raw bytes (the machine's byte order) as an array of `dtype` (a byte
+// copy, then MLX's `view`: no conversion).
 ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, int32_t dtype) {
   auto dt = dtype_from_code(dtype);
   auto sh = to_shape(shape);
@@ -64,8 +65,20 @@ ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> 
     throw std::invalid_argument("from_bytes: " + std::to_string(data.size()) + " bytes for " +
                                 std::to_string(n));
   }
-  array bytes(data.data(), mx::Shape{static_cast<int32_t>(n)}, mx::uint8);
-  return wrap(mx::reshape(mx::view(bytes, dt), sh));
+  // The bytes as uint8 of `shape` with its last axis widened by the
+  // element size (every axis stays within int32), then viewed as `dtype`.
+  if (sh.empty()) {
+    array bytes(data.data(), mx::Shape{static_cast<int32_t>(n)}, mx::uint8);
+    return wrap(mx::reshape(mx::view(bytes, dt), sh));
+  }
+  mx::Shape wide = sh;
+  int64_t last = static_cast<int64_t>(wide.back()) * static_cast<int64_t>(dt.size());
+  if (last > INT32_MAX) {
+    throw std::invalid_argument("from_bytes: last axis of " + std::to_string(last) + " bytes");
+  }
+  wide.back() = static_cast<int32_t>(last);
+  array bytes(data.data(), wide, mx::uint8);
+  return wrap(mx::view(bytes, dt));
 }
 // The bytes of `a`, row-major, into `out` (exactly `a.nbytes()` long).
 void copy_bytes(const array& a, rust::Slice<uint8_t> out) {

@@ -26,7 +26,7 @@ use crate::storage::KvLayout;
 use crate::StorageBackend;
 
 /// Blocks saved per gather at a clean stop (bounds the host memory one
-/// batch takes: `SAVE_BATCH × block bytes` as float32).
+/// batch takes: `SAVE_BATCH × block bytes` as stored).
 const SAVE_BATCH: usize = 64;
 
 /// How to open the disk tier ([`KvCache::open_disk_tier`]).

@@ -25,9 +25,11 @@
 //! `[block_size, kv_heads, head_dim]` in their dtype (2 or 4 bytes an
 //! element); quantized K/V as their uint32 words `[block_size, kv_heads,
 //! head_dim * bits / 32]`, then scales and biases `[block_size, kv_heads,
-//! head_dim / group_size]` in the header's float dtype. Format 2 kept every
-//! float as float32 (twice the bytes of a float16 pool); its files are
-//! skipped as another version.
+//! head_dim / group_size]` in the header's float dtype. Bytes are in the
+//! machine's byte order, little-endian on every target MLX builds for.
+//! Format 2 kept every float as float32 (twice the bytes of a float16
+//! pool); the format version is part of the tier key, so its files count
+//! as foreign and are never read nor deleted (remove them by hand).
 
 use mlxcel_mlx::Dtype;
 use xxhash_rust::xxh3::Xxh3;

@@ -338,11 +338,14 @@ impl DiskStore {
         self.get_many(std::slice::from_ref(want)).pop().flatten()
     }
 
-    /// [`DiskStore::get`] of every block of `wants`, in order: the files
-    /// are read and checked on up to [`READ_THREADS`] threads at once
-    /// (reads of a long prefix are bound by the storage's queue depth and
-    /// the checksum, not by one thread's `read`), then counted and
-    /// refreshed in order.
+    /// [`DiskStore::get`] of the run of blocks `wants`, in order: the
+    /// files are read and checked on up to [`READ_THREADS`] threads at
+    /// once (reads of a long prefix are bound by the storage's queue depth
+    /// and the checksum, not by one thread's `read`), then counted and
+    /// refreshed in order. The run ends at the first block missing or
+    /// unusable: later entries are `None` and not counted as hits (a
+    /// prefix can't use them); unusable files among them are still
+    /// skipped and deleted.
     pub fn get_many(&mut self, wants: &[BlockMeta]) -> Vec<Option<Vec<u8>>> {
         let paths: Vec<Option<PathBuf>> = wants
             .iter()
@@ -376,12 +379,18 @@ impl DiskStore {
             });
         }
         let mut out = Vec::with_capacity(wants.len());
+        // A run: nothing after the first block missing or unusable is
+        // served (or counted, or refreshed); bad files there are still
+        // skipped and deleted.
+        let mut served = true;
         for ((want, path), result) in wants.iter().zip(paths).zip(checked) {
             let (Some(path), Some(result)) = (path, result) else {
+                served = false;
                 out.push(None);
                 continue;
             };
             match result {
+                Ok(_) if !served => out.push(None),
                 Ok(payload) => {
                     self.stats.hits += 1;
                     self.insert(want.hash, want.group, want.file_bytes());
@@ -391,6 +400,7 @@ impl DiskStore {
                     out.push(Some(payload));
                 }
                 Err(why) => {
+                    served = false;
                     tracing::warn!(file = %path.display(), error = %why, "skipping an unusable prompt cache file");
                     self.stats.skipped += 1;
                     self.forget(want.hash, want.group);
@@ -433,6 +443,15 @@ fn parse_name(rest: &str) -> Option<(BlockHash, u32)> {
 /// The payload of the file at `path`, checked against `want`
 /// ([`format::decode`]); the reason it is unusable otherwise.
 fn read_checked(path: &Path, want: &BlockMeta) -> Result<Vec<u8>, String> {
+    // A file of another size is not read (a torn write, or garbage).
+    let len = fs::metadata(path).map_err(|e| e.to_string())?.len();
+    if len != want.file_bytes() {
+        return Err(format::FormatError::Truncated {
+            got: len,
+            want: want.file_bytes(),
+        }
+        .to_string());
+    }
     let mut bytes = read_all(path).map_err(|e| e.to_string())?;
     format::decode(&bytes, want).map_err(|e| e.to_string())?;
     bytes.drain(..format::HEADER_BYTES);

@@ -147,3 +147,41 @@ fn a_directory_that_cannot_be_created_is_an_io_error() {
     assert!(matches!(err, DiskError::Io { .. }), "{err}");
     let _ = fs::remove_file(&file);
 }
+
+#[test]
+fn get_many_serves_a_run_in_order_and_stops_at_the_first_bad_file() {
+    let dir = temp_dir("many");
+    let mut store = DiskStore::open(&dir, 1, 1 << 20).unwrap();
+    // Twenty blocks (more than one reading thread's share), each with its
+    // own payload; 13 corrupt, 17 missing.
+    let metas: Vec<BlockMeta> = (0..20).map(|h| meta(1, 100 + h)).collect();
+    for (i, m) in metas.iter().enumerate() {
+        if i != 17 {
+            assert!(store.put(m, &payload(m, i as u8)));
+        }
+    }
+    let good = store.get_many(&metas[..13]);
+    for (i, p) in good.iter().enumerate() {
+        assert_eq!(
+            p.as_deref(),
+            Some(&payload(&metas[i], i as u8)[..]),
+            "block {i}"
+        );
+    }
+    assert_eq!(store.stats().hits, 13);
+    let path = store.path(metas[13].hash, 0);
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[format::HEADER_BYTES] ^= 1;
+    fs::write(&path, &bytes).unwrap();
+    // A bad file ends the run: 10..13 served; 14.. neither served nor
+    // counted, though readable; the corrupt file skipped and deleted.
+    let got = store.get_many(&metas[10..]);
+    assert_eq!(got.iter().filter(|p| p.is_some()).count(), 3);
+    assert!(got[..3].iter().all(Option::is_some));
+    let s = store.stats();
+    assert_eq!((s.hits, s.skipped), (16, 1), "{s:?}");
+    assert!(!path.exists() && !store.contains(metas[13].hash, 0));
+    // Blocks after the bad one are still there for a later lookup.
+    assert_eq!(store.get(&metas[14]).unwrap(), payload(&metas[14], 14));
+    let _ = fs::remove_dir_all(&dir);
+}
