@@ -452,16 +452,9 @@ fn read_checked(path: &Path, want: &BlockMeta) -> Result<Vec<u8>, String> {
         }
         .to_string());
     }
-    let mut bytes = read_all(path).map_err(|e| e.to_string())?;
+    let mut bytes = fs::read(path).map_err(|e| e.to_string())?;
     format::decode(&bytes, want).map_err(|e| e.to_string())?;
     bytes.drain(..format::HEADER_BYTES);
-    Ok(bytes)
-}
-
-fn read_all(path: &Path) -> std::io::Result<Vec<u8>> {
-    let mut f = File::open(path)?;
-    let mut bytes = Vec::new();
-    f.read_to_end(&mut bytes)?;
     Ok(bytes)
 }
 
