@@ -216,3 +216,111 @@ fn a_full_disk_leaves_the_engine_in_ram() {
     assert!(block_files(&dir).is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The recurrent-state snapshot files in `dir`.
+fn snapshot_files(dir: &Path) -> Vec<PathBuf> {
+    block_files(dir)
+        .into_iter()
+        .filter(|p| p.to_string_lossy().ends_with("-state.kvb"))
+        .collect()
+}
+
+/// Recurrent-state snapshots (tiny Qwen3.5: Gated DeltaNet layers beside
+/// full attention, 8-token blocks, 16-token prefill chunks). A clean stop
+/// saves them with the blocks; a restarted engine resumes from disk at
+/// the decode-time snapshot inside a first reply (48 tokens) and at the
+/// chunk snapshot inside the prompt (32 of 40); snapshots evicted from
+/// RAM are saved and come back; a corrupt snapshot file is skipped, never
+/// served. Every answer is the cold one (mlx_lm's for the golden prompt).
+#[test]
+fn recurrent_state_snapshots_come_back_from_disk_with_the_cold_answer() {
+    let model = common::tiny_model_dir("qwen3_5", "disk");
+    let golden = common::parity::read_golden(&model, "make_tiny_models.py");
+    let (prompt, want) = (
+        common::parity::ids(&golden, "prompt"),
+        common::parity::ids(&golden, "greedy"),
+    );
+    let dir = cache_dir("recurrent");
+    let config = || {
+        let mut c = EngineConfig::new(model.clone());
+        c.parallel = 2;
+        c.kv_cache_budget = Some(8 << 20);
+        c.kv_block_size = 8;
+        c.prefill_chunk_size = 16;
+        c.check_invariants = true;
+        c.prompt_cache_dir = Some(dir.clone());
+        c
+    };
+    let go = |e: &Engine, prompt: &[u32], n: usize, cache: bool| {
+        let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), n);
+        r.ignore_eos = true;
+        r.cache_prompt = cache;
+        collect_tokens(e.submit(r).expect("submit")).expect("run")
+    };
+
+    // Turn 1 caches (chunk snapshots at 32 and 40, the decode one at 48);
+    // turn 2 is turn 1, its reply and five more tokens.
+    let e = Engine::start(config()).expect("engine");
+    let (first, _) = go(&e, &prompt, want.len(), true);
+    assert_eq!(first, want, "cold = mlx_lm");
+    let mut turn2 = prompt.clone();
+    turn2.extend(&first);
+    turn2.extend(&prompt[..5]);
+    let (cold2, _) = go(&e, &turn2, 8, false);
+    drop(e);
+    assert_eq!(snapshot_files(&dir).len(), 3, "snapshots at 32, 40, 48");
+
+    let e = Engine::start(config()).expect("restart");
+    assert_eq!(disk(&e).snapshots, 3);
+    let (warm2, usage) = go(&e, &turn2, 8, true);
+    assert_eq!(
+        usage.cached_tokens, 48,
+        "resumed from disk inside the reply"
+    );
+    assert_eq!(warm2, cold2, "warm from disk = cold");
+    let (warm, usage) = go(&e, &prompt, want.len(), true);
+    assert_eq!(
+        usage.cached_tokens, 32,
+        "resumed from disk inside the prompt"
+    );
+    assert_eq!(warm, want, "warm from disk = mlx_lm");
+    let d = disk(&e);
+    assert_eq!((d.snapshot_hits, d.skipped), (2, 0), "{d:?}");
+    assert!(d.hits >= 6, "{d:?}");
+
+    // Two more conversations overflow the RAM store (2 x 2 + 2
+    // snapshots): the evicted ones go to disk, and the first prompt
+    // resumes from its snapshot there.
+    for k in 1..=2u32 {
+        let other: Vec<u32> = prompt.iter().map(|t| (t + 7 * k) % 256).collect();
+        let (cold, _) = go(&e, &other, want.len(), false);
+        assert_eq!(go(&e, &other, want.len(), true).0, cold);
+    }
+    let r = e.stats().recurrent.expect("recurrent stats");
+    assert!(r.snapshots_evicted >= 5, "{r:?}");
+    assert!(disk(&e).snapshots > 3, "evicted snapshots were saved");
+    let (again, usage) = go(&e, &prompt, want.len(), true);
+    assert_eq!((again, usage.cached_tokens), (want.clone(), 32));
+    assert_eq!(disk(&e).snapshot_hits, 3);
+    drop(e);
+
+    // Corrupt snapshot files: the one a lookup reads is skipped and
+    // deleted, the hit falls back to a shorter boundary with a snapshot
+    // (the prompt has none), the answer is the cold one.
+    let e = Engine::start(config()).expect("restart");
+    let files_before = disk(&e).snapshots;
+    for f in snapshot_files(&dir) {
+        let mut bytes = std::fs::read(&f).expect("read");
+        let at = bytes.len() - 3;
+        bytes[at] ^= 0x10;
+        std::fs::write(&f, bytes).expect("write");
+    }
+    let (answer, usage) = go(&e, &prompt, want.len(), true);
+    assert_eq!((answer, usage.cached_tokens), (want.clone(), 0));
+    let d = disk(&e);
+    assert_eq!((d.snapshot_hits, d.skipped), (0, 1), "{d:?}");
+    assert_eq!(d.snapshots, files_before - 1);
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&model);
+}

@@ -99,15 +99,6 @@ pub(crate) fn open(kv: &mut KvCache, tier: Option<&DiskTierConfig>) -> Result<()
     let Some(tier) = tier else {
         return Ok(());
     };
-    if kv.has_recurrent_layers() {
-        // A hit on such a model resumes only at a state snapshot, and
-        // snapshots live in RAM only.
-        tracing::warn!(
-            "the prompt cache's disk tier is off: this model's recurrent layers resume \
-             only from state snapshots, which are kept in RAM"
-        );
-        return Ok(());
-    }
     match kv.open_disk_tier(tier) {
         Ok(()) => {
             let s = kv.disk_stats().unwrap_or_default();

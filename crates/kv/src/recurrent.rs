@@ -126,6 +126,9 @@ impl SeqRecurrent {
     }
 }
 
+/// The owner of a snapshot read back from disk: no sequence.
+const NO_OWNER: u64 = u64::MAX;
+
 /// A snapshot: the state of every recurrent layer at a block boundary.
 #[derive(Debug, Clone)]
 pub(crate) struct Snapshot {
@@ -187,21 +190,54 @@ impl SnapshotStore {
     }
 
     /// Keeps `entry` (complete) of sequence `owner` under `hash`, evicting
-    /// the least recently used beyond capacity.
-    pub(crate) fn insert(&mut self, hash: BlockHash, entry: &StateEntry, owner: u64) {
-        if self.capacity == 0 {
-            return;
-        }
+    /// the least recently used beyond capacity; returns the evicted ones
+    /// (for the disk tier).
+    pub(crate) fn insert(
+        &mut self,
+        hash: BlockHash,
+        entry: &StateEntry,
+        owner: u64,
+    ) -> Vec<(BlockHash, Snapshot)> {
         let Some(layers) = entry.layers.iter().cloned().collect::<Option<Vec<_>>>() else {
-            return;
+            return Vec::new();
         };
+        self.insert_layers(hash, entry.at, layers, owner)
+    }
+
+    /// Keeps a snapshot read back from disk (no sequence owns it), as
+    /// [`SnapshotStore::insert`].
+    pub(crate) fn insert_loaded(
+        &mut self,
+        hash: BlockHash,
+        at: usize,
+        layers: Vec<Rc<Vec<Array>>>,
+    ) -> Vec<(BlockHash, Snapshot)> {
+        self.insert_layers(hash, at, layers, NO_OWNER)
+    }
+
+    /// Every snapshot kept, by hash.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&BlockHash, &Snapshot)> {
+        self.map.iter()
+    }
+
+    fn insert_layers(
+        &mut self,
+        hash: BlockHash,
+        at: usize,
+        layers: Vec<Rc<Vec<Array>>>,
+        owner: u64,
+    ) -> Vec<(BlockHash, Snapshot)> {
+        let mut evicted = Vec::new();
+        if self.capacity == 0 {
+            return evicted;
+        }
         self.clock += 1;
         let fresh = self
             .map
             .insert(
                 hash,
                 Snapshot {
-                    at: entry.at,
+                    at,
                     layers,
                     owner,
                     used: self.clock,
@@ -215,9 +251,12 @@ impl SnapshotStore {
             let Some(oldest) = self.map.iter().min_by_key(|(_, s)| s.used).map(|(h, _)| *h) else {
                 break;
             };
-            self.map.remove(&oldest);
+            if let Some(s) = self.map.remove(&oldest) {
+                evicted.push((oldest, s));
+            }
             self.evicted += 1;
         }
+        evicted
     }
 
     /// Drops the snapshot under `hash` if sequence `owner` took it.

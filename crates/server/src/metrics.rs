@@ -124,7 +124,8 @@ impl EngineMetrics {
             disk: IntGaugeVec::new(
                 Opts::new(
                     "mlxcel_prompt_cache_disk",
-                    "The prompt cache's disk tier: block files (what=\"blocks\"), their bytes \
+                    "The prompt cache's disk tier: block files (what=\"blocks\"), \
+                     recurrent-state snapshot files (what=\"snapshots\"), their bytes \
                      (what=\"bytes\"), the size bound (what=\"capacity_bytes\"), 1 while writes \
                      are on (what=\"writable\"); absent without --prompt-cache-dir",
                 ),
@@ -133,7 +134,8 @@ impl EngineMetrics {
             .expect("valid metric definition"),
             disk_events: counter_vec(
                 "mlxcel_prompt_cache_disk_events_total",
-                "The prompt cache's disk tier: blocks read back (hit), blocks written (write), \
+                "The prompt cache's disk tier: blocks read back (hit), recurrent-state \
+                 snapshots read back (snapshot_hit), files written (write), \
                  bytes written (write_bytes), files removed for the size bound (eviction), \
                  files skipped as corrupt, truncated, foreign or unreadable (skipped), \
                  failed writes (write_error)",
@@ -269,6 +271,7 @@ impl EngineMetrics {
         if let Some(d) = &s.disk {
             for (what, v) in [
                 ("blocks", d.blocks),
+                ("snapshots", d.snapshots),
                 ("bytes", d.bytes),
                 ("capacity_bytes", d.capacity_bytes),
                 ("writable", u64::from(d.writable)),
@@ -279,6 +282,7 @@ impl EngineMetrics {
             }
             for (event, v) in [
                 ("hit", d.hits),
+                ("snapshot_hit", d.snapshot_hits),
                 ("write", d.writes),
                 ("write_bytes", d.write_bytes),
                 ("eviction", d.evictions),

@@ -33,15 +33,20 @@ pub struct RecurrentStateStats {
 /// The prefix cache's disk tier (`--prompt-cache-dir`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DiskCacheStats {
-    /// Block files of this model and configuration on disk.
+    /// KV block files of this model and configuration on disk.
     pub blocks: u64,
-    /// Their size, in bytes.
+    /// Recurrent-state snapshot files of this model and configuration on
+    /// disk (hybrid models).
+    pub snapshots: u64,
+    /// The size of both kinds of files, in bytes.
     pub bytes: u64,
     /// The size bound (`--prompt-cache-disk-size`), in bytes.
     pub capacity_bytes: u64,
     /// Blocks read back from disk into the KV pool.
     pub hits: u64,
-    /// Blocks written, and their bytes.
+    /// Snapshots read back from disk.
+    pub snapshot_hits: u64,
+    /// Files written (blocks and snapshots), and their bytes.
     pub writes: u64,
     pub write_bytes: u64,
     /// Files removed to stay within the size bound.

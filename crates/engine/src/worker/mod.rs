@@ -361,6 +361,8 @@ impl<'m> Worker<'m> {
             bytes: d.bytes,
             capacity_bytes: d.capacity_bytes,
             hits: d.hits,
+            snapshots: d.snapshots,
+            snapshot_hits: d.snapshot_hits,
             writes: d.writes,
             write_bytes: d.write_bytes,
             evictions: d.evictions,

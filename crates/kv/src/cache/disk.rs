@@ -9,19 +9,27 @@
 //! block evicted by one allocation), a load reads and checks the files (on
 //! several threads, [`DiskStore::get_many`]) and writes them in (one
 //! scatter per layer for every block one lookup loads).
+//!
+//! A model with recurrent layers resumes only where a state snapshot is
+//! kept (crate::recurrent): snapshots evicted from the snapshot store, and
+//! every snapshot at a clean stop, are saved too, and a lookup that would
+//! end at a boundary whose snapshot is on disk only reads it back with the
+//! blocks.
 
 use std::path::PathBuf;
+use std::rc::Rc;
 
 use mlxcel_mlx::Array;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::{Group, KvCache};
-use crate::disk::format::{BlockMeta, FORMAT_VERSION};
+use crate::disk::format::{self, BlockMeta, StateArray, FORMAT_VERSION};
 use crate::disk::{DiskError, DiskStore, DiskTierStats};
 use crate::error::KvError;
 use crate::hash::{BlockHash, BLOCK_HASH_SEED};
 use crate::pool::BlockId;
 use crate::prefix::{extend_hashes, hold_from};
+use crate::recurrent::{RecurrentConfig, Snapshot};
 use crate::storage::KvLayout;
 use crate::StorageBackend;
 
@@ -51,9 +59,9 @@ impl KvCache {
     /// The tier key of this cache for a model of `fingerprint`: a hash of
     /// everything a block's K/V depend on besides its tokens (the model
     /// fingerprint, the prefix cache's key, dtype, block size, heads, head
-    /// dimension, each KV group's layers and window, the storage layout,
-    /// the file format version). Blocks are only ever served to a cache of
-    /// the same key.
+    /// dimension, each KV group's layers and window, the recurrent layers,
+    /// the storage layout, the file format version). Blocks and snapshots
+    /// are only ever served to a cache of the same key.
     pub fn disk_tier_key(&self, fingerprint: u64) -> u64 {
         let extra = self.prefix.as_ref().map_or(0, |(_, c)| c.extra_key);
         let l = self.config.layout;
@@ -68,6 +76,12 @@ impl KvCache {
              groups={groups:?}",
             l.dtype, l.kv_dtype, self.config.block_size, l.kv_heads, l.head_dim
         );
+        // (Absent for a model without recurrent layers: their keys, and
+        // files, stay those of earlier versions.)
+        let text = match &self.recurrent.layers[..] {
+            [] => text,
+            layers => format!("{text}|recurrent={layers:?}"),
+        };
         xxh3_64_with_seed(text.as_bytes(), BLOCK_HASH_SEED)
     }
 
@@ -112,11 +126,16 @@ impl KvCache {
         self.disk.as_mut().map_or((0, 0), |t| t.store.clear())
     }
 
-    /// Saves every cached block (held or not) that is not on disk yet: a
-    /// clean stop. Returns how many were written; failures are logged.
+    /// Saves every cached block (held or not) and every recurrent-state
+    /// snapshot that is not on disk yet: a clean stop. Returns how many
+    /// files were written; failures are logged.
     pub fn save_to_disk(&mut self) -> usize {
         let Some(tier) = &mut self.disk else { return 0 };
         let mut written = 0;
+        let bs = self.config.block_size;
+        for (&hash, snapshot) in self.snapshots.iter() {
+            written += usize::from(save_snapshot(tier, bs, hash, snapshot));
+        }
         for (g, group) in self.groups.iter().enumerate() {
             let todo: Vec<(BlockId, BlockHash)> = group
                 .pool
@@ -210,6 +229,115 @@ fn save_blocks(
                 .put(&meta_of(key, layout, g, group, hash), payload)
         })
         .count()
+}
+
+/// Saves `evicted` snapshots (those not on disk yet) when the tier is on.
+pub(super) fn save_snapshots(
+    disk: &mut Option<DiskTier>,
+    block_size: usize,
+    evicted: Vec<(BlockHash, Snapshot)>,
+) {
+    if let Some(tier) = disk {
+        for (hash, snapshot) in evicted {
+            save_snapshot(tier, block_size, hash, &snapshot);
+        }
+    }
+}
+
+/// Writes `snapshot` under `hash` unless it is on disk already; returns
+/// whether it was written.
+fn save_snapshot(
+    tier: &mut DiskTier,
+    block_size: usize,
+    hash: BlockHash,
+    snapshot: &Snapshot,
+) -> bool {
+    if !tier.store.writable() || tier.store.contains(hash, format::SNAPSHOT_GROUP) {
+        return false;
+    }
+    let arrays = snapshot
+        .layers
+        .iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|a| {
+                    Ok(StateArray {
+                        dtype: a.dtype(),
+                        shape: a.shape().iter().map(|&d| d as usize).collect(),
+                        bytes: a.to_bytes()?,
+                    })
+                })
+                .collect::<Result<Vec<_>, mlxcel_mlx::Error>>()
+        })
+        .collect::<Result<Vec<_>, _>>();
+    let arrays = match arrays {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading a recurrent-state snapshot back for the disk tier failed");
+            return false;
+        }
+    };
+    let meta = snapshot_meta(tier, block_size, hash, arrays.len());
+    tier.store.put(&meta, &format::encode_state(&arrays))
+}
+
+/// The snapshot under `hash` read back from disk, each array in its own
+/// dtype and shape; `None` when it is not there or unusable (a file that
+/// checks out but describes states other than `recurrent`'s is discarded
+/// as a corrupt one).
+fn read_snapshot(
+    tier: &mut DiskTier,
+    block_size: usize,
+    hash: BlockHash,
+    recurrent: &RecurrentConfig,
+) -> Option<Vec<Rc<Vec<Array>>>> {
+    let meta = snapshot_meta(tier, block_size, hash, recurrent.layers.len());
+    let payload = tier.store.get(&meta)?;
+    let rebuilt = format::decode_state(&payload, recurrent.layers.len())
+        .map_err(|e| e.to_string())
+        .and_then(|layers| {
+            // Every state's elements, counted as the float32 bound is.
+            let elements: usize = layers
+                .iter()
+                .flatten()
+                .map(|a| a.shape.iter().product::<usize>())
+                .sum();
+            if elements * 4 != recurrent.bytes_per_sequence {
+                return Err(format!(
+                    "{} bytes of float32 state, the model keeps {}",
+                    elements * 4,
+                    recurrent.bytes_per_sequence
+                ));
+            }
+            layers
+                .into_iter()
+                .map(|arrays| {
+                    arrays
+                        .iter()
+                        .map(|a| {
+                            let shape: Vec<i32> = a.shape.iter().map(|&d| d as i32).collect();
+                            Array::from_bytes(&a.bytes, &shape, a.dtype)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                        .map(Rc::new)
+                        .map_err(|e| e.to_string())
+                })
+                .collect()
+        });
+    match rebuilt {
+        Ok(layers) => Some(layers),
+        Err(why) => {
+            tier.store.discard(&meta, &why);
+            None
+        }
+    }
+}
+
+/// The header of the snapshot under `hash` of a model of `layers`
+/// recurrent layers.
+fn snapshot_meta(tier: &DiskTier, block_size: usize, hash: BlockHash, layers: usize) -> BlockMeta {
+    BlockMeta::snapshot(tier.store.key(), hash, block_size as u32, layers as u32)
 }
 
 /// The slots of `blocks`, in order, `block_size` each.
@@ -325,6 +453,34 @@ impl KvCache {
         }
         if n == 0 {
             return Ok(());
+        }
+        // With recurrent layers a hit ends at a block boundary strictly
+        // inside the prompt whose state snapshot is kept: the longest one
+        // within the run, its snapshot read back if RAM lacks it (a bad
+        // file, deleted, leaves the next shorter one).
+        if !self.recurrent.layers.is_empty() {
+            n = n.min((tokens.len() - 1) / bs);
+            loop {
+                let Some(m) = (1..=n).rev().find(|&m| {
+                    self.snapshots.contains(&hashes[m - 1])
+                        || tier.store.contains(hashes[m - 1], format::SNAPSHOT_GROUP)
+                }) else {
+                    return Ok(());
+                };
+                let hash = hashes[m - 1];
+                if self.snapshots.contains(&hash) {
+                    n = m;
+                    break;
+                }
+                if let Some(layers) = read_snapshot(tier, bs, hash, &self.recurrent) {
+                    for (h, s) in self.snapshots.insert_loaded(hash, m * bs, layers) {
+                        save_snapshot(tier, bs, h, &s);
+                    }
+                    n = m;
+                    break;
+                }
+                n = m - 1;
+            }
         }
         let cached = if n * bs >= tokens.len() {
             tokens.len() - 1

@@ -174,7 +174,8 @@ impl KvCache {
                     } else if let Some(old) = own.decode_snapshot.replace(hash) {
                         self.snapshots.remove_owned(&old, owner);
                     }
-                    self.snapshots.insert(hash, &entry, owner);
+                    let evicted = self.snapshots.insert(hash, &entry, owner);
+                    super::disk::save_snapshots(&mut self.disk, self.config.block_size, evicted);
                 }
             }
         }

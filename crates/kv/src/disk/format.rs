@@ -30,6 +30,15 @@
 //! Format 2 kept every float as float32 (twice the bytes of a float16
 //! pool); the format version is part of the tier key, so its files count
 //! as foreign and are never read nor deleted (remove them by hand).
+//!
+//! A *recurrent-state snapshot* file (crate::recurrent) has the same
+//! header with the group field [`SNAPSHOT_GROUP`], the layers field the
+//! model's recurrent layers, and zeros in the heads, head dimension,
+//! dtype, bits and group size fields. Its payload describes itself
+//! ([`encode_state`]): per recurrent layer, the number of its state
+//! arrays, then per array its MLX dtype code, rank and dimensions (`u32`
+//! each) and its bytes as MLX holds them, so a state comes back in its own
+//! dtype and shape, bit for bit.
 
 use mlxcel_mlx::Dtype;
 use xxhash_rust::xxh3::Xxh3;
@@ -41,6 +50,9 @@ pub const MAGIC: [u8; 8] = *b"MLXCKVB\0";
 
 /// The version of the layout above; a file of another version is skipped.
 pub const FORMAT_VERSION: u32 = 3;
+
+/// The group field of a recurrent-state snapshot's file.
+pub const SNAPSHOT_GROUP: u32 = u32::MAX;
 
 /// Bytes of the header, checksum included.
 pub const HEADER_BYTES: usize = 8 + 4 + 8 + 16 + 4 * 8 + 8 + 8;
@@ -75,6 +87,35 @@ pub struct BlockMeta {
 }
 
 impl BlockMeta {
+    /// The header of the recurrent-state snapshot under `hash` (the block
+    /// that ends where it was taken) of a model with `layers` recurrent
+    /// layers.
+    pub fn snapshot(key: u64, hash: BlockHash, block_size: u32, layers: u32) -> BlockMeta {
+        BlockMeta {
+            key,
+            hash,
+            group: SNAPSHOT_GROUP,
+            block_size,
+            layers,
+            kv_heads: 0,
+            head_dim: 0,
+            dtype: 0,
+            bits: 0,
+            group_size: 0,
+        }
+    }
+
+    /// Whether this describes a recurrent-state snapshot.
+    pub fn is_snapshot(&self) -> bool {
+        self.group == SNAPSHOT_GROUP
+    }
+
+    /// Bytes of the whole file when its size follows from the header: a
+    /// KV block's; `None` for a snapshot (its payload describes itself).
+    pub fn expected_file_bytes(&self) -> Option<u64> {
+        (!self.is_snapshot()).then(|| self.file_bytes())
+    }
+
     /// Bytes of one token's K (or V) in one head: `head_dim` floats, or the
     /// quantized words plus a scale and a bias per group. A dtype code MLX
     /// doesn't know counts 4 bytes (its files are foreign anyway).
@@ -90,7 +131,7 @@ impl BlockMeta {
         }
     }
 
-    /// Payload bytes of such a block: K and V of every layer.
+    /// Payload bytes of such a KV block: K and V of every layer.
     pub fn payload_bytes(&self) -> u64 {
         2 * u64::from(self.layers)
             * u64::from(self.block_size)
@@ -150,6 +191,102 @@ pub enum FormatError {
     /// The checksum does not match the bytes.
     #[error("block file checksum mismatch")]
     Checksum,
+    /// A snapshot payload that does not parse, or describes states other
+    /// than the model's.
+    #[error("recurrent-state snapshot file: {0}")]
+    BadState(String),
+}
+
+/// One state array of a snapshot: its MLX dtype, shape and bytes as MLX
+/// holds them (row-major).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateArray {
+    /// The MLX dtype.
+    pub dtype: Dtype,
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// `shape.product() × dtype.size_bytes()` bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// The payload of a snapshot file (see the module docs): per recurrent
+/// layer, its state arrays.
+pub fn encode_state(layers: &[Vec<StateArray>]) -> Vec<u8> {
+    let len: usize = layers
+        .iter()
+        .flatten()
+        .map(|a| 8 + 4 * a.shape.len() + a.bytes.len())
+        .sum();
+    let mut out = Vec::with_capacity(len + 4 * layers.len());
+    for arrays in layers {
+        out.extend_from_slice(&(arrays.len() as u32).to_le_bytes());
+        for a in arrays {
+            out.extend_from_slice(&(a.dtype as i32 as u32).to_le_bytes());
+            out.extend_from_slice(&(a.shape.len() as u32).to_le_bytes());
+            for &d in &a.shape {
+                out.extend_from_slice(&(d as u32).to_le_bytes());
+            }
+            out.extend_from_slice(&a.bytes);
+        }
+    }
+    out
+}
+
+/// The state arrays of `layers` recurrent layers in a snapshot payload,
+/// [`encode_state`]'s inverse.
+///
+/// # Errors
+/// [`FormatError::BadState`]: a payload that ends early, runs past its
+/// last layer, or names a dtype MLX doesn't have.
+pub fn decode_state(payload: &[u8], layers: usize) -> Result<Vec<Vec<StateArray>>, FormatError> {
+    let bad = |why: &str| FormatError::BadState(why.to_string());
+    let mut at = 0usize;
+    let word = |at: &mut usize| -> Result<u32, FormatError> {
+        let w = payload.get(*at..*at + 4).ok_or_else(|| bad("ends early"))?;
+        *at += 4;
+        Ok(u32_at(w, 0))
+    };
+    let mut out = Vec::with_capacity(layers);
+    for _ in 0..layers {
+        let n = word(&mut at)? as usize;
+        let mut arrays = Vec::with_capacity(n.min(16));
+        for _ in 0..n {
+            let dtype = i32::try_from(word(&mut at)?)
+                .ok()
+                .and_then(Dtype::from_code)
+                .ok_or_else(|| bad("an unknown dtype"))?;
+            let rank = word(&mut at)? as usize;
+            if rank > 8 {
+                return Err(bad("an array of rank over 8"));
+            }
+            let mut shape = Vec::with_capacity(rank);
+            for _ in 0..rank {
+                shape.push(word(&mut at)? as usize);
+            }
+            let len = shape
+                .iter()
+                .try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d))
+                .ok_or_else(|| bad("an array too large"))?;
+            let end = at
+                .checked_add(len)
+                .ok_or_else(|| bad("an array too large"))?;
+            let bytes = payload
+                .get(at..end)
+                .ok_or_else(|| bad("ends early"))?
+                .to_vec();
+            at = end;
+            arrays.push(StateArray {
+                dtype,
+                shape,
+                bytes,
+            });
+        }
+        out.push(arrays);
+    }
+    if at != payload.len() {
+        return Err(bad("bytes past its last layer"));
+    }
+    Ok(out)
 }
 
 fn checksum(header: &[u8], payload: &[u8]) -> u64 {
@@ -178,11 +315,11 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// A short file, another magic or version, a header describing another
 /// block, a checksum mismatch.
 pub fn decode<'a>(bytes: &'a [u8], want: &BlockMeta) -> Result<&'a [u8], FormatError> {
-    let expected = want.file_bytes();
-    if (bytes.len() as u64) < expected {
+    let least = want.expected_file_bytes().unwrap_or(HEADER_BYTES as u64);
+    if (bytes.len() as u64) < least {
         return Err(FormatError::Truncated {
             got: bytes.len() as u64,
-            want: expected,
+            want: least,
         });
     }
     if bytes[..8] != MAGIC || u32_at(bytes, 8) != FORMAT_VERSION {
@@ -202,9 +339,11 @@ pub fn decode<'a>(bytes: &'a [u8], want: &BlockMeta) -> Result<&'a [u8], FormatE
         bits: u32_at(bytes, 60),
         group_size: u32_at(bytes, 64),
     };
-    if got != *want || u64_at(bytes, 68) != want.payload_bytes() {
+    let payload = u64_at(bytes, 68);
+    if got != *want || (!want.is_snapshot() && payload != want.payload_bytes()) {
         return Err(FormatError::Foreign);
     }
+    let expected = (HEADER_BYTES as u64).saturating_add(payload);
     if bytes.len() as u64 != expected {
         return Err(FormatError::Truncated {
             got: bytes.len() as u64,
@@ -278,5 +417,63 @@ mod tests {
             decode(&file, &q8),
             Err(FormatError::Truncated { .. })
         ));
+    }
+
+    #[test]
+    fn snapshot_files_describe_their_states() {
+        let layers = vec![
+            vec![
+                StateArray {
+                    dtype: Dtype::Bfloat16,
+                    shape: vec![1, 3, 4],
+                    bytes: (0..24).collect(),
+                },
+                StateArray {
+                    dtype: Dtype::Float32,
+                    shape: vec![1, 2, 2, 2],
+                    bytes: (100..132).collect(),
+                },
+            ],
+            vec![StateArray {
+                dtype: Dtype::Float32,
+                shape: vec![2],
+                bytes: vec![7; 8],
+            }],
+        ];
+        let payload = encode_state(&layers);
+        assert_eq!(decode_state(&payload, 2).unwrap(), layers);
+        // One layer too many or too few, a cut payload, an unknown dtype.
+        assert!(decode_state(&payload, 3).is_err());
+        assert!(decode_state(&payload, 1).is_err());
+        assert!(decode_state(&payload[..payload.len() - 1], 2).is_err());
+        let mut bad = payload.clone();
+        bad[4] = 99;
+        assert!(matches!(
+            decode_state(&bad, 2),
+            Err(FormatError::BadState(_))
+        ));
+
+        // A snapshot file of any payload length; its header and checksum
+        // are checked as a block's.
+        let m = BlockMeta::snapshot(11, BlockHash(7), 8, 2);
+        assert!(m.is_snapshot() && m.expected_file_bytes().is_none());
+        let mut file = m.encode(&payload);
+        file.extend_from_slice(&payload);
+        assert_eq!(decode(&file, &m).unwrap(), &payload[..]);
+        assert!(matches!(
+            decode(&file[..file.len() - 1], &m),
+            Err(FormatError::Truncated { .. })
+        ));
+        let mut bad = file.clone();
+        bad[HEADER_BYTES + 9] ^= 1;
+        assert_eq!(decode(&bad, &m), Err(FormatError::Checksum));
+        // Another hash, another count of recurrent layers, a KV block.
+        for other in [
+            BlockMeta::snapshot(11, BlockHash(8), 8, 2),
+            BlockMeta::snapshot(11, BlockHash(7), 8, 3),
+            BlockMeta { group: 0, ..m },
+        ] {
+            assert!(decode(&file, &other).is_err(), "{other:?}");
+        }
     }
 }

@@ -2,7 +2,9 @@
 //! file each, under a directory shared across restarts (docs/architecture.md,
 //! "The disk tier").
 //!
-//! A file is named `<key>-<hash>-g<group>.kvb` (hex): the tier key hashes
+//! A file is named `<key>-<hash>-g<group>.kvb` (hex), a recurrent-state
+//! snapshot's `<key>-<hash>-state.kvb` (under the hash of the block that
+//! ends where it was taken; [`format::SNAPSHOT_GROUP`]): the tier key hashes
 //! everything that makes a block valid besides its content hash (model
 //! fingerprint, dtype, block size, the KV groups' layers and windows, the
 //! storage layout, the format version), so files of another model or
@@ -33,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use crate::hash::BlockHash;
-use format::BlockMeta;
+use format::{BlockMeta, SNAPSHOT_GROUP};
 
 /// The extension of block files.
 const EXT: &str = "kvb";
@@ -69,15 +71,19 @@ pub enum DiskError {
 /// and `/metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DiskTierStats {
-    /// Block files of this configuration on disk.
+    /// KV block files of this configuration on disk.
     pub blocks: u64,
-    /// Their size, in bytes.
+    /// Recurrent-state snapshot files of this configuration on disk.
+    pub snapshots: u64,
+    /// The size of both kinds of files, in bytes.
     pub bytes: u64,
     /// The size bound, in bytes.
     pub capacity_bytes: u64,
     /// Blocks read back from disk into the pool (served).
     pub hits: u64,
-    /// Blocks written.
+    /// Snapshots read back from disk (served).
+    pub snapshot_hits: u64,
+    /// Files written (blocks and snapshots).
     pub writes: u64,
     /// Bytes written.
     pub write_bytes: u64,
@@ -213,25 +219,42 @@ impl DiskStore {
             },
         ) {
             self.lru.remove(&old.tick);
-            self.stats.bytes -= old.bytes;
-            self.stats.blocks -= 1;
+            self.count(group, old.bytes, false);
         }
         self.lru.insert(self.tick, (hash, group));
-        self.stats.bytes += bytes;
-        self.stats.blocks += 1;
+        self.count(group, bytes, true);
+    }
+
+    /// Counts a file of `group` of `bytes` in (`add`) or out of the stats.
+    fn count(&mut self, group: u32, bytes: u64, add: bool) {
+        let files = if group == SNAPSHOT_GROUP {
+            &mut self.stats.snapshots
+        } else {
+            &mut self.stats.blocks
+        };
+        if add {
+            *files += 1;
+            self.stats.bytes += bytes;
+        } else {
+            *files -= 1;
+            self.stats.bytes -= bytes;
+        }
     }
 
     fn forget(&mut self, hash: BlockHash, group: u32) -> Option<u64> {
         let e = self.index.remove(&(hash, group))?;
         self.lru.remove(&e.tick);
-        self.stats.bytes -= e.bytes;
-        self.stats.blocks -= 1;
+        self.count(group, e.bytes, false);
         Some(e.bytes)
     }
 
     fn path(&self, hash: BlockHash, group: u32) -> PathBuf {
-        self.dir
-            .join(format!("{:016x}-{hash}-g{group}.{EXT}", self.key))
+        let key = self.key;
+        self.dir.join(if group == SNAPSHOT_GROUP {
+            format!("{key:016x}-{hash}-state.{EXT}")
+        } else {
+            format!("{key:016x}-{hash}-g{group}.{EXT}")
+        })
     }
 
     /// The tier key this store serves.
@@ -262,15 +285,15 @@ impl DiskStore {
             };
             let path = self.path(hash, group);
             if let Some(e) = self.index.remove(&(hash, group)) {
-                self.stats.bytes -= e.bytes;
-                self.stats.blocks -= 1;
+                self.count(group, e.bytes, false);
             }
             let _ = fs::remove_file(path);
             self.stats.evictions += 1;
         }
     }
 
-    /// Writes block `meta.hash` of group `meta.group` with `payload`
+    /// Writes block (or snapshot) `meta.hash` of group `meta.group` with
+    /// `payload`
     /// atomically (temporary file, `fsync`, rename), after removing least
     /// recently used files until it fits the bound; does nothing when the
     /// block is already on disk, writes are off, or the block alone is
@@ -281,7 +304,7 @@ impl DiskStore {
         if !self.stats.writable || self.contains(meta.hash, meta.group) {
             return false;
         }
-        let size = meta.file_bytes();
+        let size = (format::HEADER_BYTES + payload.len()) as u64;
         if size > self.max_bytes {
             return false;
         }
@@ -392,8 +415,13 @@ impl DiskStore {
             match result {
                 Ok(_) if !served => out.push(None),
                 Ok(payload) => {
-                    self.stats.hits += 1;
-                    self.insert(want.hash, want.group, want.file_bytes());
+                    if want.is_snapshot() {
+                        self.stats.snapshot_hits += 1;
+                    } else {
+                        self.stats.hits += 1;
+                    }
+                    let bytes = (format::HEADER_BYTES + payload.len()) as u64;
+                    self.insert(want.hash, want.group, bytes);
                     if let Ok(f) = File::options().write(true).open(&path) {
                         let _ = f.set_modified(SystemTime::now());
                     }
@@ -412,10 +440,25 @@ impl DiskStore {
         out
     }
 
-    /// Deletes every file of this key; returns (files, bytes) removed.
-    /// Other keys' files stay.
+    /// Skips the file of `meta` that [`DiskStore::get`] served but its
+    /// reader found unusable (`why`): counted as skipped, no longer a hit,
+    /// deleted.
+    pub fn discard(&mut self, meta: &BlockMeta, why: &str) {
+        tracing::warn!(hash = %meta.hash, group = meta.group, error = why, "skipping an unusable prompt cache file");
+        if meta.is_snapshot() {
+            self.stats.snapshot_hits = self.stats.snapshot_hits.saturating_sub(1);
+        } else {
+            self.stats.hits = self.stats.hits.saturating_sub(1);
+        }
+        self.stats.skipped += 1;
+        self.forget(meta.hash, meta.group);
+        let _ = fs::remove_file(self.path(meta.hash, meta.group));
+    }
+
+    /// Deletes every file of this key (blocks and snapshots); returns
+    /// (files, bytes) removed. Other keys' files stay.
     pub fn clear(&mut self) -> (u64, u64) {
-        let (blocks, bytes) = (self.stats.blocks, self.stats.bytes);
+        let (files, bytes) = (self.stats.blocks + self.stats.snapshots, self.stats.bytes);
         let keys: Vec<(BlockHash, u32)> = self.index.keys().copied().collect();
         for (hash, group) in keys {
             let _ = fs::remove_file(self.path(hash, group));
@@ -423,32 +466,37 @@ impl DiskStore {
         self.index.clear();
         self.lru.clear();
         self.stats.blocks = 0;
+        self.stats.snapshots = 0;
         self.stats.bytes = 0;
-        (blocks, bytes)
+        (files, bytes)
     }
 }
 
-/// `<hash>-g<group>` of a file name.
+/// `<hash>-g<group>` (or `<hash>-state`) of a file name.
 fn parse_name(rest: &str) -> Option<(BlockHash, u32)> {
-    let (hash, group) = rest.split_once("-g")?;
+    let (hash, group) = match rest.strip_suffix("-state") {
+        Some(hash) => (hash, SNAPSHOT_GROUP),
+        None => {
+            let (hash, group) = rest.split_once("-g")?;
+            (hash, group.parse().ok().filter(|&g| g != SNAPSHOT_GROUP)?)
+        }
+    };
     if hash.len() != 32 {
         return None;
     }
-    Some((
-        BlockHash(u128::from_str_radix(hash, 16).ok()?),
-        group.parse().ok()?,
-    ))
+    Some((BlockHash(u128::from_str_radix(hash, 16).ok()?), group))
 }
 
 /// The payload of the file at `path`, checked against `want`
 /// ([`format::decode`]); the reason it is unusable otherwise.
 fn read_checked(path: &Path, want: &BlockMeta) -> Result<Vec<u8>, String> {
-    // A file of another size is not read (a torn write, or garbage).
+    // A block file of another size is not read (a torn write, or
+    // garbage); a snapshot's size is in its header.
     let len = fs::metadata(path).map_err(|e| e.to_string())?.len();
-    if len != want.file_bytes() {
+    if let Some(size) = want.expected_file_bytes().filter(|&s| s != len) {
         return Err(format::FormatError::Truncated {
             got: len,
-            want: want.file_bytes(),
+            want: size,
         }
         .to_string());
     }

@@ -414,15 +414,19 @@ impl From<&mlxcel_engine_api::RecurrentStateStats> for RecurrentStateStats {
 /// `disk` of [`CacheStats`]: the prefix cache's disk tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 pub struct DiskCacheStats {
-    /// Block files of this model and configuration on disk.
+    /// KV block files of this model and configuration on disk.
     pub blocks: u64,
-    /// Their size, in bytes.
+    /// The size of block and snapshot files, in bytes.
     pub bytes: u64,
     /// The size bound (`--prompt-cache-disk-size`), in bytes.
     pub capacity_bytes: u64,
     /// Blocks read back from disk into the KV pool.
     pub hits: u64,
-    /// Blocks written to disk.
+    /// Recurrent-state snapshot files on disk (hybrid models).
+    pub snapshots: u64,
+    /// Snapshots read back from disk.
+    pub snapshot_hits: u64,
+    /// Files written to disk (blocks and snapshots).
     pub writes: u64,
     /// Bytes written to disk.
     pub write_bytes: u64,
@@ -447,6 +451,8 @@ impl From<&mlxcel_engine_api::DiskCacheStats> for DiskCacheStats {
             bytes: d.bytes,
             capacity_bytes: d.capacity_bytes,
             hits: d.hits,
+            snapshots: d.snapshots,
+            snapshot_hits: d.snapshot_hits,
             writes: d.writes,
             write_bytes: d.write_bytes,
             evictions: d.evictions,

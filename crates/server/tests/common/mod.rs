@@ -306,6 +306,8 @@ impl InferenceService for FakeService {
                 bytes: 5 * 1100,
                 capacity_bytes: 1 << 20,
                 hits: 4,
+                snapshots: 0,
+                snapshot_hits: 0,
                 writes: 6,
                 write_bytes: 6 * 1100,
                 evictions: 1,
