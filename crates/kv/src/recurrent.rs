@@ -156,7 +156,8 @@ pub(crate) struct SnapshotStore {
     map: HashMap<BlockHash, Snapshot>,
     capacity: usize,
     clock: u64,
-    /// Snapshots taken, and evicted for room.
+    /// Snapshots taken (by sequences; not those read back from disk),
+    /// and evicted for room.
     pub(crate) taken: u64,
     pub(crate) evicted: u64,
 }
@@ -244,7 +245,7 @@ impl SnapshotStore {
                 },
             )
             .is_none();
-        if fresh {
+        if fresh && owner != NO_OWNER {
             self.taken += 1;
         }
         while self.map.len() > self.capacity {

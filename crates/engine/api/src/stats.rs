@@ -8,7 +8,8 @@ pub struct CacheReset {
     pub blocks_freed: usize,
     /// Their K/V size in bytes.
     pub bytes_freed: usize,
-    /// Block files deleted from the disk tier (0 when it is off or kept).
+    /// Files deleted from the disk tier, blocks and recurrent-state
+    /// snapshots (0 when it is off or kept).
     pub disk_blocks_freed: u64,
     /// Their size in bytes.
     pub disk_bytes_freed: u64,

@@ -272,7 +272,7 @@ impl<'m> Worker<'m> {
             let started = Instant::now();
             let saved = self.kv.save_to_disk();
             tracing::info!(
-                blocks = saved,
+                files = saved,
                 seconds = started.elapsed().as_secs_f64(),
                 "prompt cache saved to disk"
             );

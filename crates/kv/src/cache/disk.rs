@@ -42,7 +42,8 @@ const SAVE_BATCH: usize = 64;
 pub struct DiskTierConfig {
     /// The directory (created if missing).
     pub dir: PathBuf,
-    /// Most bytes of block files kept there for this configuration.
+    /// Most bytes of files (blocks and snapshots) kept there for this
+    /// configuration.
     pub max_bytes: u64,
     /// Identity of the model's files (its config and weights), so blocks
     /// of a changed checkpoint at the same path are never served.
@@ -132,10 +133,6 @@ impl KvCache {
     pub fn save_to_disk(&mut self) -> usize {
         let Some(tier) = &mut self.disk else { return 0 };
         let mut written = 0;
-        let bs = self.config.block_size;
-        for (&hash, snapshot) in self.snapshots.iter() {
-            written += usize::from(save_snapshot(tier, bs, hash, snapshot));
-        }
         for (g, group) in self.groups.iter().enumerate() {
             let todo: Vec<(BlockId, BlockHash)> = group
                 .pool
@@ -146,6 +143,12 @@ impl KvCache {
             for batch in todo.chunks(SAVE_BATCH) {
                 written += save_blocks(tier, &self.config.layout, g, group, batch);
             }
+        }
+        // Snapshots last: the newest files, so the size bound removes them
+        // after the blocks they need.
+        let bs = self.config.block_size;
+        for (&hash, snapshot) in self.snapshots.iter() {
+            written += usize::from(save_snapshot(tier, bs, hash, snapshot));
         }
         written
     }
@@ -283,9 +286,9 @@ fn save_snapshot(
 }
 
 /// The snapshot under `hash` read back from disk, each array in its own
-/// dtype and shape; `None` when it is not there or unusable (a file that
+/// dtype and shape; `None` when it is not there or unusable. A file that
 /// checks out but describes states other than `recurrent`'s is discarded
-/// as a corrupt one).
+/// as a corrupt one; an MLX failure making the arrays leaves the file.
 fn read_snapshot(
     tier: &mut DiskTier,
     block_size: usize,
@@ -294,7 +297,7 @@ fn read_snapshot(
 ) -> Option<Vec<Rc<Vec<Array>>>> {
     let meta = snapshot_meta(tier, block_size, hash, recurrent.layers.len());
     let payload = tier.store.get(&meta)?;
-    let rebuilt = format::decode_state(&payload, recurrent.layers.len())
+    let layers = format::decode_state(&payload, recurrent.layers.len())
         .map_err(|e| e.to_string())
         .and_then(|layers| {
             // Every state's elements, counted as the float32 bound is.
@@ -303,32 +306,40 @@ fn read_snapshot(
                 .flatten()
                 .map(|a| a.shape.iter().product::<usize>())
                 .sum();
-            if elements * 4 != recurrent.bytes_per_sequence {
-                return Err(format!(
-                    "{} bytes of float32 state, the model keeps {}",
-                    elements * 4,
+            if elements.checked_mul(4) == Some(recurrent.bytes_per_sequence) {
+                Ok(layers)
+            } else {
+                Err(format!(
+                    "{elements} state elements, the model keeps {} bytes of float32 state",
                     recurrent.bytes_per_sequence
-                ));
+                ))
             }
-            layers
-                .into_iter()
-                .map(|arrays| {
-                    arrays
-                        .iter()
-                        .map(|a| {
-                            let shape: Vec<i32> = a.shape.iter().map(|&d| d as i32).collect();
-                            Array::from_bytes(&a.bytes, &shape, a.dtype)
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                        .map(Rc::new)
-                        .map_err(|e| e.to_string())
-                })
-                .collect()
         });
-    match rebuilt {
-        Ok(layers) => Some(layers),
+    let layers = match layers {
+        Ok(layers) => layers,
         Err(why) => {
             tier.store.discard(&meta, &why);
+            return None;
+        }
+    };
+    let rebuilt = layers
+        .into_iter()
+        .map(|arrays| {
+            arrays
+                .iter()
+                .map(|a| {
+                    // decode_state keeps every dimension within i32.
+                    let shape: Vec<i32> = a.shape.iter().map(|&d| d as i32).collect();
+                    Array::from_bytes(&a.bytes, &shape, a.dtype)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Rc::new)
+        })
+        .collect::<Result<Vec<_>, _>>();
+    match rebuilt {
+        Ok(layers) => Some(layers),
+        Err(e) => {
+            tracing::warn!(error = %e, "making a recurrent-state snapshot read from disk failed");
             None
         }
     }

@@ -237,7 +237,8 @@ pub fn encode_state(layers: &[Vec<StateArray>]) -> Vec<u8> {
 ///
 /// # Errors
 /// [`FormatError::BadState`]: a payload that ends early, runs past its
-/// last layer, or names a dtype MLX doesn't have.
+/// last layer, names a dtype MLX doesn't have, or a dimension over
+/// `i32::MAX` (MLX's shapes are `i32`).
 pub fn decode_state(payload: &[u8], layers: usize) -> Result<Vec<Vec<StateArray>>, FormatError> {
     let bad = |why: &str| FormatError::BadState(why.to_string());
     let mut at = 0usize;
@@ -261,7 +262,11 @@ pub fn decode_state(payload: &[u8], layers: usize) -> Result<Vec<Vec<StateArray>
             }
             let mut shape = Vec::with_capacity(rank);
             for _ in 0..rank {
-                shape.push(word(&mut at)? as usize);
+                let d = word(&mut at)?;
+                if i32::try_from(d).is_err() {
+                    return Err(bad("a dimension over i32"));
+                }
+                shape.push(d as usize);
             }
             let len = shape
                 .iter()
@@ -448,6 +453,13 @@ mod tests {
         assert!(decode_state(&payload[..payload.len() - 1], 2).is_err());
         let mut bad = payload.clone();
         bad[4] = 99;
+        assert!(matches!(
+            decode_state(&bad, 2),
+            Err(FormatError::BadState(_))
+        ));
+        // A dimension over i32 (the first array's second one).
+        let mut bad = payload.clone();
+        bad[16..20].copy_from_slice(&0x8000_0000u32.to_le_bytes());
         assert!(matches!(
             decode_state(&bad, 2),
             Err(FormatError::BadState(_))

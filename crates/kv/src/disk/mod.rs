@@ -7,7 +7,7 @@
 //! ends where it was taken; [`format::SNAPSHOT_GROUP`]): the tier key hashes
 //! everything that makes a block valid besides its content hash (model
 //! fingerprint, dtype, block size, the KV groups' layers and windows, the
-//! storage layout, the format version), so files of another model or
+//! recurrent layers, the storage layout, the format version), so files of another model or
 //! configuration in the same directory are never looked up (counted as
 //! foreign at start). Each file carries a header with the same fields and a
 //! checksum ([`format`]): a corrupt, truncated, foreign or unreadable file

@@ -98,6 +98,35 @@ fn corrupt_truncated_and_renamed_files_are_skipped_and_counted() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A file its reader finds unusable after the store served it (a
+/// snapshot that checks out but describes other states): no longer a
+/// hit, counted as skipped, deleted.
+#[test]
+fn a_discarded_file_is_skipped_and_deleted() {
+    let dir = temp_dir("discard");
+    let mut store = DiskStore::open(&dir, 1, 1 << 20).unwrap();
+    let snap = BlockMeta::snapshot(1, BlockHash(5), 4, 2);
+    assert!(store.put(&snap, &[1, 2, 3]));
+    let s = store.stats();
+    assert_eq!((s.snapshots, s.blocks), (1, 0));
+    assert!(store.path(snap.hash, snap.group).ends_with(format!(
+        "{:016x}-{}-state.kvb",
+        1,
+        BlockHash(5)
+    )));
+    assert_eq!(store.get(&snap).unwrap(), vec![1, 2, 3]);
+    assert_eq!(store.stats().snapshot_hits, 1);
+    store.discard(&snap, "describes other states");
+    let s = store.stats();
+    assert_eq!(
+        (s.snapshot_hits, s.skipped, s.snapshots, s.bytes),
+        (0, 1, 0, 0)
+    );
+    assert!(!store.path(snap.hash, snap.group).exists());
+    drop(store);
+    let _ = fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_second_store_on_one_directory_is_refused() {
     let dir = temp_dir("lock");
