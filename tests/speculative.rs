@@ -283,12 +283,10 @@ fn collect_with_logprobs(
 #[test]
 fn sampled_replies_are_identical_with_prompt_lookup() {
     let requests = mixed_requests();
-    let off = engine(false, 4, StorageBackend::Paged);
-    let want = replies_of(&off, &requests);
-    drop(off);
+    let want = replies_without_speculation();
     let on = engine(true, 4, StorageBackend::Paged);
     for round in ["cold", "warm"] {
-        assert_same_replies(&replies_of(&on, &requests), &want, round);
+        assert_same_replies(&replies_of(&on, &requests), want, round);
     }
     assert!(want[8].1.iter().all(Option::is_some), "logprobs came back");
     let stats = settled(&on);
@@ -335,6 +333,18 @@ fn mixed_requests() -> Vec<mlxcel_engine::api::GenerationRequest> {
 
 type Reply = (Vec<u32>, Vec<Option<f32>>);
 
+/// The replies of [`mixed_requests`] without speculation (paged, `--parallel
+/// 4`, all submitted at once), computed once for the tests that hold
+/// speculation to them (a request's reply does not depend on what runs
+/// beside it: tests/batching.rs).
+fn replies_without_speculation() -> &'static [Reply] {
+    static WANT: std::sync::OnceLock<Vec<Reply>> = std::sync::OnceLock::new();
+    WANT.get_or_init(|| {
+        let off = engine(false, 4, StorageBackend::Paged);
+        replies_of(&off, &mixed_requests())
+    })
+}
+
 /// Submits every request at once; the replies in request order.
 fn replies_of(e: &Engine, requests: &[mlxcel_engine::api::GenerationRequest]) -> Vec<Reply> {
     let streams: Vec<_> = requests
@@ -371,15 +381,15 @@ fn assert_same_replies(got: &[Reply], want: &[Reply], round: &str) {
 #[test]
 fn draft_model_replies_are_identical() {
     // Three sampled requests, the greedy one with logprobs, the grammar.
-    let requests: Vec<_> = mixed_requests()
-        .into_iter()
-        .enumerate()
-        .filter(|(i, _)| [0, 1, 2, 8, 9].contains(i))
-        .map(|(_, r)| r)
+    let picked = [0, 1, 2, 8, 9];
+    let requests: Vec<_> = picked
+        .iter()
+        .map(|&i| mixed_requests()[i].clone())
         .collect();
-    let off = engine(false, 4, StorageBackend::Paged);
-    let want = replies_of(&off, &requests);
-    drop(off);
+    let want: Vec<Reply> = picked
+        .iter()
+        .map(|&i| replies_without_speculation()[i].clone())
+        .collect();
     let tiny = common::tiny_model_dir("llama_chat", "draft");
     let start = |draft: std::path::PathBuf| {
         let mut c = EngineConfig::new(model_dir());
