@@ -257,11 +257,29 @@ fn greedy_answers_are_the_same_cold_warm_opted_out_and_disabled() {
         r.cache_prompt = cache;
         collect_tokens(e.submit(r).expect("submit")).expect("run")
     };
+    // Runs that read no cache are batched (a reply doesn't depend on what
+    // runs beside it: tests/batching.rs).
+    let all = |e: &Engine, cache: bool| {
+        let streams: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut r = greedy_request(p.clone(), 24);
+                r.cache_prompt = cache;
+                e.submit(r).expect("submit")
+            })
+            .collect();
+        streams
+            .into_iter()
+            .map(|s| collect_tokens(s).expect("run"))
+            .collect::<Vec<_>>()
+    };
     let off = engine(false);
     assert!(!off.stats().prefix_cache_enabled);
-    for (p, &n) in prompts.iter().zip(LENGTHS) {
-        let (disabled, _) = run(&off, p, true);
-        let (opted_out, u0) = run(&on, p, false);
+    let disabled_all = all(&off, true);
+    let opted_out_all = all(&on, false);
+    for (i, (p, &n)) in prompts.iter().zip(LENGTHS).enumerate() {
+        let (disabled, _) = disabled_all[i].clone();
+        let (opted_out, u0) = opted_out_all[i].clone();
         let (cold, u1) = run(&on, p, true);
         let (warm, u2) = run(&on, p, true);
         assert_eq!(u0.cached_tokens, 0, "{n}: cache_prompt false reads nothing");
