@@ -31,8 +31,16 @@ fn layout(kv_dtype: KvCacheDtype) -> KvLayout {
 }
 
 fn cache(kv_dtype: KvCacheDtype, prefix: bool) -> KvCache {
+    cache_in(Dtype::Float32, kv_dtype, prefix)
+}
+
+/// [`cache`] for a model computing in `dtype`.
+fn cache_in(dtype: Dtype, kv_dtype: KvCacheDtype, prefix: bool) -> KvCache {
     KvCache::new(KvCacheConfig {
-        layout: layout(kv_dtype),
+        layout: KvLayout {
+            dtype,
+            ..layout(kv_dtype)
+        },
         block_size: BLOCK,
         num_blocks: 16,
         backend: StorageBackend::Paged,
@@ -74,8 +82,10 @@ fn expected(kv_dtype: KvCacheDtype, values: &[f32]) -> Vec<f32> {
 }
 
 /// Writes `keys` (and `values` = keys negated) of layer `l` = keys + l for
-/// every layer as one step of `seq`.
+/// every layer as one step of `seq`, in the cache's compute dtype.
 fn write(cache: &mut KvCache, seq: &KvSequence, keys: &[f32]) {
+    let dtype = cache.config().layout.dtype;
+    let cast = |a: Array| a.astype(dtype).expect("cast");
     let n = keys.len() / (HEADS * HEAD_DIM);
     let r = cache
         .reserve_step(&[RowReserve {
@@ -89,7 +99,8 @@ fn write(cache: &mut KvCache, seq: &KvSequence, keys: &[f32]) {
         for l in 0..LAYERS {
             let k: Vec<f32> = keys.iter().map(|x| x + l as f32 * 0.25).collect();
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
-            step.write(l, &array(&k), &array(&v)).expect("write");
+            step.write(l, &cast(array(&k)), &cast(array(&v)))
+                .expect("write");
         }
         let storage: Vec<&Array> = step.storage();
         mlxcel_mlx::eval(&storage).expect("eval");
@@ -117,6 +128,7 @@ fn read_with_next(cache: &mut KvCache, seq: &KvSequence, next: &[f32], l: usize)
 /// A read `[1, heads, tokens, dim]` as `[tokens, heads, dim]` flat.
 fn flat(a: &Array) -> Vec<f32> {
     a.transpose(&[0, 2, 1, 3])
+        .and_then(|a| a.astype(Dtype::Float32))
         .and_then(|a| a.to_vec_f32())
         .expect("values")
 }
@@ -313,21 +325,23 @@ fn stored_blocks_survive_the_disk_tier_byte_for_byte_and_only_for_their_dtype() 
         out
     };
     // Payload bytes of one token's K (or V) in one head, as the pool keeps
-    // it: 8 or 4 bits a feature plus a float32 scale and bias per 64; 2
-    // bytes a feature for the float casts.
-    let per_head = |kv_dtype: KvCacheDtype| match kv_dtype.bits() {
-        Some(bits) => HEAD_DIM * bits / 8 + 2 * 4,
+    // it: 8 or 4 bits a feature plus a scale and bias per 64 in the compute
+    // dtype (4 bytes for float32, 2 for bfloat16); 2 bytes a feature for
+    // the float casts.
+    let per_head = |dtype: Dtype, kv_dtype: KvCacheDtype| match kv_dtype.bits() {
+        Some(bits) => HEAD_DIM * bits / 8 + 2 * dtype.size_bytes(),
         None => HEAD_DIM * 2,
     };
-    for kv_dtype in [
-        KvCacheDtype::Int8,
-        KvCacheDtype::Int4,
-        KvCacheDtype::Float16,
-        KvCacheDtype::Bfloat16,
+    for (dtype, kv_dtype) in [
+        (Dtype::Float32, KvCacheDtype::Int8),
+        (Dtype::Float32, KvCacheDtype::Int4),
+        (Dtype::Float32, KvCacheDtype::Float16),
+        (Dtype::Float32, KvCacheDtype::Bfloat16),
+        (Dtype::Bfloat16, KvCacheDtype::Int8),
     ] {
         let before = files(&dir);
         // Compute 8 tokens (two full blocks), donate, save at a clean stop.
-        let mut first = cache(kv_dtype, true);
+        let mut first = cache_in(dtype, kv_dtype, true);
         first.open_disk_tier(&tier).expect("tier");
         let (seq, cached) = first.new_sequence_for_prompt(&tokens).expect("lookup");
         assert_eq!(cached, 0);
@@ -343,7 +357,7 @@ fn stored_blocks_survive_the_disk_tier_byte_for_byte_and_only_for_their_dtype() 
             .filter(|f| !before.contains(f))
             .collect();
         assert_eq!(new.len(), 2, "{kv_dtype}: two new files");
-        let payload = 2 * LAYERS * BLOCK * HEADS * per_head(kv_dtype);
+        let payload = 2 * LAYERS * BLOCK * HEADS * per_head(dtype, kv_dtype);
         for (path, len) in &new {
             assert_eq!(
                 *len as usize,
@@ -353,7 +367,7 @@ fn stored_blocks_survive_the_disk_tier_byte_for_byte_and_only_for_their_dtype() 
             );
         }
         // A new cache of the same dtype starts warm from the files.
-        let mut second = cache(kv_dtype, true);
+        let mut second = cache_in(dtype, kv_dtype, true);
         second.open_disk_tier(&tier).expect("tier");
         let (seq, cached) = second.new_sequence_for_prompt(&tokens).expect("lookup");
         assert_eq!(cached, 8, "{kv_dtype}: hit from disk");

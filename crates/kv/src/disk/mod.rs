@@ -368,7 +368,8 @@ impl DiskStore {
     /// refreshed in order. The run ends at the first block missing or
     /// unusable: later entries are `None` and not counted as hits (a
     /// prefix can't use them); unusable files among them are still
-    /// skipped and deleted.
+    /// skipped and deleted. The run is refreshed last block first, so its
+    /// first block is the most recently used.
     pub fn get_many(&mut self, wants: &[BlockMeta]) -> Vec<Option<Vec<u8>>> {
         let paths: Vec<Option<PathBuf>> = wants
             .iter()
@@ -406,6 +407,7 @@ impl DiskStore {
         // served (or counted, or refreshed); bad files there are still
         // skipped and deleted.
         let mut served = true;
+        let mut refresh = Vec::new();
         for ((want, path), result) in wants.iter().zip(paths).zip(checked) {
             let (Some(path), Some(result)) = (path, result) else {
                 served = false;
@@ -421,10 +423,7 @@ impl DiskStore {
                         self.stats.hits += 1;
                     }
                     let bytes = (format::HEADER_BYTES + payload.len()) as u64;
-                    self.insert(want.hash, want.group, bytes);
-                    if let Ok(f) = File::options().write(true).open(&path) {
-                        let _ = f.set_modified(SystemTime::now());
-                    }
+                    refresh.push((want.hash, want.group, bytes, path));
                     out.push(Some(payload));
                 }
                 Err(why) => {
@@ -435,6 +434,15 @@ impl DiskStore {
                     let _ = fs::remove_file(&path);
                     out.push(None);
                 }
+            }
+        }
+        // Most recently used last first: the run's first block becomes the
+        // newest, so the size bound removes a prefix from its end (a run
+        // missing its first block serves nothing).
+        for (hash, group, bytes, path) in refresh.into_iter().rev() {
+            self.insert(hash, group, bytes);
+            if let Ok(f) = File::options().write(true).open(&path) {
+                let _ = f.set_modified(SystemTime::now());
             }
         }
         out

@@ -64,6 +64,33 @@ fn blocks_survive_a_reopen_and_lru_keeps_the_bound() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A run read back is refreshed from its end: the size bound then
+/// removes its last block first, also after a restart (modification
+/// times), never the first one its prefix needs.
+#[test]
+fn a_run_read_back_loses_its_last_block_first() {
+    let dir = temp_dir("run-lru");
+    let (a, b, c, d, e) = (meta(1, 1), meta(1, 2), meta(1, 3), meta(1, 4), meta(1, 5));
+    let size = a.file_bytes();
+    let mut store = DiskStore::open(&dir, 1, 3 * size).unwrap();
+    for m in [&a, &b, &c] {
+        assert!(store.put(m, &payload(m, 0)));
+    }
+    assert!(store.get_many(&[a, b, c]).iter().all(Option::is_some));
+    // A write's modification time comes from the kernel's coarse clock
+    // (milliseconds behind the exact times a read sets).
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(store.put(&d, &payload(&d, 0)));
+    assert!(store.contains(a.hash, 0) && !store.contains(c.hash, 0));
+    drop(store);
+    let mut store = DiskStore::open(&dir, 1, 3 * size).unwrap();
+    assert!(store.put(&e, &payload(&e, 0)));
+    assert!(!store.contains(b.hash, 0), "b was the oldest left");
+    assert!(store.contains(a.hash, 0) && store.contains(d.hash, 0));
+    drop(store);
+    let _ = fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn corrupt_truncated_and_renamed_files_are_skipped_and_counted() {
     let dir = temp_dir("corrupt");
