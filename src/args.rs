@@ -109,8 +109,8 @@ pub struct ModelArgs {
     /// head (32 when the head size is not a multiple of 64) with a scale
     /// and a bias each: `int8` (~1.9x the tokens of float16 in the same
     /// budget), `int4` (~3.5x). Quantized blocks need paged storage.
-    #[arg(long, value_enum, default_value_t = KvDtypeArg::Auto)]
-    pub kv_cache_dtype: KvDtypeArg,
+    #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
+    pub kv_cache_dtype: mlxcel_engine::KvCacheDtype,
     /// Where K/V live: one paged pool of blocks, or contiguous buffers per
     /// sequence (`auto`: paged when `--parallel` > 1 or the KV cache is
     /// quantized).
@@ -272,29 +272,10 @@ pub enum BackendArg {
     Paged,
 }
 
-/// `--kv-cache-dtype`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum KvDtypeArg {
-    Auto,
-    Float16,
-    Bfloat16,
-    Float32,
-    Int8,
-    Int4,
-}
-
-impl From<KvDtypeArg> for mlxcel_engine::KvCacheDtype {
-    fn from(a: KvDtypeArg) -> Self {
-        use mlxcel_engine::KvCacheDtype as D;
-        match a {
-            KvDtypeArg::Auto => D::Auto,
-            KvDtypeArg::Float16 => D::Float16,
-            KvDtypeArg::Bfloat16 => D::Bfloat16,
-            KvDtypeArg::Float32 => D::Float32,
-            KvDtypeArg::Int8 => D::Int8,
-            KvDtypeArg::Int4 => D::Int4,
-        }
-    }
+/// `--kv-cache-dtype`: one of [`mlxcel_engine::KvCacheDtype::ALL`]'s
+/// names (or an alias its `FromStr` takes).
+fn parse_kv_cache_dtype(s: &str) -> Result<mlxcel_engine::KvCacheDtype, String> {
+    s.parse()
 }
 
 /// `--attention-path`.
@@ -419,7 +400,7 @@ impl ModelArgs {
         c.parallel = self.parallel as usize;
         c.kv_block_size = self.kv_block_size as usize;
         c.kv_cache_budget = self.kv_cache_budget.value();
-        c.kv_cache_dtype = self.kv_cache_dtype.into();
+        c.kv_cache_dtype = self.kv_cache_dtype;
         c.storage_backend = match self.decode_storage_backend {
             BackendArg::Auto => None,
             BackendArg::Dense => Some(StorageBackend::Dense),
