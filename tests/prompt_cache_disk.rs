@@ -123,27 +123,36 @@ fn a_restart_starts_warm_from_disk_and_answers_like_a_cold_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The tiny checkpoint `name` of scripts/make_tiny_models.py, its golden
+/// prompt and mlx_lm's greedy tokens for it.
+fn tiny_model(name: &str) -> (PathBuf, Vec<u32>, Vec<u32>) {
+    let model = common::tiny_model_dir(name, "disk");
+    let golden = common::parity::read_golden(&model, "make_tiny_models.py");
+    let prompt = common::parity::ids(&golden, "prompt");
+    let want = common::parity::ids(&golden, "greedy");
+    (model, prompt, want)
+}
+
+/// An engine on a tiny checkpoint with the disk tier in `dir`: 8-token
+/// blocks, 16-token prefill chunks.
+fn tiny_config(model: &Path, dir: &Path) -> EngineConfig {
+    let mut c = EngineConfig::new(model.to_path_buf());
+    c.parallel = 2;
+    c.kv_cache_budget = Some(8 << 20);
+    c.kv_block_size = 8;
+    c.prefill_chunk_size = 16;
+    c.check_invariants = true;
+    c.prompt_cache_dir = Some(dir.to_path_buf());
+    c
+}
+
 /// KV groups: tiny Gemma 3's window group and full group both come back
 /// from disk, and the answer is mlx_lm's.
 #[test]
 fn kv_groups_come_back_from_disk_with_the_cold_answer() {
-    let model = common::tiny_gemma3_dir("disk");
-    let golden = common::parity::read_golden(&model, "make_tiny_models.py");
-    let (prompt, want) = (
-        common::parity::ids(&golden, "prompt"),
-        common::parity::ids(&golden, "greedy"),
-    );
+    let (model, prompt, want) = tiny_model("gemma3");
     let dir = cache_dir("groups");
-    let config = || {
-        let mut c = EngineConfig::new(model.clone());
-        c.parallel = 2;
-        c.kv_cache_budget = Some(8 << 20);
-        c.kv_block_size = 8;
-        c.prefill_chunk_size = 16;
-        c.check_invariants = true;
-        c.prompt_cache_dir = Some(dir.clone());
-        c
-    };
+    let config = || tiny_config(&model, &dir);
     let go = |e: &Engine| {
         let mut r = greedy_request(Prompt::Tokens(prompt.clone()), want.len());
         r.ignore_eos = true;
@@ -235,23 +244,9 @@ fn snapshot_files(dir: &Path) -> Vec<PathBuf> {
 /// Every answer is the cold one (mlx_lm's for the golden prompt).
 #[test]
 fn recurrent_state_snapshots_come_back_from_disk_with_the_cold_answer() {
-    let model = common::tiny_model_dir("qwen3_5", "disk");
-    let golden = common::parity::read_golden(&model, "make_tiny_models.py");
-    let (prompt, want) = (
-        common::parity::ids(&golden, "prompt"),
-        common::parity::ids(&golden, "greedy"),
-    );
+    let (model, prompt, want) = tiny_model("qwen3_5");
     let dir = cache_dir("recurrent");
-    let config = || {
-        let mut c = EngineConfig::new(model.clone());
-        c.parallel = 2;
-        c.kv_cache_budget = Some(8 << 20);
-        c.kv_block_size = 8;
-        c.prefill_chunk_size = 16;
-        c.check_invariants = true;
-        c.prompt_cache_dir = Some(dir.clone());
-        c
-    };
+    let config = || tiny_config(&model, &dir);
     let go = |e: &Engine, prompt: &[u32], n: usize, cache: bool| {
         let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), n);
         r.ignore_eos = true;
@@ -290,9 +285,7 @@ fn recurrent_state_snapshots_come_back_from_disk_with_the_cold_answer() {
                 std::fs::write(&to, bytes).expect("write");
             }
         }
-        let mut c = config();
-        c.prompt_cache_dir = Some(copy.clone());
-        let e = Engine::start(c).expect("engine on the copy");
+        let e = Engine::start(tiny_config(&model, &copy)).expect("engine on the copy");
         let (answer, usage) = go(&e, &turn2, 8, true);
         assert_eq!(answer, cold2, "copy {i}: warm from disk = cold");
         let d = disk(&e);
