@@ -292,7 +292,8 @@ def read_stream(resp, rec, t0):
 def one_request(port, body, timeout):
     """One streamed completion, timed; never raises (failures go in 'error')."""
     rec = {"ok": False, "error": None, "chunks": 0, "usage_tokens": None, "prompt_tokens": None,
-           "t_first": None, "t_last": None, "e2e": None, "done": False, "finish": None}
+           "t_first": None, "t_last": None, "e2e": None, "done": False, "finish": None,
+           "start_unix": time.time()}
     t0 = time.perf_counter()
     conn = None
     try:
@@ -402,8 +403,11 @@ def bench_server(name, server, args):
         for level_no, c in enumerate(args.levels):
             n = args.requests_per_level or max(2 * c, 4)
             print(f"[{name}] concurrency {c}: {n} requests", file=sys.stderr, flush=True)
+            started = time.time()
             records, wall = run_level(server.port, c, n, (level_no + 1) * 10**4, args, extras)
-            result["levels"][c] = {**summarize(records, wall), "records": records}
+            # A level run twice keeps both (the second as "C#2").
+            key = c if c not in result["levels"] else f"{c}#{level_no + 1}"
+            result["levels"][key] = {**summarize(records, wall), "started_unix": started, "records": records}
     except Exception as e:  # noqa: BLE001 -- report what was measured so far
         result["fatal"] = f"{type(e).__name__}: {e}"
         print(f"[{name}] aborted: {result['fatal']}", file=sys.stderr)
@@ -441,7 +445,9 @@ def ratio_row(c, a, b):
 
 def table(results, levels):
     lines = [COLUMNS, "|" + " --- |" * COLUMNS.count(" |")]
-    for c in levels:
+    # Levels in the order run, a repeated one under its "C#N" key.
+    keys = [c if c not in levels[:i] else f"{c}#{i + 1}" for i, c in enumerate(levels)]
+    for c in keys:
         rows = {name: r["levels"].get(c) for name, r in results.items()}
         for name, s in rows.items():
             if s is not None:

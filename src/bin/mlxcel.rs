@@ -95,6 +95,11 @@ enum ProfileArg {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A child the engine started to compile one GPU kernel
+    // (`mlxcel_engine::kernels`): it does that and nothing else.
+    if let Some(status) = mlxcel_engine::kernels::child_main() {
+        std::process::exit(status);
+    }
     mlxcel::init_logging();
     let cli: Cli = mlxcel::parse_args(Some("serve"));
     match cli.command {

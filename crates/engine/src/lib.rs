@@ -30,6 +30,7 @@ pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod handle;
+pub mod kernels;
 pub mod loader;
 pub mod logits;
 mod plan;

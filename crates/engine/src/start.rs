@@ -69,6 +69,8 @@ impl Engine {
         let embedding = embedding_pooling(&config, &checkpoint)?;
         let opened = Opened::new(&config, checkpoint, shard)?;
         let model_config = opened.model_config.clone();
+        // Started before the model loads, so that both run at once.
+        let kernel_jobs = start_kernel_jobs(&config, &opened);
         let text = Arc::new(load_text(
             &opened.checkpoint,
             config.chat_template.as_deref(),
@@ -157,6 +159,16 @@ impl Engine {
             health: group.map(|(health, _)| health),
             info,
         };
+        if let Some(jobs) = kernel_jobs {
+            let report = jobs.wait();
+            tracing::info!(
+                jobs = report.jobs,
+                failed = report.failed,
+                children = report.children,
+                seconds = report.seconds,
+                "kernels compiled in parallel"
+            );
+        }
         if config.warmup.unwrap_or(gpu) {
             let report = crate::warmup::warm_up(
                 &engine,
@@ -171,6 +183,31 @@ impl Engine {
         }
         Ok(engine)
     }
+}
+
+/// Starts the kernel jobs of [`crate::kernels`] when the configuration
+/// allows them (`kernel_jobs`, a warm-up on a CUDA GPU, not a
+/// tensor-parallel rank) and the plan has any; a plan that fails (an
+/// unreadable shard, which the load reports itself) starts none.
+fn start_kernel_jobs(config: &EngineConfig, opened: &Opened) -> Option<crate::kernels::Precompile> {
+    let cuda = opened.gpu && !cfg!(target_os = "macos") && mlxcel_mlx::paged_attention_available();
+    if !(config.kernel_jobs && cuda && config.warmup.unwrap_or(true))
+        || config.tensor_parallel.is_some()
+    {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    let jobs = crate::kernels::plan(
+        &config.model_dir,
+        &opened.model_config.quantization,
+        opened.options.dtype,
+        opened.options.weight_mode == mlxcel_model::WeightMode::Quantized,
+        config.prefill_chunk_size,
+    )
+    .map_err(|e| tracing::debug!(error = %e, "no kernel jobs"))
+    .ok()?;
+    tracing::info!(jobs = jobs.len(), "compiling kernels in parallel");
+    Some(crate::kernels::start(jobs, exe))
 }
 
 /// Starts the engine thread and waits until it has loaded the model and

@@ -18,6 +18,9 @@
 //!   host);
 //! - `min(parallel, 12)` 12-token prompts at once, half greedy and half
 //!   sampled (a multi-row decode through the batched attention path);
+//! - as many greedy ones, half of them stopping after two tokens (a
+//!   pipelined decode step that gathers the tokens of the rows still
+//!   running from the previous step's);
 //! - one prompt of each power of two from 16 to 1,024 tokens (up to the
 //!   chunk), one token each: the first prompt of a new length otherwise
 //!   pays for cuBLAS choosing and loading kernels for the attention's
@@ -74,6 +77,22 @@ pub fn warm_up(
             .map(|i| request(tokens(12, i as u32 + 2), (i % 2 == 1).then_some(i as u64)))
             .collect(),
     );
+    if many >= 2 {
+        // Greedy rows that finish at different steps: the pipelined decode
+        // then goes on with a subset of the rows in flight, whose tokens
+        // it picks out on the device (a gather the rounds above never
+        // run; measured on an H200, its compile in the first minute of
+        // serving halved 8-client throughput).
+        rounds.push(
+            (0..many)
+                .map(|i| {
+                    let mut r = request(tokens(12, i as u32 + 20), None);
+                    r.max_tokens = if i % 2 == 0 { 2 } else { WARMUP_TOKENS + 2 };
+                    r
+                })
+                .collect(),
+        );
+    }
     let mut lengths = Vec::new();
     let mut n = 16;
     while n <= chunk.min(1024).min(context) {

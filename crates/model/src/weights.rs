@@ -2,6 +2,7 @@
 //! `model.safetensors.index.json`), or from tensors already read (a GGUF
 //! file, `crate::gguf`).
 
+use crate::config::{QuantSpec, Quantization};
 use crate::ModelError;
 use mlxcel_mlx::{Array, SafeTensors};
 use std::collections::HashMap;
@@ -116,6 +117,61 @@ impl Weights {
         v.sort();
         v
     }
+}
+
+/// An affine-quantized matrix of a checkpoint, as [`quantized_matrices`]
+/// finds it in the tensors' headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantizedShape {
+    /// Module path (`model.layers.0.mlp.down_proj`).
+    pub path: String,
+    /// Output features (rows of the `[out, in]` matrix).
+    pub out: usize,
+    /// Input features (the packed `[out, in · bits / 32]` words unpacked).
+    pub input: usize,
+    pub spec: QuantSpec,
+}
+
+/// Every 2-D affine-quantized matrix of the safetensors checkpoint in
+/// `dir` (a `{path}.weight` uint32 `[out, in · bits / 32]` beside
+/// `{path}.scales`), with the bits and group size `quantization` gives its
+/// module, read from the shards' headers only (no tensor data). Stacked
+/// expert matrices (3-D) are left out.
+///
+/// # Errors
+/// No shard, an unreadable shard.
+pub fn quantized_matrices(
+    dir: &Path,
+    quantization: &Quantization,
+) -> Result<Vec<QuantizedShape>, ModelError> {
+    let mut found = Vec::new();
+    for path in shard_paths(dir)? {
+        let mut st = SafeTensors::load(&path)
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+        let names = st.names();
+        for name in &names {
+            let Some(module) = name.strip_suffix(".scales") else {
+                continue;
+            };
+            let weight = format!("{module}.weight");
+            if !names.contains(&weight) {
+                continue;
+            }
+            let Some(spec) = quantization.for_module(module) else {
+                continue;
+            };
+            let shape = st.take(&weight)?.shape();
+            if let ([out, words], true) = (shape.as_slice(), spec.bits > 0) {
+                found.push(QuantizedShape {
+                    path: module.to_string(),
+                    out: *out as usize,
+                    input: *words as usize * 32 / spec.bits as usize,
+                    spec,
+                });
+            }
+        }
+    }
+    Ok(found)
 }
 
 fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
