@@ -51,6 +51,12 @@ fn the_plan_covers_every_quantized_matrix_shape_at_each_token_tile() {
             index: Dtype::Int32,
         });
     }
+    // The routing's take_along_axis: the compute dtype and float32 (one
+    // job here, both being float32).
+    expected.insert(KernelJob::GatherAxis {
+        dtype: Dtype::Float32,
+        index: Dtype::Uint32,
+    });
     assert_eq!(jobs.len(), expected.len(), "{jobs:?}");
     assert_eq!(jobs.iter().copied().collect::<HashSet<_>>(), expected);
     // The matmuls (the long compiles) come first.
@@ -73,7 +79,7 @@ fn the_plan_covers_every_quantized_matrix_shape_at_each_token_tile() {
     assert_eq!(tokens, HashSet::from([8, 12, 24]));
     let dense =
         kernels::plan(&dir, &config.quantization, Dtype::Float32, false, 512).expect("plan");
-    assert_eq!(dense.len(), 6);
+    assert_eq!(dense.len(), 7);
     let plain = tiny("phi3");
     let plain_config = mlxcel_engine::loader::read_config(&plain).expect("config");
     let bf16 = kernels::plan(

@@ -13,7 +13,7 @@
 //! So before the model loads, [`plan`] lists one small operation per
 //! variant the warm-up will meet ([`KernelJob`]: each quantized matrix
 //! shape of the checkpoint at the warm-up's token counts, gathers and the
-//! K/V scatter per dtype), and [`start`] runs each in a child process (this
+//! K/V scatter per dtype, the routing's `take_along_axis`), and [`start`] runs each in a child process (this
 //! executable again, with [`JOB_ENV`] naming the job; the binaries call
 //! [`child_main`] first thing), as many at once as the machine has cores.
 //! The children write their kernels into the kernel cache directory
@@ -55,13 +55,17 @@ pub enum KernelJob {
     },
     /// `take` along axis 0 of a `dtype` array with `index` indices.
     Gather { dtype: Dtype, index: Dtype },
+    /// `take_along_axis` along the last axis (a mixture of experts' scores
+    /// of its chosen experts).
+    GatherAxis { dtype: Dtype, index: Dtype },
     /// `put_along_axis` along axis 0 (the paged pool's K/V write).
     ScatterAxis { dtype: Dtype, index: Dtype },
 }
 
 impl KernelJob {
     /// The job as [`JOB_ENV`] carries it: space-separated numbers after a
-    /// kind (`qmm`, `gather`, `scatter`), dtypes as MLX's codes.
+    /// kind (`qmm`, `gather`, `gather_axis`, `scatter`), dtypes as MLX's
+    /// codes.
     pub fn spec(&self) -> String {
         match *self {
             KernelJob::QuantizedMatmul {
@@ -77,6 +81,9 @@ impl KernelJob {
             ),
             KernelJob::Gather { dtype, index } => {
                 format!("gather {} {}", dtype as i32, index as i32)
+            }
+            KernelJob::GatherAxis { dtype, index } => {
+                format!("gather_axis {} {}", dtype as i32, index as i32)
             }
             KernelJob::ScatterAxis { dtype, index } => {
                 format!("scatter {} {}", dtype as i32, index as i32)
@@ -102,6 +109,10 @@ impl KernelJob {
                 group_size: small(5)?,
             }),
             ("gather", 2) => Some(KernelJob::Gather {
+                dtype: dtype(0)?,
+                index: dtype(1)?,
+            }),
+            ("gather_axis", 2) => Some(KernelJob::GatherAxis {
                 dtype: dtype(0)?,
                 index: dtype(1)?,
             }),
@@ -150,6 +161,9 @@ impl KernelJob {
             KernelJob::Gather { dtype, index } => {
                 zeros(&[8, 4], dtype)?.take(&zeros(&[2], index)?, 0)
             }
+            KernelJob::GatherAxis { dtype, index } => {
+                zeros(&[4, 8], dtype)?.take_along_axis(&zeros(&[4, 2], index)?, -1)
+            }
             KernelJob::ScatterAxis { dtype, index } => zeros(&[8, 2, 4], dtype)?.put_along_axis(
                 &zeros(&[2, 1, 1], index)?,
                 &zeros(&[2, 2, 4], dtype)?,
@@ -164,8 +178,10 @@ impl KernelJob {
 /// `dequantized` weights) at 12, 24 and `min(prefill_chunk, 256)` tokens
 /// (the warm-up's row-count tiles), gathers of the compute dtype, uint32
 /// (packed weights, token ids) and float32 (logits) by int32 and uint32
-/// indices, and the pool's K/V scatter of the compute dtype and uint32
-/// (quantized K/V). Sorted, without duplicates, the longest compiles
+/// indices, `take_along_axis` of float32 and the compute dtype by uint32
+/// (a mixture of experts' routing; measured on an H200, its compile was
+/// half of a small MoE model's warm-up once the rest ran here), and the
+/// pool's K/V scatter of the compute dtype and uint32 (quantized K/V). Sorted, without duplicates, the longest compiles
 /// (matmuls) first.
 ///
 /// # Errors
@@ -199,6 +215,12 @@ pub fn plan(
         for index in [Dtype::Int32, Dtype::Uint32] {
             jobs.push(KernelJob::Gather { dtype: data, index });
         }
+    }
+    for data in [dtype, Dtype::Float32] {
+        jobs.push(KernelJob::GatherAxis {
+            dtype: data,
+            index: Dtype::Uint32,
+        });
     }
     for data in [dtype, Dtype::Uint32] {
         jobs.push(KernelJob::ScatterAxis {
@@ -384,6 +406,10 @@ mod tests {
                 dtype: Dtype::Uint32,
                 index: Dtype::Int32,
             },
+            KernelJob::GatherAxis {
+                dtype: Dtype::Bfloat16,
+                index: Dtype::Uint32,
+            },
         ];
         for job in jobs {
             assert_eq!(KernelJob::parse(&job.spec()), Some(job), "{}", job.spec());
@@ -421,6 +447,10 @@ mod tests {
                 dtype: Dtype::Float32,
                 index: Dtype::Int32,
             },
+            KernelJob::GatherAxis {
+                dtype: Dtype::Float32,
+                index: Dtype::Uint32,
+            },
         ] {
             let a = job.build().expect("build");
             a.eval().expect("eval");
@@ -428,6 +458,7 @@ mod tests {
                 KernelJob::QuantizedMatmul { .. } => &[12, 48],
                 KernelJob::Gather { .. } => &[2, 4],
                 KernelJob::ScatterAxis { .. } => &[8, 2, 4],
+                KernelJob::GatherAxis { .. } => &[4, 2],
             };
             assert_eq!(a.shape(), expected, "{}", job.spec());
         }
