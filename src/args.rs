@@ -381,8 +381,6 @@ impl ModelArgs {
             "auto" => default_kernel_cache_dir(),
             dir => Some(PathBuf::from(dir)),
         };
-        // The binaries run a kernel job when started as one (`main`).
-        c.kernel_jobs = true;
         c.pipeline = !self.no_decode_pipeline;
         c.speculative = mlxcel_engine::SpeculativeConfig {
             method: match self.speculative {

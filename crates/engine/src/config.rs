@@ -116,11 +116,6 @@ pub struct EngineConfig {
     /// Where MLX's CUDA backend keeps compiled kernels across restarts (a
     /// subdirectory per MLX version is used); `None`: MLX's default.
     pub kernel_cache_dir: Option<PathBuf>,
-    /// With the warm-up on a CUDA GPU, compile its kernels first in child
-    /// processes of this executable, all at once ([`crate::kernels`]).
-    /// Only for a binary whose `main` calls
-    /// [`crate::kernels::child_main`] first (mlxcel's do); default off.
-    pub kernel_jobs: bool,
     /// Serve `/v1/embeddings` from any decoder (`--embeddings`): the last
     /// token's final hidden state, L2-normalised. An embedding checkpoint
     /// (sentence-transformers pooling files) serves them without it, pooled
@@ -212,7 +207,6 @@ impl EngineConfig {
             warmup: None,
             cudnn_attention: false,
             kernel_cache_dir: None,
-            kernel_jobs: false,
             chat_template: None,
             embeddings: false,
             tensor_parallel: None,

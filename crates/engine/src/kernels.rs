@@ -4,7 +4,7 @@
 //! MLX's CUDA backend compiles a kernel (NVRTC, one CPU thread) the first
 //! time a variant runs, one after another. Measured on a fresh H200 (MLX
 //! 0.32.4, SmolLM2-135M shape, 4-bit bfloat16, `--parallel 32`): the
-//! warm-up took 185 s, 168 s of it in six quantized-matmul kernels
+//! warm-up took 186 s, 168 s of it in six quantized-matmul kernels
 //! (16-42 s each: tiles of 16, 32 and 64 rows, a plain and an sm80 one per
 //! tile, picked by the matrix's shape) and the rest in gathers and one
 //! scatter (2.6-6.6 s each). Which variant an operation needs depends on
@@ -13,22 +13,30 @@
 //! So before the model loads, [`plan`] lists one small operation per
 //! variant the warm-up will meet ([`KernelJob`]: each quantized matrix
 //! shape of the checkpoint at the warm-up's token counts, gathers and the
-//! K/V scatter per dtype, the routing's `take_along_axis`), and [`start`] runs each in a child process (this
-//! executable again, with [`JOB_ENV`] naming the job; the binaries call
-//! [`child_main`] first thing), as many at once as the machine has cores.
-//! The children write their kernels into the kernel cache directory
-//! (`MLX_PTX_CACHE_DIR`, which they inherit), where the warm-up then finds
-//! them. Nothing depends on it for correctness: a kernel a child did not
-//! compile is compiled by the warm-up, as without it. A marker file in the
-//! cache directory records a job list that completed, so a restart does
-//! not start the children again.
+//! K/V scatter per dtype, the routing's `take_along_axis`), and [`start`]
+//! runs each in a child process (this executable again, with [`JOB_ENV`]
+//! naming the job; the binaries call [`child_main`] first thing), as many
+//! at once as the machine has cores, at most 16. The children write their
+//! kernels into the kernel cache directory (`MLX_PTX_CACHE_DIR`, which
+//! they inherit), where the warm-up then finds them. Nothing depends on it
+//! for correctness: a kernel a child did not compile is compiled by the
+//! warm-up, as without it. A marker file in the cache directory records a
+//! job list that completed, so a restart does not start the children
+//! again (with `--kernel-cache-dir none` there is no marker: the children
+//! run at every start and find their kernels in MLX's default cache).
+//!
+//! Not covered (compiled by the warm-up, one after another, as before):
+//! GGUF checkpoints' matrices, a draft model's, K/V stored in a float
+//! dtype other than the compute dtype, `mx.compile`d fused kernels
+//! (gpt-oss's clamped SwiGLU), tensor-parallel ranks.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::config::Quantization;
@@ -46,11 +54,17 @@ pub enum KernelJob {
     /// `x [tokens, input] @ wᵀ` with `w` affine-quantized `[out, input]`
     /// (`quantized_matmul`, transposed).
     QuantizedMatmul {
+        /// Compute dtype (of `x`, the scales and biases).
         dtype: Dtype,
+        /// Rows of `x` (the step's tokens).
         tokens: usize,
+        /// Output features.
         out: usize,
+        /// Input features.
         input: usize,
+        /// Bits per weight element.
         bits: i32,
+        /// Elements per scale and bias.
         group_size: i32,
     },
     /// `take` along axis 0 of a `dtype` array with `index` indices.
@@ -174,31 +188,34 @@ impl KernelJob {
 }
 
 /// The jobs for a model on a CUDA GPU: every 2-D quantized matrix shape of
-/// the checkpoint in `model_dir` (safetensors; none for GGUF or
-/// `dequantized` weights) at 12, 24 and `min(prefill_chunk, 256)` tokens
-/// (the warm-up's row-count tiles), gathers of the compute dtype, uint32
-/// (packed weights, token ids) and float32 (logits) by int32 and uint32
-/// indices, `take_along_axis` of float32 and the compute dtype by uint32
-/// (a mixture of experts' routing; measured on an H200, its compile was
-/// half of a small MoE model's warm-up once the rest ran here), and the
-/// pool's K/V scatter of the compute dtype and uint32 (quantized K/V). Sorted, without duplicates, the longest compiles
-/// (matmuls) first.
-///
-/// # Errors
-/// An unreadable safetensors shard.
+/// the checkpoint in `model_dir` (safetensors; none for GGUF, for
+/// `dequantized` weights, or when its headers cannot be read) at 12, 24 and
+/// `min(prefill_chunk, 256)` tokens (the warm-up's row-count tiles);
+/// gathers of the compute dtype, uint32 (packed weights, token ids) and
+/// float32 (logits) by int32 and uint32 indices; `take_along_axis` of
+/// float32 and the compute dtype by uint32 (a mixture of experts' routing:
+/// measured on an H200, half of a small MoE model's warm-up once the rest
+/// ran here); the pool's K/V scatter of the compute dtype and uint32
+/// (quantized K/V). Without duplicates; the matmuls (the long compiles)
+/// first, shape by shape, so that one shape's tiles start together.
 pub fn plan(
     model_dir: &Path,
     quantization: &Quantization,
     dtype: Dtype,
     quantized_weights: bool,
     prefill_chunk: usize,
-) -> Result<Vec<KernelJob>, mlxcel_model::ModelError> {
+) -> Vec<KernelJob> {
     let mut jobs = Vec::new();
     if quantized_weights && model_dir.is_dir() {
         let mut tokens = vec![12, 24, prefill_chunk.clamp(1, 256)];
         tokens.sort_unstable();
         tokens.dedup();
-        for m in mlxcel_model::weights::quantized_matrices(model_dir, quantization)? {
+        let matrices = mlxcel_model::weights::quantized_matrices(model_dir, quantization)
+            .unwrap_or_else(|e| {
+                tracing::debug!(error = %e, "no quantized-matmul kernel jobs");
+                Vec::new()
+            });
+        for m in matrices {
             for &t in &tokens {
                 jobs.push(KernelJob::QuantizedMatmul {
                     dtype,
@@ -228,9 +245,19 @@ pub fn plan(
             index: Dtype::Int32,
         });
     }
-    jobs.sort_by_cached_key(|j| (!matches!(j, KernelJob::QuantizedMatmul { .. }), j.spec()));
+    jobs.sort_by_cached_key(|j| match *j {
+        KernelJob::QuantizedMatmul {
+            tokens,
+            out,
+            input,
+            bits,
+            group_size,
+            ..
+        } => (0, (out, input, bits, group_size, tokens), String::new()),
+        _ => (1, (0, 0, 0, 0, 0), j.spec()),
+    });
     jobs.dedup();
-    Ok(jobs)
+    jobs
 }
 
 /// What [`Precompile::wait`] reports.
@@ -238,30 +265,63 @@ pub fn plan(
 pub struct PrecompileReport {
     /// Jobs run (0 when a marker said they had all run before).
     pub jobs: usize,
-    /// Jobs whose child failed (their kernels are left to the warm-up).
+    /// Jobs whose child failed twice (their kernels are left to the
+    /// warm-up).
     pub failed: usize,
     /// Children at once.
     pub children: usize,
     /// Wall time, seconds.
     pub seconds: f64,
+    /// The jobs were still running at the deadline ([`DEADLINE`]); the
+    /// warm-up goes on without them (they finish on their own).
+    pub timed_out: bool,
 }
+
+/// The longest [`Precompile::wait`] waits for the children: a child that
+/// hangs must not keep a server from starting. Legitimate runs take a
+/// minute on 16 cores (and a few on 4).
+pub const DEADLINE: Duration = Duration::from_secs(600);
 
 /// Children running [`KernelJob`]s in the background.
 pub struct Precompile {
-    thread: JoinHandle<PrecompileReport>,
+    done: Receiver<PrecompileReport>,
+    started: Instant,
 }
 
 impl Precompile {
-    /// Waits for every child.
+    /// Waits for every child, [`DEADLINE`] at most from the start. A child
+    /// is never killed (one killed while writing its kernel would leave a
+    /// truncated file in the cache): at the deadline this returns and the
+    /// children finish on their own.
     pub fn wait(self) -> PrecompileReport {
-        self.thread.join().unwrap_or(PrecompileReport {
-            jobs: 0,
-            failed: 0,
-            children: 0,
-            seconds: 0.0,
-        })
+        let left = DEADLINE.saturating_sub(self.started.elapsed());
+        match self.done.recv_timeout(left) {
+            Ok(report) => report,
+            Err(e) => {
+                let timed_out = matches!(e, RecvTimeoutError::Timeout);
+                if !timed_out {
+                    tracing::warn!("the kernel jobs' thread stopped without a report");
+                }
+                PrecompileReport {
+                    jobs: 0,
+                    failed: 0,
+                    children: 0,
+                    seconds: self.started.elapsed().as_secs_f64(),
+                    timed_out,
+                }
+            }
+        }
     }
 }
+
+/// Whether this process may start kernel jobs: it is not a job itself and
+/// its `main` called [`child_main`] (so a child of it runs the job and
+/// nothing else: a binary that never called it would start as itself).
+pub fn available() -> bool {
+    CHILD_MAIN_CALLED.load(Ordering::Relaxed) && std::env::var_os(JOB_ENV).is_none()
+}
+
+static CHILD_MAIN_CALLED: AtomicBool = AtomicBool::new(false);
 
 /// The marker that records `jobs` as done in the kernel cache directory
 /// (`MLX_PTX_CACHE_DIR`); `None` when it is not set.
@@ -275,13 +335,42 @@ fn marker(jobs: &[KernelJob]) -> Option<PathBuf> {
     )))
 }
 
-/// Starts `jobs` in child processes of `exe` (this executable; it must
-/// call [`child_main`] first thing), as many at once as the machine has
-/// cores (at most 16), each with [`JOB_ENV`] set; the children inherit the
-/// environment (the kernel cache directory). Returns at once.
+/// Starts `jobs` in child processes of `exe` (this executable, whose
+/// `main` calls [`child_main`] first: see [`available`]), as many at once
+/// as the machine has cores (at most 16), each with [`JOB_ENV`] set; the
+/// children inherit the environment (`MLX_PTX_CACHE_DIR`). A job whose
+/// child fails is run once more (two children compiling the same kernel
+/// can meet a file the other is still writing). When every job succeeded
+/// and `MLX_PTX_CACHE_DIR` is set, a marker there skips the same list
+/// next time. Returns at once.
 pub fn start(jobs: Vec<KernelJob>, exe: PathBuf) -> Precompile {
-    let thread = std::thread::spawn(move || run_children(jobs, &exe));
-    Precompile { thread }
+    let (tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(run_children(jobs, &exe));
+    });
+    Precompile {
+        done,
+        started: Instant::now(),
+    }
+}
+
+/// Runs `job` in a child of `exe`; the child's error when it fails.
+fn run_child(exe: &Path, job: &KernelJob) -> Option<String> {
+    let out = Command::new(exe)
+        .env(JOB_ENV, job.spec())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!(
+            "{}: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Some(e.to_string()),
+    }
 }
 
 fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
@@ -293,6 +382,7 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
             failed: 0,
             children: 0,
             seconds: 0.0,
+            timed_out: false,
         };
     }
     let children = std::thread::available_parallelism()
@@ -301,7 +391,7 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
         .min(jobs.len());
     let total = jobs.len();
     let queue = Arc::new(Mutex::new(VecDeque::from(jobs)));
-    let failed = Arc::new(Mutex::new(0usize));
+    let failed = Arc::new(AtomicUsize::new(0));
     let workers: Vec<_> = (0..children)
         .map(|_| {
             let (queue, failed, exe) = (Arc::clone(&queue), Arc::clone(&failed), exe.to_owned());
@@ -310,21 +400,10 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
                     return;
                 };
                 let t = Instant::now();
-                let out = Command::new(&exe)
-                    .env(JOB_ENV, job.spec())
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .output();
-                let error = match out {
-                    Ok(o) if o.status.success() => None,
-                    Ok(o) => Some(format!(
-                        "{}: {}",
-                        o.status,
-                        String::from_utf8_lossy(&o.stderr).trim()
-                    )),
-                    Err(e) => Some(e.to_string()),
-                };
+                let error = run_child(&exe, &job).and_then(|first| {
+                    tracing::debug!(job = %job.spec(), error = %first, "kernel job failed; once more");
+                    run_child(&exe, &job)
+                });
                 match error {
                     None => tracing::debug!(
                         job = %job.spec(),
@@ -332,19 +411,24 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
                         "kernel job done"
                     ),
                     Some(error) => {
-                        tracing::warn!(job = %job.spec(), %error, "kernel job failed; the warm-up compiles its kernel");
-                        if let Ok(mut n) = failed.lock() {
-                            *n += 1;
-                        }
+                        tracing::warn!(
+                            job = %job.spec(),
+                            %error,
+                            "kernel job failed; the warm-up compiles its kernel"
+                        );
+                        failed.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             })
         })
         .collect();
+    let mut lost = 0;
     for w in workers {
-        let _ = w.join();
+        if w.join().is_err() {
+            lost += 1;
+        }
     }
-    let failed = failed.lock().map_or(total, |n| *n);
+    let failed = failed.load(Ordering::Relaxed) + lost;
     if failed == 0 {
         if let Some(path) = &marker {
             if let Err(e) = std::fs::write(path, b"") {
@@ -357,6 +441,7 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
         failed,
         children,
         seconds: started.elapsed().as_secs_f64(),
+        timed_out: false,
     }
 }
 
@@ -365,6 +450,7 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
 /// `None` in an ordinary process. Binaries that let the engine start
 /// children call it before anything else and exit with its status.
 pub fn child_main() -> Option<i32> {
+    CHILD_MAIN_CALLED.store(true, Ordering::Relaxed);
     let spec = std::env::var(JOB_ENV).ok()?;
     let Some(job) = KernelJob::parse(&spec) else {
         eprintln!("malformed {JOB_ENV}: {spec:?}");

@@ -166,6 +166,7 @@ impl Engine {
                 failed = report.failed,
                 children = report.children,
                 seconds = report.seconds,
+                timed_out = report.timed_out,
                 "kernels compiled in parallel"
             );
         }
@@ -185,27 +186,31 @@ impl Engine {
     }
 }
 
-/// Starts the kernel jobs of [`crate::kernels`] when the configuration
-/// allows them (`kernel_jobs`, a warm-up on a CUDA GPU, not a
-/// tensor-parallel rank) and the plan has any; a plan that fails (an
-/// unreadable shard, which the load reports itself) starts none.
+/// Starts the kernel jobs of [`crate::kernels`] when they can run: a
+/// warm-up on a CUDA GPU, not a tensor-parallel rank, and an executable
+/// whose `main` runs a job when started as one
+/// ([`crate::kernels::available`]: mlxcel's binaries; an engine embedded
+/// elsewhere compiles in its warm-up as before). The parent's GPU context
+/// is made first, so that children can never keep it from the GPU.
 fn start_kernel_jobs(config: &EngineConfig, opened: &Opened) -> Option<crate::kernels::Precompile> {
     let cuda = opened.gpu && !cfg!(target_os = "macos") && mlxcel_mlx::paged_attention_available();
-    if !(config.kernel_jobs && cuda && config.warmup.unwrap_or(true))
+    if !(cuda && config.warmup.unwrap_or(true) && crate::kernels::available())
         || config.tensor_parallel.is_some()
     {
         return None;
     }
     let exe = std::env::current_exe().ok()?;
+    if let Err(e) = mlxcel_mlx::zeros(&[1], mlxcel_mlx::Dtype::Float32).and_then(|a| a.eval()) {
+        tracing::debug!(error = %e, "no kernel jobs: the GPU refused a first array");
+        return None;
+    }
     let jobs = crate::kernels::plan(
         &config.model_dir,
         &opened.model_config.quantization,
         opened.options.dtype,
         opened.options.weight_mode == mlxcel_model::WeightMode::Quantized,
         config.prefill_chunk_size,
-    )
-    .map_err(|e| tracing::debug!(error = %e, "no kernel jobs"))
-    .ok()?;
+    );
     tracing::info!(jobs = jobs.len(), "compiling kernels in parallel");
     Some(crate::kernels::start(jobs, exe))
 }

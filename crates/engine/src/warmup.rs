@@ -3,8 +3,9 @@
 //!
 //! MLX compiles GPU kernels lazily, the first time a variant is evaluated,
 //! and on a fresh machine some take tens of seconds (measured on an H200:
-//! 32-39 s for each tile size of the 4-bit quantized matmul). Which
-//! variants a step needs depends only on a few things, not on exact
+//! 16-42 s for each 4-bit quantized-matmul kernel; on CUDA
+//! `crate::kernels` compiles them in parallel child processes first).
+//! Which variants a step needs depends only on a few things, not on exact
 //! shapes: the quantized matmul picks a tile from the step's token count
 //! (under 8 rows, 8-16, 17-32, more), gathers and scatters by dtype, the
 //! paged-attention kernel by model shape, sampling by path (device argmax,

@@ -4,7 +4,7 @@
 
 use crate::config::{QuantSpec, Quantization};
 use crate::ModelError;
-use mlxcel_mlx::{Array, SafeTensors};
+use mlxcel_mlx::{Array, Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -129,14 +129,17 @@ pub struct QuantizedShape {
     pub out: usize,
     /// Input features (the packed `[out, in · bits / 32]` words unpacked).
     pub input: usize,
+    /// Bits per element and elements per scale, from the config.
     pub spec: QuantSpec,
 }
 
 /// Every 2-D affine-quantized matrix of the safetensors checkpoint in
-/// `dir` (a `{path}.weight` uint32 `[out, in · bits / 32]` beside
-/// `{path}.scales`), with the bits and group size `quantization` gives its
-/// module, read from the shards' headers only (no tensor data). Stacked
-/// expert matrices (3-D) are left out.
+/// `dir`: a uint32 `{path}.weight` `[out, in · bits / 32]` with a
+/// `{path}.scales` `[out, in / group_size]`, in any shards, the bits and
+/// group size those of `quantization` for the module, read from the
+/// shards' headers only (no tensor data). A matrix whose scales do not
+/// fit its words at those bits and group size is left out, as are stacked
+/// expert matrices (3-D). Sorted by path.
 ///
 /// # Errors
 /// No shard, an unreadable shard.
@@ -144,33 +147,44 @@ pub fn quantized_matrices(
     dir: &Path,
     quantization: &Quantization,
 ) -> Result<Vec<QuantizedShape>, ModelError> {
-    let mut found = Vec::new();
+    // Every tensor's shape and dtype, over all shards (a module's weight
+    // and scales may sit in different ones).
+    let mut headers = HashMap::new();
     for path in shard_paths(dir)? {
         let mut st = SafeTensors::load(&path)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
-        let names = st.names();
-        for name in &names {
-            let Some(module) = name.strip_suffix(".scales") else {
-                continue;
-            };
-            let weight = format!("{module}.weight");
-            if !names.contains(&weight) {
-                continue;
-            }
-            let Some(spec) = quantization.for_module(module) else {
-                continue;
-            };
-            let shape = st.take(&weight)?.shape();
-            if let ([out, words], true) = (shape.as_slice(), spec.bits > 0) {
-                found.push(QuantizedShape {
-                    path: module.to_string(),
-                    out: *out as usize,
-                    input: *words as usize * 32 / spec.bits as usize,
-                    spec,
-                });
-            }
+        for name in st.names() {
+            let a = st.take(&name)?;
+            headers.insert(name, (a.shape(), a.dtype()));
         }
     }
+    let mut found = Vec::new();
+    for (name, (scales, _)) in &headers {
+        let Some(module) = name.strip_suffix(".scales") else {
+            continue;
+        };
+        let (Some((weight, Dtype::Uint32)), Some(spec)) = (
+            headers.get(&format!("{module}.weight")),
+            quantization.for_module(module),
+        ) else {
+            continue;
+        };
+        let ([out, words], [rows, groups]) = (weight.as_slice(), scales.as_slice()) else {
+            continue;
+        };
+        let input = i64::from(*words) * 32 / i64::from(spec.bits.max(1));
+        if out != rows || spec.bits <= 0 || input != i64::from(*groups) * i64::from(spec.group_size)
+        {
+            continue;
+        }
+        found.push(QuantizedShape {
+            path: module.to_string(),
+            out: *out as usize,
+            input: input as usize,
+            spec,
+        });
+    }
+    found.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(found)
 }
 
@@ -209,4 +223,76 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
         )));
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantized_matrices_are_read_from_every_shard_with_their_overrides() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-qshapes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let u = |rows: i32, cols: i32| {
+            Array::from_u32(&vec![0; (rows * cols) as usize], &[rows, cols]).expect("u32")
+        };
+        let f = |rows: i32, cols: i32| {
+            Array::from_f32(&vec![0.0; (rows * cols) as usize], &[rows, cols]).expect("f32")
+        };
+        // a: 4-bit [8, 32]; b: its scales in the other shard; c: 8-bit by
+        // override [4, 32]; d: float "weights"; e: scales of the wrong
+        // size; f: an override that leaves it unquantized.
+        let (aw, asc, bw, bsc, cw, csc) = (u(8, 4), f(8, 1), u(6, 8), f(6, 2), u(4, 8), f(4, 1));
+        let (dw, dsc, ew, esc, fw, fsc) = (f(4, 4), f(4, 1), u(4, 4), f(4, 3), u(2, 4), f(2, 1));
+        let one = [
+            ("a.weight", &aw),
+            ("a.scales", &asc),
+            ("b.weight", &bw),
+            ("c.weight", &cw),
+            ("c.scales", &csc),
+        ];
+        let two = [
+            ("b.scales", &bsc),
+            ("d.weight", &dw),
+            ("d.scales", &dsc),
+            ("e.weight", &ew),
+            ("e.scales", &esc),
+            ("f.weight", &fw),
+            ("f.scales", &fsc),
+        ];
+        let mut map = serde_json::Map::new();
+        for (file, tensors) in [("one.safetensors", &one[..]), ("two.safetensors", &two[..])] {
+            let named: Vec<(String, &Array)> =
+                tensors.iter().map(|(n, a)| (n.to_string(), *a)).collect();
+            mlxcel_mlx::save_safetensors(&dir.join(file), &named).expect("save");
+            for (n, _) in tensors {
+                map.insert(n.to_string(), serde_json::Value::from(file));
+            }
+        }
+        let index = serde_json::json!({ "weight_map": map });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).expect("index");
+        let spec = |bits, group_size| QuantSpec { group_size, bits };
+        let mut q = Quantization {
+            default: Some(spec(4, 32)),
+            overrides: HashMap::new(),
+        };
+        q.overrides.insert("c".into(), Some(spec(8, 32)));
+        q.overrides.insert("f".into(), None);
+        let found = quantized_matrices(&dir, &q).expect("headers");
+        let shape = |path: &str, out, input, s| QuantizedShape {
+            path: path.into(),
+            out,
+            input,
+            spec: s,
+        };
+        assert_eq!(
+            found,
+            vec![
+                shape("a", 8, 32, spec(4, 32)),
+                shape("b", 6, 64, spec(4, 32)),
+                shape("c", 4, 32, spec(8, 32)),
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
