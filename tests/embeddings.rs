@@ -14,7 +14,7 @@ use common::{collect_embedding, collect_tokens, greedy_request, tiny_model_dir};
 use mlxcel_engine::api::{
     EmbeddingRequest, InferenceService, Pooling, Prompt, RequestField, SubmitError,
 };
-use mlxcel_engine::{Engine, EngineConfig};
+use mlxcel_engine::Engine;
 use serde_json::Value;
 
 /// Tolerance against mlx_lm's vectors (unit length, float32).
@@ -75,12 +75,7 @@ fn model(tag: &str, mode: Option<&str>) -> std::path::PathBuf {
 /// An engine on `dir` whose prefill runs in chunks of 16 (so the longer
 /// prompts span several steps) with blocks of 8.
 fn engine(dir: &Path, embeddings: bool) -> Engine {
-    let mut c = EngineConfig::new(dir.to_path_buf());
-    c.parallel = 4;
-    c.kv_cache_budget = Some(8 << 20);
-    c.kv_block_size = 8;
-    c.prefill_chunk_size = 16;
-    c.check_invariants = true;
+    let mut c = common::tiny_engine_config(dir, 4);
     c.embeddings = embeddings;
     Engine::start(c).expect("engine")
 }

@@ -17,9 +17,7 @@ use mlxcel_mlx::Dtype;
 use mlxcel_model::{LoadOptions, WeightMode};
 
 fn tiny_models() -> PathBuf {
-    std::env::var_os("MLXCEL_TINY_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models"))
+    common::tiny_models_root()
 }
 
 fn check_family(name: &str) {
@@ -547,17 +545,13 @@ fn load_error(model: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String 
 fn engine_answers_alike(model: &str, cached: Option<usize>) {
     use common::{collect_tokens, greedy_request};
     use mlxcel_engine::api::{InferenceService, Prompt};
-    use mlxcel_engine::{Engine, EngineConfig};
+    use mlxcel_engine::Engine;
 
     let dir = common::tiny_model_dir(model, "engine");
     let golden = read_golden(&dir, "make_tiny_models.py");
     let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
-    let mut c = EngineConfig::new(dir);
-    c.parallel = 4;
-    c.kv_cache_budget = Some(8 << 20);
-    c.kv_block_size = 8;
+    let mut c = common::tiny_engine_config(&dir, 4);
     c.prefill_chunk_size = 40;
-    c.check_invariants = true;
     let e = Engine::start(c).expect("engine");
     let request = |prompt: &[u32], cache: bool| {
         let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), want.len());
@@ -692,7 +686,7 @@ fn recurrent_state_survives_pads_forks_turns_and_failed_steps(model: &str, layer
     use common::{collect_tokens, greedy_request};
     use mlxcel_engine::api::{GenerationEvent, InferenceService, Prompt};
     use mlxcel_engine::fault::FaultInjection;
-    use mlxcel_engine::{Engine, EngineConfig};
+    use mlxcel_engine::Engine;
 
     let dir = common::tiny_model_dir(model, "paths");
     let golden = read_golden(&dir, "make_tiny_models.py");
@@ -700,13 +694,8 @@ fn recurrent_state_survives_pads_forks_turns_and_failed_steps(model: &str, layer
     let poison = (0..256u32)
         .find(|t| !prompt.contains(t) && !want.contains(t))
         .expect("an unused token");
-    let mut c = EngineConfig::new(dir);
-    c.parallel = 4;
-    c.kv_cache_budget = Some(8 << 20);
-    c.kv_block_size = 8;
-    c.prefill_chunk_size = 16;
+    let mut c = common::tiny_engine_config(&dir, 4);
     c.prefill_tile = Some(16);
-    c.check_invariants = true;
     c.fault = FaultInjection {
         poison_token: Some(poison),
         ..FaultInjection::default()

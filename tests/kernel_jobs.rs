@@ -14,11 +14,10 @@ use mlxcel_mlx::Dtype;
 
 const SERVER: &str = env!("CARGO_BIN_EXE_mlxcel-server");
 
+mod common;
+
 fn tiny(name: &str) -> PathBuf {
-    std::env::var_os("MLXCEL_TINY_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models"))
-        .join(name)
+    common::tiny_models_root().join(name)
 }
 
 #[test]

@@ -436,13 +436,7 @@ fn a_prefix_hit_on_kv_groups_answers_like_a_cold_run_and_like_mlx_lm() {
     let ids = |key: &str| common::parity::ids(&golden, key);
     let (prompt, want) = (ids("prompt"), ids("greedy"));
     assert!(prompt.len() > 16, "the prompt runs past the window");
-    let mut c = EngineConfig::new(dir.clone());
-    c.parallel = 2;
-    c.kv_cache_budget = Some(8 << 20);
-    c.kv_block_size = 8;
-    c.prefill_chunk_size = 16;
-    c.check_invariants = true;
-    let e = Engine::start(c).expect("engine");
+    let e = Engine::start(common::tiny_engine_config(&dir, 2)).expect("engine");
     let run = |prompt: &[u32], cache: bool| {
         let mut r = greedy_request(Prompt::Tokens(prompt.to_vec()), want.len());
         r.ignore_eos = true;

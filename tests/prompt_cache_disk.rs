@@ -136,12 +136,7 @@ fn tiny_model(name: &str) -> (PathBuf, Vec<u32>, Vec<u32>) {
 /// An engine on a tiny checkpoint with the disk tier in `dir`: 8-token
 /// blocks, 16-token prefill chunks.
 fn tiny_config(model: &Path, dir: &Path) -> EngineConfig {
-    let mut c = EngineConfig::new(model.to_path_buf());
-    c.parallel = 2;
-    c.kv_cache_budget = Some(8 << 20);
-    c.kv_block_size = 8;
-    c.prefill_chunk_size = 16;
-    c.check_invariants = true;
+    let mut c = common::tiny_engine_config(model, 2);
     c.prompt_cache_dir = Some(dir.to_path_buf());
     c
 }

@@ -195,12 +195,7 @@ fn kv_groups_give_the_same_greedy_tokens_with_prompt_lookup() {
     repeated.extend(&prompt);
     let prompts = [prompt[..20].to_vec(), prompt.clone(), repeated];
     let start = |speculative: bool| {
-        let mut c = EngineConfig::new(dir.clone());
-        c.parallel = 4;
-        c.kv_cache_budget = Some(8 << 20);
-        c.kv_block_size = 8;
-        c.prefill_chunk_size = 16;
-        c.check_invariants = true;
+        let mut c = common::tiny_engine_config(&dir, 4);
         if speculative {
             c.speculative = SpeculativeConfig {
                 method: SpeculativeMethod::Ngram,

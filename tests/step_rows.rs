@@ -4,8 +4,6 @@
 //! position (verification of draft tokens), on tiny random-weight
 //! checkpoints (`scripts/make_tiny_models.py`).
 
-use std::path::PathBuf;
-
 mod common;
 
 use common::parity::step;
@@ -15,10 +13,7 @@ use mlxcel_mlx::Dtype;
 use mlxcel_model::{AttentionPath, LoadOptions, Model, RowInput, StepRow, WeightMode};
 
 fn tiny(name: &str) -> Box<dyn Model> {
-    let dir = std::env::var_os("MLXCEL_TINY_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models"))
-        .join(name);
+    let dir = common::tiny_models_root().join(name);
     let config = read_config(&dir).expect("config (run scripts/setup.sh)");
     let options = LoadOptions {
         dtype: Dtype::Float32,

@@ -29,10 +29,7 @@ fn repo() -> PathBuf {
 }
 
 fn tiny_model() -> PathBuf {
-    let dir = std::env::var_os("MLXCEL_TINY_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/tiny-models"))
-        .join("llama_chat");
+    let dir = common::tiny_models_root().join("llama_chat");
     assert!(
         dir.join("tokenizer.json").exists(),
         "{} missing: run scripts/setup.sh",

@@ -162,17 +162,37 @@ pub fn tiny_gemma3_dir(tag: &str) -> std::path::PathBuf {
     tiny_model_dir("gemma3", tag)
 }
 
+/// Where `scripts/make_tiny_models.py` wrote the tiny random-weight
+/// checkpoints: `target/tiny-models`, or `MLXCEL_TINY_MODELS`.
+pub fn tiny_models_root() -> std::path::PathBuf {
+    std::env::var_os("MLXCEL_TINY_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models")
+        })
+}
+
+/// The engine configuration the tiny-model engine tests share, on the
+/// checkpoint in `dir`: `parallel` rows, an 8 MiB KV budget, 8-token
+/// blocks, 16-token prefill chunks (so a prompt spans several blocks and
+/// steps), invariants checked after every step.
+pub fn tiny_engine_config(dir: &std::path::Path, parallel: usize) -> mlxcel_engine::EngineConfig {
+    let mut c = mlxcel_engine::EngineConfig::new(dir.to_path_buf());
+    c.parallel = parallel;
+    c.kv_cache_budget = Some(8 << 20);
+    c.kv_block_size = 8;
+    c.prefill_chunk_size = 16;
+    c.check_invariants = true;
+    c
+}
+
 /// The tiny random-weight checkpoint `model` of `scripts/make_tiny_models.py`
 /// (`target/tiny-models/<model>`, or under `MLXCEL_TINY_MODELS`; its
 /// `golden.json` too) with the tiny `llama_chat` tokenizer, so an engine can
 /// start on it, in a temporary directory named after `model` and `tag`.
 /// Requests feed token ids below the model's vocabulary.
 pub fn tiny_model_dir(model: &str, tag: &str) -> std::path::PathBuf {
-    let tiny = std::env::var_os("MLXCEL_TINY_MODELS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tiny-models")
-        });
+    let tiny = tiny_models_root();
     let dir = std::env::temp_dir().join(format!("mlxcel-{model}-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let files = [
