@@ -261,7 +261,7 @@ pub fn plan(
 }
 
 /// What [`Precompile::wait`] reports.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PrecompileReport {
     /// Jobs run (0 when a marker said they had all run before).
     pub jobs: usize,
@@ -303,11 +303,9 @@ impl Precompile {
                     tracing::warn!("the kernel jobs' thread stopped without a report");
                 }
                 PrecompileReport {
-                    jobs: 0,
-                    failed: 0,
-                    children: 0,
                     seconds: self.started.elapsed().as_secs_f64(),
                     timed_out,
+                    ..PrecompileReport::default()
                 }
             }
         }
@@ -377,13 +375,7 @@ fn run_children(jobs: Vec<KernelJob>, exe: &Path) -> PrecompileReport {
     let started = Instant::now();
     let marker = marker(&jobs);
     if marker.as_deref().is_some_and(Path::exists) {
-        return PrecompileReport {
-            jobs: 0,
-            failed: 0,
-            children: 0,
-            seconds: 0.0,
-            timed_out: false,
-        };
+        return PrecompileReport::default();
     }
     let children = std::thread::available_parallelism()
         .map_or(4, usize::from)

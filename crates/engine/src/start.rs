@@ -69,8 +69,13 @@ impl Engine {
         let embedding = embedding_pooling(&config, &checkpoint)?;
         let opened = Opened::new(&config, checkpoint, shard)?;
         let model_config = opened.model_config.clone();
+        let warmup = config.warmup.unwrap_or(opened.gpu);
         // Started before the model loads, so that both run at once.
-        let kernel_jobs = start_kernel_jobs(&config, &opened);
+        let kernel_jobs = if warmup {
+            start_kernel_jobs(&config, &opened)
+        } else {
+            None
+        };
         let text = Arc::new(load_text(
             &opened.checkpoint,
             config.chat_template.as_deref(),
@@ -170,7 +175,7 @@ impl Engine {
                 "kernels compiled in parallel"
             );
         }
-        if config.warmup.unwrap_or(gpu) {
+        if warmup {
             let report = crate::warmup::warm_up(
                 &engine,
                 plan.worker.scheduler.prefill_chunk_size,
@@ -186,17 +191,15 @@ impl Engine {
     }
 }
 
-/// Starts the kernel jobs of [`crate::kernels`] when they can run: a
-/// warm-up on a CUDA GPU, not a tensor-parallel rank, and an executable
+/// Starts the kernel jobs of [`crate::kernels`] for the warm-up when they
+/// can run: on a CUDA GPU, not a tensor-parallel rank, and an executable
 /// whose `main` runs a job when started as one
 /// ([`crate::kernels::available`]: mlxcel's binaries; an engine embedded
 /// elsewhere compiles in its warm-up as before). The parent's GPU context
 /// is made first, so that children can never keep it from the GPU.
 fn start_kernel_jobs(config: &EngineConfig, opened: &Opened) -> Option<crate::kernels::Precompile> {
     let cuda = opened.gpu && !cfg!(target_os = "macos") && mlxcel_mlx::paged_attention_available();
-    if !(cuda && config.warmup.unwrap_or(true) && crate::kernels::available())
-        || config.tensor_parallel.is_some()
-    {
+    if !(cuda && crate::kernels::available()) || config.tensor_parallel.is_some() {
         return None;
     }
     let exe = std::env::current_exe().ok()?;
