@@ -390,6 +390,7 @@ impl ModelArgs {
                 SpeculativeArg::Draft => mlxcel_engine::SpeculativeMethod::Draft,
             },
             num_tokens: self.num_speculative_tokens,
+            ..mlxcel_engine::SpeculativeConfig::default()
         };
         c.draft_model = self
             .draft_model

@@ -54,6 +54,7 @@ fn engine(speculative: bool, parallel: usize, backend: StorageBackend) -> Engine
             SpeculativeMethod::Off
         },
         num_tokens: 6,
+        ..SpeculativeConfig::default()
     };
     Engine::start(c).expect("engine")
 }
@@ -200,6 +201,7 @@ fn kv_groups_give_the_same_greedy_tokens_with_prompt_lookup() {
             c.speculative = SpeculativeConfig {
                 method: SpeculativeMethod::Ngram,
                 num_tokens: 5,
+                ..SpeculativeConfig::default()
             };
         }
         Engine::start(c).expect("engine")
@@ -398,6 +400,7 @@ fn draft_model_replies_are_identical() {
         c.speculative = SpeculativeConfig {
             method: SpeculativeMethod::Auto,
             num_tokens: 4,
+            ..SpeculativeConfig::default()
         };
         c.draft_model = Some(draft);
         Engine::start(c)
@@ -439,4 +442,287 @@ fn draft_model_replies_are_identical() {
         msg.contains("--draft-model") && msg.contains("vocabulary"),
         "{msg}"
     );
+}
+
+/// Temperature sampling keeps the model's distribution under prompt
+/// lookup (the statistical check; the acceptance rule is in
+/// `crates/engine/src/worker/speculate.rs`). The tiny random-weight Llama
+/// with its LM head scaled by 1/20 (so its own logits differ by a few
+/// tenths and a logit bias shapes the distribution), a prompt that
+/// repeats `A B C D` and a bias that leaves only those four tokens likely
+/// (C the likeliest, then D: most rows propose `D A` after a first C, and
+/// thousands of drafts are accepted and rejected). 10,000 seeded requests of four
+/// sampled tokens (500 requests of 20 choices) run without speculation
+/// and 10,000 with other seeds with it. A chi-square test of homogeneity over the 256 four-token
+/// outcomes (cells expected below 5 pooled) must not reject at the 0.001
+/// level, and the total-variation distance between the two samples'
+/// distributions of each position's token must stay below 0.03
+/// (`chi_square_tells_a_shifted_distribution_apart` shows both checks
+/// reject a sample with a tenth of its outcomes moved to one). The seeds
+/// are fixed, so the test is deterministic; the first 1,000 seeds also
+/// run with speculation and give the same tokens as without it (the
+/// seeded draws are the same draws). Up to 64 rows a step, speculating
+/// ones included.
+#[test]
+fn sampled_distribution_is_kept_with_prompt_lookup() {
+    use mlxcel_engine::api::{GenerationRequest, SamplingParams};
+    const SAMPLES: u64 = 10_000;
+    let (a, b, c, d) = (10u32, 11, 12, 13);
+    let dir = common::tiny_model_dir("llama", "distribution");
+    // The LM head scaled by 1/20 in a copy of the checkpoint.
+    let weights = dir.join("model.safetensors");
+    let mut st = mlxcel_mlx::SafeTensors::load(&weights).expect("tiny weights");
+    let names = st.names();
+    let mut tensors: Vec<(String, mlxcel_mlx::Array)> = names
+        .iter()
+        .map(|n| (n.clone(), st.take(n).expect("tensor")))
+        .collect();
+    for (name, t) in &mut tensors {
+        if name == "lm_head.weight" {
+            let scale = mlxcel_mlx::Array::scalar(0.05).expect("scalar");
+            *t = t.multiply(&scale).expect("scale");
+        }
+    }
+    std::fs::remove_file(&weights).expect("unlink the symlink");
+    let refs: Vec<(String, &mlxcel_mlx::Array)> =
+        tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
+    mlxcel_mlx::save_safetensors(&weights, &refs).expect("save");
+    let start = |speculative: bool| {
+        let mut cfg = common::tiny_engine_config(&dir, 64);
+        cfg.check_invariants = false;
+        // A small pool: on the CPU a step's K/V write copies it.
+        cfg.kv_cache_budget = Some(1 << 20);
+        // Many new prompts a step (a step's prefill is bounded by it).
+        cfg.prefill_chunk_size = 1024;
+        cfg.speculative = SpeculativeConfig {
+            method: if speculative {
+                SpeculativeMethod::Ngram
+            } else {
+                SpeculativeMethod::Off
+            },
+            num_tokens: 3,
+            max_rows: 64,
+        };
+        Engine::start(cfg).expect("engine")
+    };
+    // One seed per request; its 20 choices draw from 20 independent
+    // streams of it (the sampler's ChaCha streams).
+    const CHOICES: usize = 20;
+    let request = |seed: u64| {
+        let sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        let mut r = GenerationRequest::new(
+            Prompt::Tokens(vec![a, b, c, d, a, b, c, d, a, b]),
+            sampling,
+            4,
+        );
+        r.n = CHOICES;
+        r.ignore_eos = true;
+        // Everything else ~e^-40 less likely than these four.
+        r.logit_bias = vec![(a, 40.0), (b, 40.0), (c, 41.5), (d, 41.0)];
+        r
+    };
+    // The choices' tokens, request by request, choice by choice.
+    let outcomes = |engine: &Engine, seeds: std::ops::Range<u64>| -> Vec<Vec<u32>> {
+        use mlxcel_engine::api::GenerationEvent;
+        let streams: Vec<_> = seeds
+            .map(|s| engine.submit(request(s)).expect("submit"))
+            .collect();
+        let mut out = Vec::new();
+        for mut stream in streams {
+            let mut choices = vec![Vec::new(); CHOICES];
+            let mut finished = 0;
+            while finished < CHOICES {
+                match stream.blocking_recv().expect("stream ended early") {
+                    GenerationEvent::Delta { index, token, .. } => choices[index].push(token),
+                    GenerationEvent::Finished { .. } => finished += 1,
+                    other => panic!("unexpected event {other:?}"),
+                }
+            }
+            out.extend(choices);
+        }
+        out
+    };
+    let requests = SAMPLES / CHOICES as u64;
+    let off = start(false);
+    let without = outcomes(&off, 0..requests);
+    drop(off);
+    let on = start(true);
+    let with = outcomes(&on, requests..2 * requests);
+    let same_seeds = outcomes(&on, 0..requests / 10);
+    let stats = settled(&on);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    assert_eq!(same_seeds[..], without[..1_000], "seeded draws are kept");
+    assert_eq!(
+        (without.len(), with.len()),
+        (SAMPLES as usize, SAMPLES as usize)
+    );
+    let (verified, proposed, accepted) = speculation(&stats);
+    eprintln!(
+        "distribution: (verifications, proposed, accepted) = {verified}, {proposed}, {accepted}"
+    );
+    assert!(
+        verified > SAMPLES / 2 && accepted > 1_000 && proposed - accepted > 1_000,
+        "drafts proposed, many accepted and many rejected: {:?}",
+        speculation(&stats)
+    );
+    let cell = |t: &[u32]| -> usize {
+        assert_eq!(t.len(), 4, "four tokens: {t:?}");
+        t.iter().fold(0, |acc, &x| {
+            assert!((a..=d).contains(&x), "only the biased tokens: {t:?}");
+            acc * 4 + (x - a) as usize
+        })
+    };
+    let count = |runs: &[Vec<u32>]| {
+        let mut n = vec![0u64; 256];
+        for t in runs {
+            n[cell(t)] += 1;
+        }
+        n
+    };
+    let (x, y) = (count(&without), count(&with));
+    let (chi2, df) = chi_square_homogeneity(&x, &y);
+    let bound = chi_square_critical_0001(df);
+    let tv = marginal_total_variation(&x, &y);
+    eprintln!(
+        "distribution: chi-square {chi2:.1} on {df} df (0.001 bound {bound:.1}), per-position TV {tv:.4?}"
+    );
+    assert!(df >= 20, "enough cells to compare: {df}");
+    assert!(
+        chi2 < bound,
+        "chi-square {chi2:.1} >= {bound:.1} on {df} df"
+    );
+    assert!(
+        tv.iter().all(|&t| t < 0.03),
+        "total variation per position {tv:.4?}"
+    );
+}
+
+/// The check above can fail: the same sample against one where a tenth
+/// of the outcomes are moved to the outcome an always-accepting
+/// speculation favours (`C D A B`) is rejected by the chi-square bound,
+/// and two multinomial samples of one distribution are not.
+#[test]
+fn chi_square_tells_a_shifted_distribution_apart() {
+    // A fixed distribution over 256 cells and a deterministic sampler
+    // (splitmix64), two samples of 10,000.
+    let weights: Vec<f64> = (0..256)
+        .map(|i| [1.0, 1.0, 4.5, 2.7][i % 4] * [1.0, 1.0, 4.5, 2.7][(i / 4) % 4])
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut state = 7u64;
+    let mut draw = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 * total;
+        let mut acc = 0.0;
+        weights
+            .iter()
+            .position(|w| {
+                acc += w;
+                acc > u
+            })
+            .unwrap_or(255)
+    };
+    let mut sample = || {
+        let mut n = vec![0u64; 256];
+        for _ in 0..10_000 {
+            n[draw()] += 1;
+        }
+        n
+    };
+    let (x, y) = (sample(), sample());
+    let (chi2, df) = chi_square_homogeneity(&x, &y);
+    let tv = marginal_total_variation(&x, &y);
+    eprintln!("same distribution: chi-square {chi2:.1} on {df} df, per-position TV {tv:.4?}");
+    assert!(
+        chi2 < chi_square_critical_0001(df),
+        "same distribution: {chi2:.1} on {df}"
+    );
+    assert!(tv.iter().all(|&t| t < 0.03), "{tv:?}");
+    // Move 1,000 outcomes to cell C D A B = 2·64 + 3·16 + 0·4 + 1.
+    let mut shifted = y.clone();
+    let mut moved = 0;
+    for n in shifted.iter_mut() {
+        let take = (*n / 10).min(1_000 - moved);
+        *n -= take;
+        moved += take;
+    }
+    shifted[2 * 64 + 3 * 16 + 1] += moved;
+    let (chi2, df) = chi_square_homogeneity(&x, &shifted);
+    let tv = marginal_total_variation(&x, &shifted);
+    eprintln!("shifted: chi-square {chi2:.1} on {df} df, per-position TV {tv:.4?}");
+    assert!(
+        chi2 > chi_square_critical_0001(df),
+        "shifted: {chi2:.1} on {df}"
+    );
+    assert!(tv.iter().any(|&t| t >= 0.03), "{tv:?}");
+}
+
+/// Pearson's chi-square test of homogeneity of two samples of equal size
+/// over the same cells: cells whose pooled expected count (half the
+/// combined count) is below 5 are merged into one; the statistic and its
+/// degrees of freedom (cells - 1).
+fn chi_square_homogeneity(x: &[u64], y: &[u64]) -> (f64, usize) {
+    assert_eq!(
+        x.iter().sum::<u64>(),
+        y.iter().sum::<u64>(),
+        "equal samples"
+    );
+    let mut cells: Vec<(u64, u64)> = Vec::new();
+    let mut rest = (0u64, 0u64);
+    for (&a, &b) in x.iter().zip(y) {
+        if a + b >= 10 {
+            cells.push((a, b));
+        } else {
+            rest = (rest.0 + a, rest.1 + b);
+        }
+    }
+    if rest.0 + rest.1 > 0 {
+        cells.push(rest);
+    }
+    // Equal sizes: each cell's expected count is (a + b) / 2 per sample.
+    let chi2 = cells
+        .iter()
+        .map(|&(a, b)| (a as f64 - b as f64).powi(2) / (a + b) as f64)
+        .sum();
+    (chi2, cells.len().saturating_sub(1))
+}
+
+/// The chi-square distribution's 0.999 quantile on `df` degrees of
+/// freedom (Wilson and Hilferty 1931: within 1 % for df >= 10).
+fn chi_square_critical_0001(df: usize) -> f64 {
+    let k = df as f64;
+    let z = 3.090_232; // the standard normal's 0.999 quantile
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+/// Half the L1 distance between two empirical distributions.
+fn total_variation(x: &[u64], y: &[u64]) -> f64 {
+    let (nx, ny) = (x.iter().sum::<u64>() as f64, y.iter().sum::<u64>() as f64);
+    x.iter()
+        .zip(y)
+        .map(|(&a, &b)| (a as f64 / nx - b as f64 / ny).abs())
+        .sum::<f64>()
+        / 2.0
+}
+
+/// [`total_variation`] of each of the four positions' distributions over
+/// the four tokens, from counts over the 256 four-token outcomes (cell
+/// `t0·64 + t1·16 + t2·4 + t3`).
+fn marginal_total_variation(x: &[u64], y: &[u64]) -> [f64; 4] {
+    let marginal = |n: &[u64], position: u32| {
+        let mut m = [0u64; 4];
+        for (cell, &count) in n.iter().enumerate() {
+            m[(cell >> (2 * (3 - position))) & 3] += count;
+        }
+        m
+    };
+    [0, 1, 2, 3].map(|p| total_variation(&marginal(x, p), &marginal(y, p)))
 }

@@ -119,6 +119,9 @@ pub struct SpeculativeConfig {
     pub method: SpeculativeMethod,
     /// Most draft tokens a row proposes per verification (at least 1).
     pub num_tokens: usize,
+    /// Decode rows in one step above which no row speculates
+    /// ([`MAX_SPECULATIVE_ROWS`] unless an embedder says otherwise).
+    pub max_rows: usize,
 }
 
 impl Default for SpeculativeConfig {
@@ -126,6 +129,7 @@ impl Default for SpeculativeConfig {
         SpeculativeConfig {
             method: SpeculativeMethod::Off,
             num_tokens: DEFAULT_NUM_TOKENS,
+            max_rows: MAX_SPECULATIVE_ROWS,
         }
     }
 }

@@ -162,6 +162,7 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
 
 // device
 bool gemv_forwarding_active();
+int skinny_max_rows();
 bool gpu_available();
 void set_cudnn_attention(bool enabled);
 void set_kernel_cache_dir(rust::Str dir);

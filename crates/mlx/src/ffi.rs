@@ -218,6 +218,7 @@ pub(crate) mod bridge {
         fn save_safetensors(path: &str, names: &[String], arrays: &ArrayList) -> Result<()>;
 
         fn gemv_forwarding_active() -> Result<bool>;
+        fn skinny_max_rows() -> Result<i32>;
         fn gpu_available() -> Result<bool>;
         fn set_cudnn_attention(enabled: bool) -> Result<()>;
         fn set_kernel_cache_dir(dir: &str) -> Result<()>;

@@ -80,9 +80,10 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(
     }
     return;
   }
-  if (plain && trans_a == kNoTrans && trans_b == kTrans && m >= 2 && m <= 8 && n >= 64 &&
-      k >= 8 && alpha == 1.0f && beta == 0.0f && mlxcel::skinny_sgemm_available()) {
-    // A few rows against a [n, k] weight: stream the weight once.
+  if (plain && trans_a == kNoTrans && trans_b == kTrans && m >= 2 && m <= mlxcel::skinny_max_rows() && n >= 64 &&
+      k >= 8 && alpha == 1.0f && beta == 0.0f) {
+    // A few rows against a [n, k] weight (batched decode, speculative
+    // verification): stream the weight once.
     mlxcel::skinny_sgemm(m, n, k, a, lda, b, ldb, c, ldc);
     return;
   }

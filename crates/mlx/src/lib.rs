@@ -282,6 +282,15 @@ pub fn gemv_forwarding_active() -> bool {
     bridge::gemv_forwarding_active().unwrap_or(false)
 }
 
+/// The most rows (tokens) a float32 product against a `[out, in]` weight
+/// sends to mlxcel's skinny GEMM (`src/skinny_gemm.cc`, one pass over the
+/// weights) instead of BLAS: 48 with AVX-512, 8 with AVX2, 0 elsewhere.
+/// Within 2 rows and this many, a row's product is bit for bit the same
+/// whatever the rows beside it.
+pub fn skinny_max_rows() -> usize {
+    bridge::skinny_max_rows().map_or(0, |n| n.max(0) as usize)
+}
+
 /// Whether MLX has a GPU backend on this machine (Metal or CUDA).
 pub fn gpu_available() -> bool {
     bridge::gpu_available().unwrap_or(false)

@@ -78,8 +78,8 @@ impl QuantizedMatrix {
 pub enum Matrix {
     /// Dense, `[out, in]` contiguous as in the checkpoint: `x @ wᵀ` streams
     /// weight rows, the layout the CPU paths want (GEMV for one row, the
-    /// skinny GEMM of `mlxcel-mlx` for 2-8 decode rows, which reads every
-    /// weight row once).
+    /// skinny GEMM of `mlxcel-mlx` for 2 to `mlxcel_mlx::skinny_max_rows()`
+    /// rows of decode and verification, which reads every weight row once).
     Dense(Array),
     Quantized(QuantizedMatrix),
 }

@@ -32,9 +32,7 @@ use crate::draft::DraftRow;
 use crate::error::StepError;
 use crate::runner::RowOutput;
 use crate::scheduler::{PlannedRow, StepPlan};
-use crate::speculative::{
-    accepted_prefix, ngram_draft, RowSpeculation, SpeculativeMethod, MAX_SPECULATIVE_ROWS,
-};
+use crate::speculative::{accepted_prefix, ngram_draft, RowSpeculation, SpeculativeMethod};
 
 impl Worker<'_> {
     /// The speculation state of a new choice of `job`: drafts of up to
@@ -77,8 +75,8 @@ impl Worker<'_> {
     /// row proposes a draft (prompt lookup over its prompt and output, or
     /// the draft model's greedy tokens), at most its adaptive length, one
     /// token short of its `max_tokens` and of a prefill chunk. No row
-    /// speculates in a step of more than [`MAX_SPECULATIVE_ROWS`] decode
-    /// rows. Verification rows move behind the plain decode rows (those are
+    /// speculates in a step of more than `SpeculativeConfig::max_rows`
+    /// ([`crate::speculative::MAX_SPECULATIVE_ROWS`]) decode rows. Verification rows move behind the plain decode rows (those are
     /// attended together), before the prefill rows.
     pub(super) fn speculate(&mut self, plan: &mut StepPlan) {
         let method = self.config.speculative.method;
@@ -90,7 +88,7 @@ impl Worker<'_> {
             s.draft.clear();
         }
         let decode = plan.decode_rows();
-        if decode == 0 || decode > MAX_SPECULATIVE_ROWS {
+        if decode == 0 || decode > self.config.speculative.max_rows {
             return;
         }
         let chunk = self.config.scheduler.prefill_chunk_size;
