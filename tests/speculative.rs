@@ -490,8 +490,7 @@ fn sampled_distribution_is_kept_with_prompt_lookup() {
     let start = |speculative: bool| {
         let mut cfg = common::tiny_engine_config(&dir, 64);
         cfg.check_invariants = false;
-        // A small pool: on the CPU a step's K/V write copies it.
-        cfg.kv_cache_budget = Some(1 << 20);
+        cfg.kv_cache_budget = Some(4 << 20);
         // Many new prompts a step (a step's prefill is bounded by it).
         cfg.prefill_chunk_size = 1024;
         cfg.speculative = SpeculativeConfig {

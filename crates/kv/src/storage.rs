@@ -428,9 +428,19 @@ impl PagedStorage {
         let n = copy.tokens as i32;
         let src = Array::from_i32(&src, &[n])?;
         let dst = Array::from_i32(&dst, &[n, 1, 1])?;
-        for a in self.keys.iter_mut().chain(self.values.iter_mut()).flatten() {
-            let part = a.take(&src, 0)?;
-            *a = a.put_along_axis(&dst, &part, 0)?;
+        let pools = || self.keys.iter().chain(self.values.iter()).flatten();
+        let parts = pools()
+            .map(|a| a.take(&src, 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The slots are read before any pool is written: a scatter whose
+        // pool a pending read still holds cannot write in place, and on
+        // the CPU (where a queued read keeps its input) each copy-on-write
+        // then copied every layer's whole pool (measured: 20-choice
+        // requests on a 32 MiB pool took 4x as long as on a 1 MiB one).
+        mlxcel_mlx::eval(&parts.iter().collect::<Vec<_>>())?;
+        let pools = self.keys.iter_mut().chain(self.values.iter_mut()).flatten();
+        for (a, part) in pools.zip(&parts) {
+            *a = a.put_along_axis(&dst, part, 0)?;
         }
         Ok(())
     }
