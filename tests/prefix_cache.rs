@@ -177,9 +177,13 @@ fn quantized_kv_answers_warm_as_cold_batched_as_alone_and_near_float_kv() {
     assert_eq!(engine.stats().kv_storage_backend, "paged");
     let ids = readme_tokens(&engine);
     let mut float = cache(KvCacheDtype::Auto);
-    // Largest logit difference from float K/V allowed (measured: see the
-    // printed values; the logits span about 30).
-    for (kv_dtype, bound) in [(KvCacheDtype::Int8, 0.5), (KvCacheDtype::Int4, 8.0)] {
+    // Largest logit difference from float K/V allowed, and between warm
+    // and cold runs (measured: see the printed values; the logits span
+    // about 30).
+    for (kv_dtype, bound, warm_bound) in [
+        (KvCacheDtype::Int8, 0.5, 0.25),
+        (KvCacheDtype::Int4, 8.0, 3.0),
+    ] {
         let mut kv = cache(kv_dtype);
         for n in [33, 65, 200] {
             let prompt = &ids[..n];
@@ -209,12 +213,13 @@ fn quantized_kv_answers_warm_as_cold_batched_as_alone_and_near_float_kv() {
             // a value across a rounding boundary of the quantizer (one step:
             // 1/255 or 1/15 of a group's range), so warm and cold agree
             // within a quantization step's effect, not float noise
-            // (measured on a Xeon with AVX-512: int8 0.13 at 65 tokens and
-            // 0.18 at 200, where the warm run's last 8 tokens go through
-            // the skinny GEMM and the cold run's through OpenBLAS; the
-            // same order as int8's distance from float K/V, 0.18-0.35).
+            // (measured on a Xeon with AVX-512: int8 0.13 at 65 tokens,
+            // where the warm run's last token goes through GEMV and the
+            // cold run's 65 through OpenBLAS, and 0.18 at 200; int4 2.0 and
+            // 2.3; the earlier bound, a quarter of `bound`, was measured on
+            // another machine and 0.13 exceeds it).
             assert!(
-                same < bound / 2.0,
+                same < warm_bound,
                 "{kv_dtype} {n}: warm logits differ by {same}"
             );
             assert!(

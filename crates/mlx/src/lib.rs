@@ -284,9 +284,11 @@ pub fn gemv_forwarding_active() -> bool {
 
 /// The most rows (tokens) a float32 product against a `[out, in]` weight
 /// sends to mlxcel's skinny GEMM (`src/skinny_gemm.cc`, one pass over the
-/// weights) instead of BLAS: 48 with AVX-512, 8 with AVX2, 0 elsewhere.
-/// Within 2 rows and this many, a row's product is bit for bit the same
-/// whatever the rows beside it.
+/// weights) instead of BLAS: 48 with AVX-512, 8 with AVX2, 0 elsewhere;
+/// past one register tile (6 rows with AVX-512) only while the rows fit in
+/// 512 KiB (`rows · in · 4` bytes). Among the products it takes (2 rows or
+/// more), a row's product is bit for bit the same whatever the rows beside
+/// it; one row goes to GEMV and more rows to BLAS, which round otherwise.
 pub fn skinny_max_rows() -> usize {
     bridge::skinny_max_rows().map_or(0, |n| n.max(0) as usize)
 }

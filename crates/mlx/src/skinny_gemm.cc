@@ -255,6 +255,17 @@ bool skinny_sgemm_available() {
 #endif
 }
 
+bool skinny_sgemm_takes(int m, int k) {
+#if defined(__x86_64__)
+  if (m < 2 || m > skinny_max_rows()) return false;
+  const int tile = avx512_available() ? kTileRows512 : kTileRows;
+  return m <= tile || static_cast<int64_t>(m) * k * 4 <= (512 << 10);
+#else
+  (void)m, (void)k;
+  return false;
+#endif
+}
+
 int skinny_max_rows() {
 #if defined(__x86_64__)
   if (!skinny_sgemm_available()) return 0;
@@ -270,13 +281,14 @@ void skinny_sgemm(int m, int n, int k, const float* a, int lda, const float* b, 
   const auto fn = [m](int n0, int n1, int k, const float* a, int lda, const float* b, int ldb,
                       float* c, int ldc) { rows_kernel(m, n0, n1, k, a, lda, b, ldb, c, ldc); };
   Pool& p = pool();
-  // Split the outputs in even-sized parts (of whole row pairs), one per
-  // thread, when there is enough work to pay for waking the helpers: at
-  // least 64 outputs and 128 Ki weights (512 KiB) a part.
+  // Split the outputs in parts of a multiple of 4 columns (whole column
+  // groups of both kernels), one per thread, when there is enough work to
+  // pay for waking the helpers: at least 64 outputs and 128 Ki weights
+  // (512 KiB) a part.
   const int64_t weights = static_cast<int64_t>(n) * k;
   const int parts = static_cast<int>(
       std::min<int64_t>(p.size(), std::max<int64_t>(1, std::min<int64_t>(n / 64, weights >> 17))));
-  const int per = ((n + parts - 1) / parts + 1) & ~1;
+  const int per = ((n + parts - 1) / parts + 3) & ~3;
   if (parts == 1) {
     fn(0, n, k, a, lda, b, ldb, c, ldc);
     return;

@@ -7,11 +7,12 @@
 // so a decode step of 4-8 rows cost ~3x a one-row GEMV although it reads
 // the same weights (measured: perf shows half of decode in sgemm_itcopy),
 // and a verification row of 1 + 10 draft tokens as much again. This kernel
-// streams each weight row once, computing the dot products of up to 8 rows
-// against it while it is in registers; more rows run 8 at a time over
-// blocks of weight rows that stay in cache: memory traffic is that of one
-// GEMV. Each output is a k-ordered sum of 8-lane partial sums, the same
-// for any m in 2..skinny_max_rows() (a row's product does not depend on the
+// streams each weight row once, computing the dot products of a register
+// tile of rows (8 with AVX2, 6 with AVX-512) against it while it is in
+// registers; more rows run tile by tile over blocks of weight rows that
+// stay in cache: memory traffic is that of one GEMV. Each output is a
+// k-ordered sum of 8-lane (AVX2) or 16-lane (AVX-512) partial sums, the
+// same for any m the kernel takes (a row's product does not depend on the
 // rows beside it); one row (GEMV) and more rows (OpenBLAS) round
 // differently, within float32 noise.
 #pragma once
@@ -26,6 +27,13 @@ bool skinny_sgemm_available();
 // 1536] weights, 2 cores: AVX-512 48 rows 0.89-0.93x OpenBLAS's time, 11
 // rows 0.45x; AVX2 8 rows 0.85x, 11 rows 1.0x), 0 without AVX2.
 int skinny_max_rows();
+
+// Whether `skinny_sgemm` takes m rows of k inputs: 2 <= m <=
+// skinny_max_rows(), and past one register tile the rows fit in 512 KiB
+// (they are re-read from cache once per 4 weight rows; larger ones, e.g.
+// 48 rows of a 8,960-input projection, would stream from L3 and lose to
+// OpenBLAS).
+bool skinny_sgemm_takes(int m, int k);
 
 // c[i * ldc + j] = sum_p a[i * lda + p] * b[j * ldb + p], for i < m, j < n;
 // 1 <= m <= skinny_max_rows(). Splits the n outputs over a small persistent thread pool.

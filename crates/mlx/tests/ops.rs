@@ -223,12 +223,12 @@ fn matmul_single_row_and_column_all_layouts() {
 
 /// Products of 2 to `skinny_max_rows()` rows (48 with AVX-512, 8 with
 /// AVX2) against a `[n, k]` weight go to the skinny GEMM of
-/// `src/skinny_gemm.cc` (more rows to BLAS): every row equals the
-/// exact product, and a row's output is bit for bit the same whatever the
-/// number of rows beside it (a decode row and the same token in a
-/// verification row of several tokens get one product). `k` leaves a
-/// remainder after the 8-lane sums and `n` spans several weight-row
-/// blocks and both pool threads.
+/// `src/skinny_gemm.cc` (more rows to BLAS): every row equals the exact
+/// product, and a row's output is bit for bit the same whatever the
+/// number of rows beside it. `k` leaves a remainder after the 16- and
+/// 8-lane sums, and `n` (266 x 1,203 weights: two parts of 134 and 132
+/// columns on two or more cores) spans several weight-row blocks, a
+/// column tail and the thread split.
 #[test]
 fn skinny_products_are_exact_and_independent_of_the_row_count() {
     assert!(mlxcel_mlx::gemv_forwarding_active());
@@ -238,23 +238,25 @@ fn skinny_products_are_exact_and_independent_of_the_row_count() {
         skinny >= 8,
         "AVX2 at least on the machines we test on: {skinny}"
     );
-    let (k, n, rows) = (1_203usize, 130usize, skinny + 4);
+    let (k, n, rows) = (1_203usize, 266usize, skinny + 4);
     let a: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
     let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
     let wm = Array::from_f32(&w, &[n as i32, k as i32]).unwrap();
-    let exact = |r: usize, j: usize| -> f32 {
-        (0..k)
-            .map(|p| a[r * k + p] as f64 * w[j * k + p] as f64)
-            .sum::<f64>() as f32
-    };
+    let exact: Vec<f32> = (0..rows * n)
+        .map(|i| {
+            let (r, j) = (i / n, i % n);
+            (0..k)
+                .map(|p| a[r * k + p] as f64 * w[j * k + p] as f64)
+                .sum::<f64>() as f32
+        })
+        .collect();
     let mut first: Vec<Vec<f32>> = Vec::new();
     for m in 2..=rows {
         let x = Array::from_f32(&a[..m * k], &[m as i32, k as i32]).unwrap();
         let y = x.matmul(&wm.t().unwrap()).unwrap().to_vec_f32().unwrap();
         for r in 0..m {
             let row = &y[r * n..(r + 1) * n];
-            let want: Vec<f32> = (0..n).map(|j| exact(r, j)).collect();
-            close(row, &want, 1e-3);
+            close(row, &exact[r * n..(r + 1) * n], 1e-3);
             if m <= skinny {
                 match first.get(r) {
                     Some(seen) => assert!(

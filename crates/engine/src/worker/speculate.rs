@@ -76,7 +76,8 @@ impl Worker<'_> {
     /// the draft model's greedy tokens), at most its adaptive length, one
     /// token short of its `max_tokens` and of a prefill chunk. No row
     /// speculates in a step of more than `SpeculativeConfig::max_rows`
-    /// ([`crate::speculative::MAX_SPECULATIVE_ROWS`]) decode rows. Verification rows move behind the plain decode rows (those are
+    /// ([`crate::speculative::MAX_SPECULATIVE_ROWS`]) decode rows.
+    /// Verification rows move behind the plain decode rows (those are
     /// attended together), before the prefill rows.
     pub(super) fn speculate(&mut self, plan: &mut StepPlan) {
         let method = self.config.speculative.method;
