@@ -47,16 +47,21 @@ fn engine(speculative: bool, parallel: usize, backend: StorageBackend) -> Engine
     c.prefill_tile = Some(0);
     c.kv_cache_budget = Some(128 << 20);
     c.check_invariants = true;
-    c.speculative = SpeculativeConfig {
+    c.speculative = ngram_or_off(speculative, 6);
+    Engine::start(c).expect("engine")
+}
+
+/// Prompt lookup with drafts of up to `num_tokens` tokens, or none.
+fn ngram_or_off(speculative: bool, num_tokens: usize) -> SpeculativeConfig {
+    SpeculativeConfig {
         method: if speculative {
             SpeculativeMethod::Ngram
         } else {
             SpeculativeMethod::Off
         },
-        num_tokens: 6,
+        num_tokens,
         ..SpeculativeConfig::default()
-    };
-    Engine::start(c).expect("engine")
+    }
 }
 
 fn run(engine: &Engine, prompt: &Prompt, max_tokens: usize, stop: &[&str]) -> Vec<u32> {
@@ -497,13 +502,8 @@ fn sampled_distribution_is_kept_with_prompt_lookup() {
         // Many new prompts a step (a step's prefill is bounded by it).
         cfg.prefill_chunk_size = 1024;
         cfg.speculative = SpeculativeConfig {
-            method: if speculative {
-                SpeculativeMethod::Ngram
-            } else {
-                SpeculativeMethod::Off
-            },
-            num_tokens: 3,
             max_rows: 64,
+            ..ngram_or_off(speculative, 3)
         };
         Engine::start(cfg).expect("engine")
     };
