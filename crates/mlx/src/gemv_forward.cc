@@ -80,8 +80,8 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(
     }
     return;
   }
-  if (plain && trans_a == kNoTrans && trans_b == kTrans && mlxcel::skinny_sgemm_takes(m, k) && n >= 64 &&
-      k >= 8 && alpha == 1.0f && beta == 0.0f) {
+  if (plain && trans_a == kNoTrans && trans_b == kTrans && mlxcel::skinny_sgemm_takes(m, k) &&
+      n >= 64 && k >= 8 && alpha == 1.0f && beta == 0.0f) {
     // A few rows against a [n, k] weight (batched decode, speculative
     // verification): stream the weight once.
     mlxcel::skinny_sgemm(m, n, k, a, lda, b, ldb, c, ldc);

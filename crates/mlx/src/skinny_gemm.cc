@@ -130,6 +130,14 @@ bool avx512_available() {
   return ok;
 }
 
+// The kernels of this machine (indexed by rows, 1..tile_rows()) and the
+// rows one of them holds.
+const KernelFn* kernels() { return avx512_available() ? kKernels512 : kKernels; }
+int tile_rows() { return avx512_available() ? kTileRows512 : kTileRows; }
+
+// Most rows with AVX-512 (AVX2: one tile, kTileRows).
+constexpr int kMaxRows512 = 48;
+
 // Output columns [n0, n1) for any 1 <= m <= skinny_max_rows() rows. Up
 // to a tile of rows (kTileRows; kTileRows512 with AVX-512) run as one
 // tile. More rows run tile by tile over blocks of weight rows small enough
@@ -140,10 +148,10 @@ bool avx512_available() {
 __attribute__((target("avx2,fma"))) void rows_kernel(int m, int n0, int n1, int k, const float* a,
                                                      int lda, const float* b, int ldb, float* c,
                                                      int ldc) {
-  const KernelFn* kernels = avx512_available() ? kKernels512 : kKernels;
-  const int tile = avx512_available() ? kTileRows512 : kTileRows;
+  const KernelFn* fns = kernels();
+  const int tile = tile_rows();
   if (m <= tile) {
-    kernels[m](n0, n1, k, a, lda, b, ldb, c, ldc);
+    fns[m](n0, n1, k, a, lda, b, ldb, c, ldc);
     return;
   }
   // About 64 KiB of weight rows per block, a multiple of 4 (the weight
@@ -153,8 +161,8 @@ __attribute__((target("avx2,fma"))) void rows_kernel(int m, int n0, int n1, int 
     const int j1 = std::min(n1, j0 + block);
     for (int i0 = 0; i0 < m; i0 += tile) {
       const int rows = std::min(tile, m - i0);
-      kernels[rows](j0, j1, k, a + static_cast<int64_t>(i0) * lda, lda, b, ldb,
-                     c + static_cast<int64_t>(i0) * ldc, ldc);
+      fns[rows](j0, j1, k, a + static_cast<int64_t>(i0) * lda, lda, b, ldb,
+                c + static_cast<int64_t>(i0) * ldc, ldc);
     }
   }
 }
@@ -258,8 +266,7 @@ bool skinny_sgemm_available() {
 bool skinny_sgemm_takes(int m, int k) {
 #if defined(__x86_64__)
   if (m < 2 || m > skinny_max_rows()) return false;
-  const int tile = avx512_available() ? kTileRows512 : kTileRows;
-  return m <= tile || static_cast<int64_t>(m) * k * 4 <= (512 << 10);
+  return m <= tile_rows() || static_cast<int64_t>(m) * k * 4 <= (512 << 10);
 #else
   (void)m, (void)k;
   return false;
@@ -269,7 +276,7 @@ bool skinny_sgemm_takes(int m, int k) {
 int skinny_max_rows() {
 #if defined(__x86_64__)
   if (!skinny_sgemm_available()) return 0;
-  return avx512_available() ? 48 : kTileRows;
+  return avx512_available() ? kMaxRows512 : kTileRows;
 #else
   return 0;
 #endif

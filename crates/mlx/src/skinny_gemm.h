@@ -36,7 +36,8 @@ int skinny_max_rows();
 bool skinny_sgemm_takes(int m, int k);
 
 // c[i * ldc + j] = sum_p a[i * lda + p] * b[j * ldb + p], for i < m, j < n;
-// 1 <= m <= skinny_max_rows(). Splits the n outputs over a small persistent thread pool.
+// 1 <= m <= skinny_max_rows(). Splits the n outputs over a small
+// persistent thread pool.
 void skinny_sgemm(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c,
                   int ldc);
 
