@@ -456,10 +456,11 @@ fn draft_model_replies_are_identical() {
 /// tenths and a logit bias shapes the distribution), a prompt that
 /// repeats `A B C D` and a bias that leaves only those four tokens likely
 /// (C the likeliest, then D: most rows propose `D A` after a first C, and
-/// thousands of drafts are accepted and rejected). 10,000 seeded requests of four
-/// sampled tokens (500 requests of 20 choices) run without speculation
-/// and 10,000 with other seeds with it. A chi-square test of homogeneity over the 256 four-token
-/// outcomes (cells expected below 5 pooled) must not reject at the 0.001
+/// thousands of drafts are accepted and rejected). 10,000 samples of four
+/// sampled tokens (500 seeded requests of 20 choices) run without
+/// speculation and 10,000 with other seeds with it. A chi-square test of
+/// homogeneity over the 256 four-token outcomes (cells expected below 5
+/// pooled) must not reject at the 0.001
 /// level, and the total-variation distance between the two samples'
 /// distributions of each position's token must stay below 0.03
 /// (`chi_square_tells_a_shifted_distribution_apart` shows both checks
@@ -558,7 +559,12 @@ fn sampled_distribution_is_kept_with_prompt_lookup() {
     let stats = settled(&on);
     let _ = std::fs::remove_dir_all(&dir);
 
-    assert_eq!(same_seeds[..], without[..1_000], "seeded draws are kept");
+    assert_eq!(
+        same_seeds[..],
+        without[..same_seeds.len()],
+        "seeded draws are kept"
+    );
+    assert_eq!(same_seeds.len(), 1_000);
     assert_eq!(
         (without.len(), with.len()),
         (SAMPLES as usize, SAMPLES as usize)
@@ -649,7 +655,8 @@ fn chi_square_tells_a_shifted_distribution_apart() {
         "same distribution: {chi2:.1} on {df}"
     );
     assert!(tv.iter().all(|&t| t < 0.03), "{tv:?}");
-    // Move 1,000 outcomes to cell C D A B = 2·64 + 3·16 + 0·4 + 1.
+    // Move a tenth of each cell (at most 1,000 outcomes in all) to cell
+    // C D A B = 2·64 + 3·16 + 0·4 + 1.
     let mut shifted = y.clone();
     let mut moved = 0;
     for n in shifted.iter_mut() {
