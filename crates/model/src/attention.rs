@@ -2,7 +2,7 @@
 //! attention layer that talks to the KV view. The mask is built here, from
 //! the number of live keys the view returns (docs/architecture.md invariant 3).
 
-use crate::layers::{Linear, LoadContext, RmsNorm, ShardAxis};
+use crate::layers::{Linear, LinearGroup, LoadContext, RmsNorm, ShardAxis};
 use crate::profile::mark;
 use crate::rope::{Rope, RopeSpec};
 use crate::step::{Step, StepMismatch};
@@ -32,7 +32,7 @@ pub struct AttentionSpec {
     /// Query scale (`head_dim^-0.5` unless the family says otherwise).
     pub scale: f32,
     /// The q, k and v projections are one fused `{path}.qkv_proj` (q rows,
-    /// then k, then v; Phi-3), split at load.
+    /// then k, then v; Phi-3), kept as one [`LinearGroup`].
     pub fused_qkv: bool,
     /// A learned attention sink per query head, `{path}.sinks` `[heads]`
     /// (gpt-oss): one more logit in each query's softmax, with no value.
@@ -113,11 +113,12 @@ use mlxcel_mlx::{
 /// Self-attention of one transformer layer.
 #[derive(Debug, Clone)]
 pub struct Attention {
-    pub q_proj: Linear,
-    /// `None` for a layer that reads another's K/V
-    /// ([`AttentionSpec::shared_kv`]), as `v_proj` and `k_norm`.
-    pub k_proj: Option<Linear>,
-    pub v_proj: Option<Linear>,
+    /// The q, k and v projections in that order, one matmul when they
+    /// can be fused ([`LinearGroup`]): q alone on a layer that reads
+    /// another's K/V ([`AttentionSpec::shared_kv`]; it has no `k_norm`
+    /// either), q and k when values are the keys
+    /// ([`AttentionSpec::values_from_keys`]).
+    pub qkv: LinearGroup,
     pub o_proj: Linear,
     /// Per-head RMSNorms of queries and keys (before RoPE).
     pub q_norm: Option<RmsNorm>,
@@ -257,41 +258,31 @@ impl Attention {
                 "{path}: a fused qkv_proj with values from the keys"
             )));
         }
-        let (q_proj, k_proj, v_proj) = if spec.shared_kv {
-            (
-                Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
-                None,
-                None,
-            )
+        let separate = |ctx: &mut LoadContext<'_>, names: &[&str]| {
+            let parts = names
+                .iter()
+                .map(|name| {
+                    Linear::load(ctx, &format!("{path}.{name}"), spec.qkv_bias)?
+                        .shard_if(ShardAxis::Output, tp)
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            LinearGroup::new(parts)
+        };
+        let qkv = if spec.shared_kv {
+            separate(ctx, &["q_proj"])?
         } else if spec.fused_qkv {
             let (q, kv) = (spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
-            let parts = Linear::load_split(
+            LinearGroup::load_fused(
                 ctx,
                 &format!("{path}.qkv_proj"),
                 spec.qkv_bias,
                 &[q, kv, kv],
-            )?;
-            match <[Linear; 3]>::try_from(parts) {
-                Ok([q, k, v]) => (q, Some(k), Some(v)),
-                Err(_) => return Err(ModelError::Weights(format!("{path}.qkv_proj: no split"))),
-            }
+            )?
+        } else if spec.values_from_keys {
+            separate(ctx, &["q_proj", "k_proj"])?
         } else {
-            (
-                Linear::load(ctx, &format!("{path}.q_proj"), spec.qkv_bias)?,
-                Some(Linear::load(ctx, &format!("{path}.k_proj"), spec.qkv_bias)?),
-                if spec.values_from_keys {
-                    None
-                } else {
-                    Some(Linear::load(ctx, &format!("{path}.v_proj"), spec.qkv_bias)?)
-                },
-            )
+            separate(ctx, &["q_proj", "k_proj", "v_proj"])?
         };
-        let shard = |l: Option<Linear>| l.map(|l| l.shard_if(ShardAxis::Output, tp)).transpose();
-        let (q_proj, k_proj, v_proj) = (
-            q_proj.shard_if(ShardAxis::Output, tp)?,
-            shard(k_proj)?,
-            shard(v_proj)?,
-        );
         let v_norm = if spec.v_norm {
             let eps = spec.qk_norm.map_or(1e-6, |n| n.eps);
             let ones = Array::from_f32(&vec![1.0; spec.head_dim], &[spec.head_dim as i32])?
@@ -309,9 +300,7 @@ impl Attention {
             spec.scale
         };
         Ok(Attention {
-            q_proj,
-            k_proj,
-            v_proj,
+            qkv,
             o_proj: Linear::load(ctx, &format!("{path}.o_proj"), spec.o_bias)?
                 .shard_if(ShardAxis::Input, tp)?,
             q_norm: norm(ctx, "q_norm")?,
@@ -352,7 +341,12 @@ impl Attention {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         // Packed per token: [tokens, heads, 1, head_dim], rotated at each
         // token's own absolute position.
-        let mut q = self.q_proj.forward(x)?;
+        let mut projected = self.qkv.forward(x)?.into_iter();
+        let Some(mut q) = projected.next() else {
+            return Err(ModelError::Weights(
+                "attention without a q projection".into(),
+            ));
+        };
         let gate = if self.output_gate {
             let both = q.reshape(&[t, h, 2 * d])?;
             q = both.slice(&[0, 0, 0], &[t, h, d])?;
@@ -381,10 +375,9 @@ impl Attention {
         let q = per_head(&self.q_norm, q)?;
         let q = self.rope.apply_at(&q, &step.positions)?;
         let q = self.pad_heads(q)?;
-        if let Some(k_proj) = &self.k_proj {
-            let k = k_proj.forward(x)?;
-            let v = match &self.v_proj {
-                Some(v_proj) => v_proj.forward(x)?,
+        if let Some(k) = projected.next() {
+            let v = match projected.next() {
+                Some(v) => v,
                 None => k.clone(),
             }
             .reshape(&[t, kvh, d])?;
@@ -618,12 +611,8 @@ impl Attention {
 
     /// Every tensor of the layer.
     pub fn arrays(&self) -> Vec<&Array> {
-        let mut v: Vec<&Array> = [Some(&self.q_proj), self.k_proj.as_ref()]
-            .into_iter()
-            .chain([self.v_proj.as_ref(), Some(&self.o_proj)])
-            .flatten()
-            .flat_map(Linear::arrays)
-            .collect();
+        let mut v = self.qkv.arrays();
+        v.extend(self.o_proj.arrays());
         v.extend(self.v_norm.iter().map(|(ones, _)| ones));
         v.extend(self.q_norm.iter().chain(&self.k_norm).map(|n| &n.weight));
         v.extend(self.sinks.iter().flat_map(|s| [&s.compute, &s.float32]));

@@ -1,5 +1,6 @@
-//! Shared layers: linear (dense or affine-quantized, fused ones split at
-//! load), embedding, RMSNorm, the gated SiLU MLP. Each has `load(ctx, path)` with `path` mirroring the
+//! Shared layers: linear (dense or affine-quantized), linears over one
+//! input fused into one matmul ([`LinearGroup`]), embedding, RMSNorm, the
+//! gated SiLU MLP. Each has `load(ctx, path)` with `path` mirroring the
 //! checkpoint's tensor names, and `forward`.
 
 use crate::{config::QuantSpec, ModelError, TensorParallel, Weights};
@@ -242,6 +243,36 @@ impl Linear {
         Ok(parts)
     }
 
+    /// Output rows `start..start + len` of the layer as views of its
+    /// tensors (no copy): the row slices of a row-major matrix, its scales,
+    /// biases and bias are contiguous.
+    ///
+    /// # Errors
+    /// MLX failing to slice.
+    pub fn output_rows(&self, start: i32, len: i32) -> Result<Self, ModelError> {
+        let rows = |a: &Array| -> Result<Array, ModelError> {
+            let mut stop = a.shape();
+            let mut begin = vec![0; stop.len()];
+            begin[0] = start;
+            stop[0] = start + len;
+            Ok(a.slice(&begin, &stop)?)
+        };
+        let weight = match &self.weight {
+            Matrix::Dense(w) => Matrix::Dense(rows(w)?),
+            Matrix::Quantized(q) => Matrix::Quantized(QuantizedMatrix {
+                weight: rows(&q.weight)?,
+                scales: rows(&q.scales)?,
+                biases: rows(&q.biases)?,
+                spec: q.spec,
+            }),
+        };
+        Ok(Linear {
+            weight,
+            bias: self.bias.as_ref().map(rows).transpose()?,
+            all_sum: self.all_sum,
+        })
+    }
+
     /// This rank's shard of the layer along `axis` (see [`ShardAxis`]).
     /// Quantized matrices split along their packed columns and their
     /// scale/bias groups, so the input slice must cover whole groups
@@ -318,6 +349,209 @@ impl Linear {
         v.extend(self.bias.as_ref());
         v
     }
+}
+
+/// Input rows (tokens) up to which a fused [`LinearGroup`] runs as one
+/// matmul: decode batches and speculative verify steps; prefill tiles above
+/// it take the per-part products.
+pub const FUSED_MAX_ROWS: i32 = 64;
+
+/// Linear layers that read the same input (q, k and v; gate and up), run
+/// as one matmul over their output rows concatenated at load whenever they
+/// can be: the same weight kind (dense, or quantized with one
+/// [`QuantSpec`]), all or none with a bias, none summed over ranks.
+///
+/// One matmul instead of two or three removes kernels from every layer of a
+/// decode step, which is host-bound on the GPU (each kernel costs encoding
+/// time whatever its size), and gives the GEMM one wider output. vLLM's
+/// `QKVParallelLinear` and `MergedColumnParallelLinear` fuse the same
+/// projections. The outputs are views (slices of the last axis) of the one
+/// product. Over more than [`FUSED_MAX_ROWS`] input rows (prefill) the
+/// product is taken per part instead, against row views of the fused
+/// weight (no copy, no extra memory): there a matmul's launch cost is small
+/// next to its work, and strided views of one wide product would make the
+/// consumers (per-head norms, RoPE) copy them; one fused product for
+/// prefill tiles measured 3-4% slower. On the H200 (4-bit, builds run
+/// interleaved; `benches/results/2026-12-04-gpu-fused-projections.json`)
+/// single-stream decode is within that machine's run-to-run spread of the
+/// separate projections (0.95-1.11x) and prefill unchanged. Parts that
+/// cannot be fused (mixed per-module quantization) stay separate matmuls,
+/// the same result.
+#[derive(Debug, Clone)]
+pub enum LinearGroup {
+    /// One linear whose output rows are the parts' rows in order, with the
+    /// parts' output sizes and each part as a view of its rows.
+    Fused {
+        linear: Linear,
+        sizes: Vec<i32>,
+        parts: Vec<Linear>,
+    },
+    /// The parts as loaded.
+    Separate(Vec<Linear>),
+}
+
+impl LinearGroup {
+    /// Fuses `parts` (in output order) when they can be, else keeps them
+    /// apart. Under tensor parallelism shard each part first
+    /// ([`ShardAxis::Output`]): a rank's fused rows are then its slices of
+    /// every part.
+    ///
+    /// # Errors
+    /// MLX failing to concatenate the weights.
+    pub fn new(parts: Vec<Linear>) -> Result<Self, ModelError> {
+        let fusable = parts.len() > 1
+            && parts.iter().all(|p| !p.all_sum)
+            && (parts.iter().all(|p| p.bias.is_some()) || parts.iter().all(|p| p.bias.is_none()))
+            && match parts.first().map(|p| &p.weight) {
+                Some(Matrix::Dense(first)) => parts.iter().all(|p| match &p.weight {
+                    Matrix::Dense(w) => w.dtype() == first.dtype(),
+                    Matrix::Quantized(_) => false,
+                }),
+                Some(Matrix::Quantized(first)) => parts.iter().all(|p| match &p.weight {
+                    Matrix::Quantized(q) => q.spec == first.spec,
+                    Matrix::Dense(_) => false,
+                }),
+                None => false,
+            };
+        if !fusable {
+            return Ok(LinearGroup::Separate(parts));
+        }
+        let rows = |m: &Matrix| match m {
+            Matrix::Dense(w) => w.shape().first().copied().unwrap_or(0),
+            Matrix::Quantized(q) => q.weight.shape().first().copied().unwrap_or(0),
+        };
+        let sizes: Vec<i32> = parts.iter().map(|p| rows(&p.weight)).collect();
+        let cat = |pick: &dyn Fn(&Linear) -> Option<&Array>| -> Result<Option<Array>, ModelError> {
+            let arrays: Option<Vec<&Array>> = parts.iter().map(pick).collect();
+            arrays
+                .map(|a| Ok(mlxcel_mlx::concatenate(&a, 0)?))
+                .transpose()
+        };
+        let quantized = |p: &Linear| match &p.weight {
+            Matrix::Quantized(q) => Some(q.clone()),
+            Matrix::Dense(_) => None,
+        };
+        let weight = match parts.first().and_then(quantized) {
+            None => cat(&|p| match &p.weight {
+                Matrix::Dense(w) => Some(w),
+                Matrix::Quantized(_) => None,
+            })?
+            .map(Matrix::Dense),
+            Some(first) => {
+                let field = |f: fn(&QuantizedMatrix) -> &Array| {
+                    cat(&move |p: &Linear| match &p.weight {
+                        Matrix::Quantized(q) => Some(f(q)),
+                        Matrix::Dense(_) => None,
+                    })
+                };
+                match (
+                    field(|q| &q.weight)?,
+                    field(|q| &q.scales)?,
+                    field(|q| &q.biases)?,
+                ) {
+                    (Some(weight), Some(scales), Some(biases)) => {
+                        Some(Matrix::Quantized(QuantizedMatrix {
+                            weight,
+                            scales,
+                            biases,
+                            spec: first.spec,
+                        }))
+                    }
+                    _ => None,
+                }
+            }
+        };
+        let Some(weight) = weight else {
+            return Ok(LinearGroup::Separate(parts));
+        };
+        let bias = cat(&|p| p.bias.as_ref())?;
+        let linear = Linear {
+            weight,
+            bias,
+            all_sum: false,
+        };
+        let mut views = Vec::with_capacity(sizes.len());
+        let mut start = 0;
+        for &len in &sizes {
+            views.push(linear.output_rows(start, len)?);
+            start += len;
+        }
+        Ok(LinearGroup::Fused {
+            linear,
+            sizes,
+            parts: views,
+        })
+    }
+
+    /// Loads the fused linear `path` whose output rows are parts of
+    /// `sizes` rows each (Phi-3's `qkv_proj`, `gate_up_proj`), sharding
+    /// each part's rows under tensor parallelism (`ctx.shard`).
+    ///
+    /// # Errors
+    /// As [`Linear::load_split`].
+    pub fn load_fused(
+        ctx: &mut LoadContext<'_>,
+        path: &str,
+        bias: bool,
+        sizes: &[usize],
+    ) -> Result<Self, ModelError> {
+        let tp = ctx.shard;
+        let parts = Linear::load_split(ctx, path, bias, sizes)?
+            .into_iter()
+            .map(|p| p.shard_if(ShardAxis::Output, tp))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::new(parts)
+    }
+
+    /// How many outputs [`LinearGroup::forward`] returns.
+    pub fn len(&self) -> usize {
+        match self {
+            LinearGroup::Fused { sizes, .. } => sizes.len(),
+            LinearGroup::Separate(parts) => parts.len(),
+        }
+    }
+
+    /// Whether the group has no part.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `[..., in]` -> one `[..., out_i]` per part, in order.
+    pub fn forward(&self, x: &Array) -> Result<Vec<Array>, ModelError> {
+        match self {
+            LinearGroup::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            LinearGroup::Fused { parts, .. } if input_rows(x) > FUSED_MAX_ROWS => {
+                parts.iter().map(|p| p.forward(x)).collect()
+            }
+            LinearGroup::Fused { linear, sizes, .. } => {
+                let y = linear.forward(x)?;
+                let mut stop = y.shape();
+                let last = stop.len().saturating_sub(1);
+                let mut begin = vec![0; stop.len()];
+                let mut out = Vec::with_capacity(sizes.len());
+                for &n in sizes {
+                    stop[last] = begin[last] + n;
+                    out.push(y.slice(&begin, &stop)?);
+                    begin[last] = stop[last];
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Every tensor of the group.
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            LinearGroup::Fused { linear, .. } => linear.arrays(),
+            LinearGroup::Separate(parts) => parts.iter().flat_map(Linear::arrays).collect(),
+        }
+    }
+}
+
+/// Rows of `x` `[..., in]`: the product of every dimension but the last.
+fn input_rows(x: &Array) -> i32 {
+    let shape = x.shape();
+    shape.iter().take(shape.len().saturating_sub(1)).product()
 }
 
 /// Token embedding table `[vocab, hidden]`, also usable as a tied LM head.
@@ -409,8 +643,9 @@ pub enum Activation {
 /// `down(act(gate(x)) · up(x))`, `act` SiLU or (Gemma) GELU.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
+    /// The gate and up projections, in that order (fused when they can be,
+    /// see [`LinearGroup`]).
+    pub gate_up: LinearGroup,
     pub down_proj: Linear,
     /// The gate's activation.
     pub activation: Activation,
@@ -423,10 +658,12 @@ impl Mlp {
     pub fn load(ctx: &mut LoadContext<'_>, path: &str, bias: bool) -> Result<Self, ModelError> {
         let tp = ctx.shard;
         Ok(Mlp {
-            gate_proj: Linear::load(ctx, &format!("{path}.gate_proj"), bias)?
-                .shard_if(ShardAxis::Output, tp)?,
-            up_proj: Linear::load(ctx, &format!("{path}.up_proj"), bias)?
-                .shard_if(ShardAxis::Output, tp)?,
+            gate_up: LinearGroup::new(vec![
+                Linear::load(ctx, &format!("{path}.gate_proj"), bias)?
+                    .shard_if(ShardAxis::Output, tp)?,
+                Linear::load(ctx, &format!("{path}.up_proj"), bias)?
+                    .shard_if(ShardAxis::Output, tp)?,
+            ])?,
             down_proj: Linear::load(ctx, &format!("{path}.down_proj"), bias)?
                 .shard_if(ShardAxis::Input, tp)?,
             activation: Activation::Silu,
@@ -466,38 +703,139 @@ impl Mlp {
         bias: bool,
         intermediate: usize,
     ) -> Result<Self, ModelError> {
-        let path = gate_up;
-        let mut gate_up = Linear::load_split(ctx, gate_up, bias, &[intermediate, intermediate])?;
         let tp = ctx.shard;
-        let up_proj = gate_up.pop();
-        let gate_proj = gate_up.pop();
-        match (gate_proj, up_proj) {
-            (Some(gate_proj), Some(up_proj)) => Ok(Mlp {
-                gate_proj: gate_proj.shard_if(ShardAxis::Output, tp)?,
-                up_proj: up_proj.shard_if(ShardAxis::Output, tp)?,
-                down_proj: Linear::load(ctx, down, bias)?.shard_if(ShardAxis::Input, tp)?,
-                activation: Activation::Silu,
-            }),
-            _ => Err(ModelError::Weights(format!("{path}: no split"))),
-        }
+        Ok(Mlp {
+            gate_up: LinearGroup::load_fused(ctx, gate_up, bias, &[intermediate, intermediate])?,
+            down_proj: Linear::load(ctx, down, bias)?.shard_if(ShardAxis::Input, tp)?,
+            activation: Activation::Silu,
+        })
     }
 
     /// Every tensor of the MLP (gate, up, down).
     pub fn arrays(&self) -> Vec<&Array> {
-        [&self.gate_proj, &self.up_proj, &self.down_proj]
-            .into_iter()
-            .flat_map(Linear::arrays)
-            .collect()
+        let mut v = self.gate_up.arrays();
+        v.extend(self.down_proj.arrays());
+        v
     }
 
     /// `[..., hidden] -> [..., hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
-        let g = self.gate_proj.forward(x)?;
+        let [g, u] = <[Array; 2]>::try_from(self.gate_up.forward(x)?)
+            .map_err(|_| ModelError::Weights("an MLP without gate and up".into()))?;
         let g = match self.activation {
             Activation::Silu => g.silu()?,
             Activation::GeluTanh => g.gelu_tanh()?,
         };
-        let u = self.up_proj.forward(x)?;
         self.down_proj.forward(&g.multiply(&u)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic `[rows, cols]` matrix with values in [-1, 1).
+    fn matrix(rows: usize, cols: usize, seed: u32) -> Array {
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761) >> 8;
+                (h % 2000) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        Array::from_f32(&data, &[rows as i32, cols as i32]).unwrap()
+    }
+
+    fn dense(rows: usize, cols: usize, seed: u32, bias: bool) -> Linear {
+        Linear {
+            weight: Matrix::Dense(matrix(rows, cols, seed)),
+            bias: bias.then(|| matrix(1, rows, seed + 7).reshape(&[rows as i32]).unwrap()),
+            all_sum: false,
+        }
+    }
+
+    fn quantized(rows: usize, cols: usize, seed: u32, bits: i32) -> Linear {
+        let (weight, scales, biases) = matrix(rows, cols, seed).quantize(64, bits).unwrap();
+        Linear {
+            weight: Matrix::Quantized(QuantizedMatrix {
+                weight,
+                scales,
+                biases,
+                spec: QuantSpec {
+                    group_size: 64,
+                    bits,
+                },
+            }),
+            bias: None,
+            all_sum: false,
+        }
+    }
+
+    /// Each part's output of `group` against the part run alone, over a
+    /// decode-sized input (the one fused matmul) and a prefill-sized one
+    /// (the per-part products on row views).
+    fn assert_same_as_parts(group: &LinearGroup, parts: &[Linear]) {
+        for tokens in [3, FUSED_MAX_ROWS as usize + 6] {
+            let x = matrix(tokens, 128, 99)
+                .reshape(&[1, tokens as i32, 128])
+                .unwrap();
+            let outs = group.forward(&x).unwrap();
+            assert_eq!(outs.len(), parts.len());
+            for (out, part) in outs.iter().zip(parts) {
+                let want = part.forward(&x).unwrap();
+                assert_eq!(out.shape(), want.shape());
+                let (got, want) = (out.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= 1e-4,
+                    "{tokens} tokens: fused output off by {worst}"
+                );
+            }
+        }
+    }
+
+    /// q, k and v with biases (Qwen 2) fuse into one matmul whose slices
+    /// are what each projection computes alone.
+    #[test]
+    fn dense_projections_fuse_into_one_matmul() {
+        let parts = vec![
+            dense(64, 128, 1, true),
+            dense(32, 128, 2, true),
+            dense(32, 128, 3, true),
+        ];
+        let group = LinearGroup::new(parts.clone()).unwrap();
+        match &group {
+            LinearGroup::Fused { sizes, linear, .. } => {
+                assert_eq!(sizes, &[64, 32, 32]);
+                assert_eq!(linear.bias.as_ref().map(Array::shape), Some(vec![128]));
+            }
+            LinearGroup::Separate(_) => panic!("dense parts with biases did not fuse"),
+        }
+        assert_same_as_parts(&group, &parts);
+    }
+
+    /// Quantized gate and up of one spec fuse (packed rows, scales and
+    /// biases concatenated); parts of different bit widths (mlx_lm's
+    /// per-module quantization) or with and without a bias stay apart and
+    /// still compute the same.
+    #[test]
+    fn quantized_projections_fuse_only_under_one_spec() {
+        let parts = vec![quantized(96, 128, 4, 4), quantized(96, 128, 5, 4)];
+        let group = LinearGroup::new(parts.clone()).unwrap();
+        assert!(matches!(group, LinearGroup::Fused { .. }));
+        assert_same_as_parts(&group, &parts);
+
+        let mixed = vec![quantized(96, 128, 4, 4), quantized(96, 128, 5, 8)];
+        let group = LinearGroup::new(mixed.clone()).unwrap();
+        assert!(matches!(group, LinearGroup::Separate(_)));
+        assert_same_as_parts(&group, &mixed);
+
+        let half_biased = vec![dense(16, 128, 6, true), dense(16, 128, 7, false)];
+        let group = LinearGroup::new(half_biased.clone()).unwrap();
+        assert!(matches!(group, LinearGroup::Separate(_)));
+        assert_same_as_parts(&group, &half_biased);
     }
 }

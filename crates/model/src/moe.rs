@@ -456,7 +456,8 @@ impl SparseMoe {
             None => None,
             Some(size) => {
                 let mlp = Mlp::load(ctx, &format!("{path}.shared_expert"), false)?;
-                let rows = matrix_dims(&mlp.gate_proj.weight).0;
+                // Its intermediate size: down's input columns (gate's and up's rows).
+                let rows = matrix_dims(&mlp.down_proj.weight).1;
                 if rows != size {
                     return Err(ModelError::Weights(format!(
                         "{path}.shared_expert has {rows} rows, config says {size}"

@@ -1,6 +1,7 @@
 //! Phi-3 and Phi-4-mini (Microsoft): Llama's wiring with fused projections
 //! (`qkv_proj`: q, k then v rows; `mlp.gate_up_proj`: gate then up rows),
-//! split at load, heads of `hidden_size / num_attention_heads` features,
+//! kept fused ([`mlxcel_model::layers::LinearGroup`]), heads of
+//! `hidden_size / num_attention_heads` features,
 //! and RoPE over the first `partial_rotary_factor` of each head. The
 //! `longrope` / `su` scalings of the 128k-context checkpoints are refused
 //! by the shared config reader (unsupported `rope_scaling`). Reference:
