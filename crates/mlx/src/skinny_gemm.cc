@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -27,18 +29,26 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Column j of M output rows: each row's accumulator summed, plus the
+// products of the k % 8 trailing elements. A function of its own rather
+// than a lambda, which would not carry the target attribute and would pass
+// __m256 values across a non-AVX call boundary unless inlined.
+template <int M>
+__attribute__((target("avx2,fma"))) inline void finish(const __m256* acc, const float* a, int lda,
+                                                const float* row, int k8, int k, float* c, int ldc,
+                                                int j) {
+  for (int i = 0; i < M; i++) {
+    float s = hsum(acc[i]);
+    for (int p = k8; p < k; p++) s += a[i * lda + p] * row[p];
+    c[i * ldc + j] = s;
+  }
+}
+
 // Output columns [n0, n1) for exactly M rows, two weight rows at a time.
 template <int M>
 __attribute__((target("avx2,fma"))) void kernel(int n0, int n1, int k, const float* a, int lda,
                                                 const float* b, int ldb, float* c, int ldc) {
   const int k8 = k & ~7;
-  auto finish = [&](const __m256* acc, const float* row, int j) {
-    for (int i = 0; i < M; i++) {
-      float s = hsum(acc[i]);
-      for (int p = k8; p < k; p++) s += a[i * lda + p] * row[p];
-      c[i * ldc + j] = s;
-    }
-  };
   int j = n0;
   for (; j + 2 <= n1; j += 2) {
     const float* r0 = b + static_cast<int64_t>(j) * ldb;
@@ -53,8 +63,8 @@ __attribute__((target("avx2,fma"))) void kernel(int n0, int n1, int k, const flo
         x1[i] = _mm256_fmadd_ps(av, b1, x1[i]);
       }
     }
-    finish(x0, r0, j);
-    finish(x1, r1, j + 1);
+    finish<M>(x0, a, lda, r0, k8, k, c, ldc, j);
+    finish<M>(x1, a, lda, r1, k8, k, c, ldc, j + 1);
   }
   if (j < n1) {
     const float* r0 = b + static_cast<int64_t>(j) * ldb;
@@ -65,7 +75,7 @@ __attribute__((target("avx2,fma"))) void kernel(int n0, int n1, int k, const flo
       for (int i = 0; i < M; i++)
         x0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i * lda + p), b0, x0[i]);
     }
-    finish(x0, r0, j);
+    finish<M>(x0, a, lda, r0, k8, k, c, ldc, j);
   }
 }
 
@@ -83,8 +93,22 @@ constexpr int kTileRows = 8;
 // FMAs, where this one is at 1.7x the memory's pace at 11 rows; 3 x 8, 5 x
 // 5 and 4 x 6 tiles measured within 5 % of 6 x 4).
 constexpr int kTileRows512 = 6;
+// The sum of v's 16 lanes in _mm512_reduce_add_ps's order (halves, then
+// quarters, then pairs), written with GCC's vector extensions: GCC 12's
+// AVX-512 reduction and 512-to-256 casts pass an undefined register as
+// the unused merge source of a masked builtin, which -Wuninitialized
+// reports at every inlined use.
 __attribute__((target("avx512f"))) inline float hsum512(__m512 v) {
-  return _mm512_reduce_add_ps(v);
+  typedef float F16 __attribute__((vector_size(64)));
+  typedef int I16 __attribute__((vector_size(64)));
+  const F16 x = reinterpret_cast<F16>(v);
+  const F16 half = x + __builtin_shuffle(x, I16{8, 9, 10, 11, 12, 13, 14, 15,
+                                                8, 9, 10, 11, 12, 13, 14, 15});
+  const F16 quarter = half + __builtin_shuffle(half, I16{4, 5, 6, 7, 4, 5, 6, 7,
+                                                         4, 5, 6, 7, 4, 5, 6, 7});
+  const F16 pairs = quarter + __builtin_shuffle(quarter, I16{2, 3, 2, 3, 2, 3, 2, 3,
+                                                             2, 3, 2, 3, 2, 3, 2, 3});
+  return pairs[0] + pairs[1];
 }
 
 // Output columns [n0, n1) for exactly R rows, W weight rows at a time,
@@ -125,8 +149,13 @@ __attribute__((target("avx512f"))) void kernel512(int n0, int n1, int k, const f
 constexpr KernelFn kKernels512[kTileRows512 + 1] = {
     nullptr, kernel512<1>, kernel512<2>, kernel512<3>, kernel512<4>, kernel512<5>, kernel512<6>};
 
+// MLXCEL_SKINNY_AVX512=0 keeps an AVX-512 machine on the AVX2 kernels
+// (read once per process; the tests run both sets this way).
 bool avx512_available() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
+  static const bool ok = [] {
+    const char* off = std::getenv("MLXCEL_SKINNY_AVX512");
+    return __builtin_cpu_supports("avx512f") && !(off && std::string(off) == "0");
+  }();
   return ok;
 }
 

@@ -238,6 +238,9 @@ fn skinny_products_are_exact_and_independent_of_the_row_count() {
         skinny >= 8,
         "AVX2 at least on the machines we test on: {skinny}"
     );
+    if std::env::var("MLXCEL_SKINNY_AVX512").as_deref() == Ok("0") {
+        assert_eq!(skinny, 8, "AVX2 kernels only");
+    }
     let (k, n, rows) = (1_203usize, 266usize, skinny + 4);
     let a: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
     let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -270,6 +273,26 @@ fn skinny_products_are_exact_and_independent_of_the_row_count() {
             }
         }
     }
+}
+
+/// The AVX2 kernels, which an AVX-512 machine never picks: the test above
+/// again in a child process told to keep to them (`MLXCEL_SKINNY_AVX512=0`,
+/// read once per process).
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn skinny_products_through_the_avx2_kernels() {
+    let name = "skinny_products_are_exact_and_independent_of_the_row_count";
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--test-threads=1"])
+        .env("MLXCEL_SKINNY_AVX512", "0")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
