@@ -130,6 +130,13 @@ pub struct ModelArgs {
     /// builds a graph for every new prompt shape, 50-800 ms each).
     #[arg(long)]
     pub cudnn_attention: bool,
+    /// Batch-invariant execution: a request's tokens and logprobs are bit
+    /// for bit the same alone or batched, chunked or not, cold or from the
+    /// prompt cache (matmuls in fixed row chunks, every query through the
+    /// paged-attention kernel on a GPU, no split of its keys). Costs speed:
+    /// see docs/performance.md.
+    #[arg(long)]
+    pub deterministic: bool,
     /// Where MLX's CUDA backend keeps the GPU kernels it compiles, so that
     /// restarts don't compile them again (`auto`:
     /// `$XDG_CACHE_HOME/mlxcel/kernels`, else `~/.cache/mlxcel/kernels`;
@@ -368,6 +375,7 @@ impl ModelArgs {
             SwitchArg::Off => Some(false),
         };
         c.cudnn_attention = self.cudnn_attention;
+        c.deterministic = self.deterministic;
         c.special_tokens_in_content = self.special_tokens_in_content;
         c.embeddings = self.embeddings;
         c.reasoning_parser = match self.reasoning_parser {

@@ -628,7 +628,7 @@ fn moe_configs_that_disagree_with_the_weights_are_load_errors() {
             "qwen2_moe",
             "shared_expert_intermediate_size",
             32.into(),
-            "shared_expert has 64 rows, config says 32",
+            "shared_expert.down_proj has 64 input columns (the shared expert's intermediate size), config says 32",
         ),
         (
             "gpt_oss",

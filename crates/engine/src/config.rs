@@ -113,6 +113,13 @@ pub struct EngineConfig {
     /// builds a graph per query/key shape, 50-800 ms each; default off: see
     /// docs/performance.md).
     pub cudnn_attention: bool,
+    /// Batch-invariant execution (`--deterministic`,
+    /// [`mlxcel_model::invariant`]): a request's tokens and logprobs are
+    /// bit for bit the same whatever shares its steps (alone or batched,
+    /// chunked or not, cold or from the prefix cache). Needs paged
+    /// storage and, on a GPU, the paged attention path; not with tensor
+    /// parallelism.
+    pub deterministic: bool,
     /// Where MLX's CUDA backend keeps compiled kernels across restarts (a
     /// subdirectory per MLX version is used); `None`: MLX's default.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -206,6 +213,7 @@ impl EngineConfig {
             draft_model: None,
             warmup: None,
             cudnn_attention: false,
+            deterministic: false,
             kernel_cache_dir: None,
             chat_template: None,
             embeddings: false,

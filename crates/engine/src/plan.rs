@@ -66,13 +66,16 @@ impl EnginePlan {
             .prefill_tile
             .unwrap_or_else(|| crate::platform::auto_prefill_tile(gpu));
         let quantized = config.kv_cache_dtype.bits().is_some();
-        let backend = config
-            .storage_backend
-            .unwrap_or(if config.parallel > 1 || quantized {
+        let backend = config.storage_backend.unwrap_or(
+            if config.parallel > 1 || quantized || config.deterministic {
                 StorageBackend::Paged
             } else {
                 StorageBackend::Dense
-            });
+            },
+        );
+        if config.deterministic {
+            Self::check_deterministic(config, gpu, backend)?;
+        }
         if quantized && backend == StorageBackend::Dense {
             return Err(EngineError::Config(format!(
                 "--kv-cache-dtype {} stores quantized blocks in the paged pool; \
@@ -93,6 +96,9 @@ impl EnginePlan {
                 max_kv_size: config.max_kv_size,
                 pipeline: config.pipeline,
                 speculative: config.speculative,
+                batch_invariant: config
+                    .deterministic
+                    .then(|| mlxcel_model::invariant::Chunking::for_device(gpu)),
                 #[cfg(feature = "fault-injection")]
                 fault: config.fault,
             },
@@ -107,6 +113,38 @@ impl EnginePlan {
                 .then_some((extra_key, config.prefix_cache_capacity)),
             tensor_parallel: config.tensor_parallel.is_some(),
         })
+    }
+
+    /// What `--deterministic` needs: paged storage, on a GPU the paged
+    /// attention path (its kernel attends every query), and one process.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming the flag in the way.
+    fn check_deterministic(
+        config: &EngineConfig,
+        gpu: bool,
+        backend: StorageBackend,
+    ) -> Result<(), EngineError> {
+        if config.tensor_parallel.is_some() {
+            return Err(EngineError::Config(
+                "--deterministic does not run with --tensor-parallel yet".into(),
+            ));
+        }
+        if backend == StorageBackend::Dense {
+            return Err(EngineError::Config(
+                "--deterministic attends from the paged KV pool; drop \
+                 --decode-storage-backend dense"
+                    .into(),
+            ));
+        }
+        if gpu && config.attention_path != mlxcel_model::AttentionPath::PagedDecode {
+            return Err(EngineError::Config(
+                "--deterministic attends every query through the paged-attention kernel \
+                 on a GPU; drop --attention-path"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The KV cache: the model's layers grouped by window into KV groups

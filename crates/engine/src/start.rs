@@ -279,6 +279,8 @@ fn engine_thread(
         plan,
         disk,
     } = setup;
+    // Before the model loads: the engine thread builds every forward.
+    mlxcel_model::invariant::set(plan.worker.batch_invariant);
     let setup = opened.load().and_then(|model| {
         let mut kv = plan.kv_cache(model.as_ref())?;
         crate::disk::open(&mut kv, disk.as_ref())?;

@@ -142,6 +142,10 @@ ArrayPtr paged_decode_attention_quantized_sinks(
     const array& meta, const array& scale, int32_t block_size, int32_t window,
     int32_t group_size, int32_t bits, const array& sinks);
 bool paged_attention_available();
+// Whether the paged kernels this thread launches may split a row's keys
+// into parts (the default); off, every (row, head) is one block whatever
+// the batch.
+void set_paged_attention_split(bool split);
 // paged_attention.cc (C++ only): custom GPU kernels. Whether the default
 // device is a GPU whose backend runs them; a kernel of `source` for this
 // build's backend (`fast::metal_kernel` on a Mac, `fast::cuda_kernel`

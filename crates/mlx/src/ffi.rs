@@ -281,6 +281,7 @@ pub(crate) mod bridge {
             sinks: &array,
         ) -> Result<UniquePtr<array>>;
         fn paged_attention_available() -> Result<bool>;
+        fn set_paged_attention_split(split: bool);
         fn use_device(gpu: bool) -> Result<()>;
         fn version() -> Result<String>;
         fn device_name(gpu: bool) -> Result<String>;

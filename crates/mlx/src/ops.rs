@@ -750,6 +750,17 @@ pub fn paged_attention_available() -> bool {
     bridge::paged_attention_available().unwrap_or(false)
 }
 
+/// Lets the paged-attention kernels split a row's keys into parts
+/// (flash-decoding, the default) or not. Whether they split depends on
+/// the launch (rows x heads, the longest row), so a query's reduction
+/// order would depend on its batch-mates; with `false` each (row, head)
+/// is one block that walks its keys in one order, whatever the batch
+/// (`--deterministic`). For the launches of the calling thread (the
+/// engine thread builds the graphs); takes effect at the next launch.
+pub fn set_paged_attention_split(split: bool) {
+    bridge::set_paged_attention_split(split);
+}
+
 /// The gated delta rule (Yang, Kautz and Hatamizadeh 2024, "Gated Delta
 /// Networks: Improving Mamba2 with Delta Rule"; mlx_lm's
 /// `models/gated_delta.py`), token by token. `q`, `k` `[batch, tokens,

@@ -388,6 +388,10 @@ const mx::fast::CustomKernelFunction& kernel(Kind kind, bool sinks, bool quantiz
   }
 }
 
+// Whether this thread's launches may split rows into parts
+// (`set_paged_attention_split`).
+thread_local bool g_split = true;
+
 // Keys one part takes at least, and the most parts a row is split into.
 constexpr int kKeysPerPart = 256;
 constexpr int kMaxParts = 32;
@@ -471,7 +475,7 @@ ArrayPtr paged(const array& q, const array& k_pool, const array& v_pool, const a
   int keys = tables.shape(1) * block_size;
   if (window > 0) keys = std::min(keys, static_cast<int>(window));
   int parts = 1;
-  if (rows * heads < kSplitBelowBlocks) {
+  if (g_split && rows * heads < kSplitBelowBlocks) {
     parts = std::max(1, std::min(kMaxParts, keys / kKeysPerPart));
   }
   const bool quantized = quant != nullptr;
@@ -525,6 +529,8 @@ ArrayPtr paged_decode_attention_quantized_sinks(
   const Quant quant{k_scales, k_biases, v_scales, v_biases, group_size, bits};
   return paged(q, k_pool, v_pool, tables, meta, scale, block_size, window, &sinks, &quant);
 }
+
+void set_paged_attention_split(bool split) { g_split = split; }
 
 bool paged_attention_available() {
 #if defined(__APPLE__)

@@ -94,20 +94,20 @@ constexpr int kTileRows = 8;
 // 5 and 4 x 6 tiles measured within 5 % of 6 x 4).
 constexpr int kTileRows512 = 6;
 // The sum of v's 16 lanes in _mm512_reduce_add_ps's order (halves, then
-// quarters, then pairs), written with GCC's vector extensions: GCC 12's
-// AVX-512 reduction and 512-to-256 casts pass an undefined register as
-// the unused merge source of a masked builtin, which -Wuninitialized
-// reports at every inlined use.
+// quarters, then pairs), written with vector extensions
+// (`__builtin_shufflevector`, GCC 12+ and Clang): GCC 12's AVX-512
+// reduction and 512-to-256 casts pass an undefined register as the unused
+// merge source of a masked builtin, which -Wuninitialized reports at every
+// inlined use.
 __attribute__((target("avx512f"))) inline float hsum512(__m512 v) {
   typedef float F16 __attribute__((vector_size(64)));
-  typedef int I16 __attribute__((vector_size(64)));
   const F16 x = reinterpret_cast<F16>(v);
-  const F16 half = x + __builtin_shuffle(x, I16{8, 9, 10, 11, 12, 13, 14, 15,
-                                                8, 9, 10, 11, 12, 13, 14, 15});
-  const F16 quarter = half + __builtin_shuffle(half, I16{4, 5, 6, 7, 4, 5, 6, 7,
-                                                         4, 5, 6, 7, 4, 5, 6, 7});
-  const F16 pairs = quarter + __builtin_shuffle(quarter, I16{2, 3, 2, 3, 2, 3, 2, 3,
-                                                             2, 3, 2, 3, 2, 3, 2, 3});
+  const F16 half =
+      x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F16 quarter =
+      half + __builtin_shufflevector(half, half, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  const F16 pairs = quarter + __builtin_shufflevector(quarter, quarter, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                                      3, 2, 3, 2, 3, 2, 3);
   return pairs[0] + pairs[1];
 }
 

@@ -396,12 +396,20 @@ impl Attention {
             mark("kv.write", &kv.storage())?;
         }
         let mut parts = Vec::with_capacity(step.rows.len());
-        let batched = step.batched_decode_rows;
-        if batched > 0 {
-            parts.push(self.attend_batched(&q, layer, kv, step)?);
-        }
-        for (row, span) in step.rows.iter().enumerate().skip(batched) {
-            parts.push(self.attend_row(&q, layer, kv, row, span)?);
+        if let Some(every) = self.attend_every_query(&q, layer, kv, step)? {
+            parts.push(every);
+        } else if step.every_query {
+            for (row, span) in step.rows.iter().enumerate() {
+                parts.push(self.attend_row_per_query(&q, layer, kv, row, span)?);
+            }
+        } else {
+            let batched = step.batched_decode_rows;
+            if batched > 0 {
+                parts.push(self.attend_batched(&q, layer, kv, step)?);
+            }
+            for (row, span) in step.rows.iter().enumerate().skip(batched) {
+                parts.push(self.attend_row(&q, layer, kv, row, span)?);
+            }
         }
         // One part (a decode batch, or a single row) needs no copy.
         let a = self.attn_dim;
@@ -458,6 +466,135 @@ impl Attention {
         Ok(o.transpose(&[0, 2, 1, 3])?.reshape(&[n, h * d])?)
     }
 
+    /// Batch-invariant execution without the paged kernel
+    /// ([`Step::every_query`]): each query of row `row` (packed at `span`)
+    /// as an attention of one query over exactly its own live keys (the
+    /// last `window` of them on a windowed layer), no mask: a prefilled
+    /// query runs the very operation it would run decoded, whatever the
+    /// chunk or the batch -> `[n, heads * head_dim]`.
+    fn attend_row_per_query(
+        &self,
+        q: &Array,
+        layer: usize,
+        kv: &mut dyn AttentionKv,
+        row: usize,
+        span: &std::ops::Range<usize>,
+    ) -> Result<Array, ModelError> {
+        let (h, d) = (self.heads, self.attn_dim);
+        let (keys, values) = kv.read(layer, row)?;
+        mark("kv.read", &[q, &keys, &values])?;
+        let (kvh, live) = (keys.dim(1)?, keys.dim(2)?);
+        let n = span.len() as i32;
+        if n > live {
+            return Err(StepMismatch::QueriesOverKeys {
+                queries: n,
+                keys: live,
+            }
+            .into());
+        }
+        let mut outs = Vec::with_capacity(span.len());
+        for (i, at) in span.clone().enumerate() {
+            let end = live - (n - 1 - i as i32);
+            let start = self.window.map_or(0, |w| (end - w as i32).max(0));
+            let qi = q
+                .slice(&[at as i32, 0, 0, 0], &[at as i32 + 1, h, 1, d])?
+                .reshape(&[1, h, 1, d])?;
+            let ki = keys.slice(&[0, 0, start, 0], &[1, kvh, end, d])?;
+            let vi = values.slice(&[0, 0, start, 0], &[1, kvh, end, d])?;
+            outs.push(
+                self.sdpa(&qi, &ki, &vi, &AttentionMask::None)?
+                    .reshape(&[1, h * d])?,
+            );
+        }
+        mark("attn.sdpa", &outs.iter().collect::<Vec<_>>())?;
+        let refs: Vec<&Array> = outs.iter().collect();
+        Ok(mlxcel_mlx::concatenate(&refs, 0)?)
+    }
+
+    /// Batch-invariant execution on a GPU ([`Step::query_rows`]): each of
+    /// the step's `tokens` queries `[tokens, heads, 1, head_dim]` as a row
+    /// of its own of the paged-attention kernel, over its own live keys
+    /// (its row's block table, the keys up to itself), so that a query's
+    /// attention is the same walk over the same keys whether it is decoded,
+    /// prefilled in any chunk, or batched with anything ->
+    /// `[tokens, heads * head_dim]`. `None` when the step is not batch-invariant or the
+    /// kernel can't read this layer's pool (dense storage, a head size the
+    /// kernel doesn't take, a pool stored in another dtype).
+    fn attend_every_query(
+        &self,
+        q: &Array,
+        layer: usize,
+        kv: &mut dyn AttentionKv,
+        step: &Step,
+    ) -> Result<Option<Array>, ModelError> {
+        let Some((owner, after)) = &step.query_rows else {
+            return Ok(None);
+        };
+        let (h, d) = (self.heads, self.attn_dim);
+        if d % 32 != 0 || d > 256 {
+            return Ok(None);
+        }
+        let ids: Vec<usize> = (0..step.rows.len()).collect();
+        let Some(pool) = kv.read_paged(layer, &ids)?.filter(|p| match &p.quantized {
+            Some(qz) => qz.key_scales.dtype() == q.dtype(),
+            None => p.keys.dtype() == q.dtype(),
+        }) else {
+            return Ok(None);
+        };
+        let tables = pool.tables.take(owner, 0)?;
+        let meta = pool.meta.take(owner, 0)?.subtract(after)?;
+        let t = step.tokens as i32;
+        let o = self.paged(&q.reshape(&[t, h, d])?, &pool, &tables, &meta)?;
+        mark("attn.paged_kernel", &[&o])?;
+        Ok(Some(o.reshape(&[t, h * d])?))
+    }
+
+    /// The paged-attention kernel of `q` `[rows, heads, head_dim]` over
+    /// `pool`, each row through its block table `tables` `[rows,
+    /// max_blocks]` and `meta` `[rows, 2]` -> `[rows, heads, head_dim]`.
+    fn paged(
+        &self,
+        q: &Array,
+        pool: &mlxcel_kv::PagedKv<'_>,
+        tables: &Array,
+        meta: &Array,
+    ) -> Result<Array, ModelError> {
+        let (scale, bs) = (&self.scale_array, pool.block_size as i32);
+        let sinks = self.sinks.as_ref().map(|s| &s.float32);
+        Ok(match &pool.quantized {
+            None => mlxcel_mlx::paged_decode_attention(
+                q,
+                pool.keys,
+                pool.values,
+                tables,
+                meta,
+                scale,
+                bs,
+                self.window,
+                sinks,
+            )?,
+            Some(qz) => mlxcel_mlx::paged_decode_attention_quantized(
+                q,
+                pool.keys,
+                pool.values,
+                mlxcel_mlx::PagedQuantArrays {
+                    key_scales: qz.key_scales,
+                    key_biases: qz.key_biases,
+                    value_scales: qz.value_scales,
+                    value_biases: qz.value_biases,
+                    group_size: qz.group_size as i32,
+                    bits: qz.bits as i32,
+                },
+                tables,
+                meta,
+                scale,
+                bs,
+                self.window,
+                sinks,
+            )?,
+        })
+    }
+
     /// The step's first `step.batched_decode_rows` rows, one query each
     /// (decode), attended together: by the paged-attention kernel straight
     /// from the pool, or over their keys gathered and padded to the longest
@@ -487,40 +624,7 @@ impl Attention {
                 None => p.keys.dtype() == q.dtype(),
             }) {
                 let q = q.reshape(&[rows as i32, h, d])?;
-                let (scale, bs) = (&self.scale_array, pool.block_size as i32);
-                let sinks = self.sinks.as_ref().map(|s| &s.float32);
-                let o = match &pool.quantized {
-                    None => mlxcel_mlx::paged_decode_attention(
-                        &q,
-                        pool.keys,
-                        pool.values,
-                        pool.tables,
-                        pool.meta,
-                        scale,
-                        bs,
-                        self.window,
-                        sinks,
-                    )?,
-                    Some(qz) => mlxcel_mlx::paged_decode_attention_quantized(
-                        &q,
-                        pool.keys,
-                        pool.values,
-                        mlxcel_mlx::PagedQuantArrays {
-                            key_scales: qz.key_scales,
-                            key_biases: qz.key_biases,
-                            value_scales: qz.value_scales,
-                            value_biases: qz.value_biases,
-                            group_size: qz.group_size as i32,
-                            bits: qz.bits as i32,
-                        },
-                        pool.tables,
-                        pool.meta,
-                        scale,
-                        bs,
-                        self.window,
-                        sinks,
-                    )?,
-                };
+                let o = self.paged(&q, &pool, pool.tables, pool.meta)?;
                 mark("attn.paged_kernel", &[&o])?;
                 return Ok(o.reshape(&[rows as i32, h * d])?);
             }

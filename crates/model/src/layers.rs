@@ -106,8 +106,59 @@ impl Matrix {
         }
     }
 
-    /// `x @ selfᵀ`: `[..., in] -> [..., out]`.
+    /// `x @ selfᵀ`: `[..., in] -> [..., out]`. Under batch-invariant
+    /// execution ([`crate::invariant`]) the rows go through in chunks,
+    /// short ones padded with zero rows, so a row's output is the same
+    /// whatever rows share its step.
     pub fn apply(&self, x: &Array) -> Result<Array, ModelError> {
+        match crate::invariant::chunking() {
+            None => self.product(x),
+            Some(c) => self.apply_chunked(x, c),
+        }
+    }
+
+    /// [`Matrix::apply`] in chunks of `c.rows` rows, each padded to at
+    /// least `c.pad_to`.
+    fn apply_chunked(&self, x: &Array, c: crate::invariant::Chunking) -> Result<Array, ModelError> {
+        let mut shape = x.shape();
+        let Some(&input) = shape.last() else {
+            return self.product(x);
+        };
+        let rows = input_rows(x);
+        let flat = x.reshape(&[rows, input])?;
+        let (step, pad_to) = (c.rows as i32, c.pad_to as i32);
+        let mut parts = Vec::with_capacity((rows / step + 1) as usize);
+        let mut start = 0;
+        while start < rows {
+            let n = step.min(rows - start);
+            let chunk = flat.slice(&[start, 0], &[start + n, input])?;
+            let y = if n < pad_to {
+                let zeros = mlxcel_mlx::zeros(&[pad_to - n, input], x.dtype())?;
+                let padded = mlxcel_mlx::concatenate(&[&chunk, &zeros], 0)?;
+                let y = self.product(&padded)?;
+                let out = y.dim(1)?;
+                y.slice(&[0, 0], &[n, out])?
+            } else {
+                self.product(&chunk)?
+            };
+            parts.push(y);
+            start += n;
+        }
+        let y = match parts.as_slice() {
+            [one] => one.clone(),
+            _ => {
+                let refs: Vec<&Array> = parts.iter().collect();
+                mlxcel_mlx::concatenate(&refs, 0)?
+            }
+        };
+        if let Some(last) = shape.last_mut() {
+            *last = y.dim(1)?;
+        }
+        Ok(y.reshape(&shape)?)
+    }
+
+    /// `x @ selfᵀ` as one product.
+    fn product(&self, x: &Array) -> Result<Array, ModelError> {
         Ok(match self {
             Matrix::Dense(w) => x.matmul(&w.t()?)?,
             Matrix::Quantized(q) => x.quantized_matmul(
@@ -520,7 +571,11 @@ impl LinearGroup {
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>, ModelError> {
         match self {
             LinearGroup::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
-            LinearGroup::Fused { parts, .. } if input_rows(x) > FUSED_MAX_ROWS => {
+            // Batch-invariant execution keeps one product whatever the
+            // row count (its chunks are at most FUSED_MAX_ROWS rows).
+            LinearGroup::Fused { parts, .. }
+                if input_rows(x) > FUSED_MAX_ROWS && !crate::invariant::enabled() =>
+            {
                 parts.iter().map(|p| p.forward(x)).collect()
             }
             LinearGroup::Fused { linear, sizes, .. } => {

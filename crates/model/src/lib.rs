@@ -8,6 +8,7 @@ pub mod attention;
 pub mod config;
 pub mod gated_delta;
 pub mod gguf;
+pub mod invariant;
 pub mod layers;
 pub mod mamba2;
 pub mod moe;

@@ -456,11 +456,12 @@ impl SparseMoe {
             None => None,
             Some(size) => {
                 let mlp = Mlp::load(ctx, &format!("{path}.shared_expert"), false)?;
-                // Its intermediate size: down's input columns (gate's and up's rows).
-                let rows = matrix_dims(&mlp.down_proj.weight).1;
-                if rows != size {
+                // Its intermediate size: down's input columns.
+                let columns = matrix_dims(&mlp.down_proj.weight).1;
+                if columns != size {
                     return Err(ModelError::Weights(format!(
-                        "{path}.shared_expert has {rows} rows, config says {size}"
+                        "{path}.shared_expert.down_proj has {columns} input columns \
+                         (the shared expert's intermediate size), config says {size}"
                     )));
                 }
                 let gate = Linear::load(ctx, &format!("{path}.shared_expert_gate"), false)?;
@@ -569,7 +570,9 @@ impl SparseMoe {
         let inds = inds.reshape(&[tokens, k])?;
         let pairs = (tokens * k) as usize;
         // [tokens, k, hidden]: each token through each of its experts.
-        let y = if pairs >= SORT_FROM_PAIRS {
+        // Batch-invariant execution never sorts: the sorted and unsorted
+        // gathered matmuls may round differently (`crate::invariant`).
+        let y = if pairs >= SORT_FROM_PAIRS && !crate::invariant::enabled() {
             // Sorted by expert: one run of rows per expert.
             let flat = inds.reshape(&[tokens * k])?;
             let order = flat.argsort(0)?;

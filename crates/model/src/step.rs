@@ -112,6 +112,17 @@ pub struct Step {
     pub batched_decode_rows: usize,
     /// Whether those rows use the paged-attention kernel.
     pub paged_kernel: bool,
+    /// Under batch-invariant execution ([`crate::invariant`]): every query
+    /// of the step, prefill included, is attended on its own over its own
+    /// live keys (one row of the paged-attention kernel on a GPU, one
+    /// attention of one query elsewhere).
+    pub every_query: bool,
+    /// With [`Step::every_query`] and the paged-attention kernel: the
+    /// queries as rows of the kernel. Per packed token,
+    /// int32 `[tokens]` its row, and int32 `[tokens, 2]` `(0, keys after
+    /// it)`: subtracted from its row's kernel meta (first-key offset, live
+    /// keys), the query's own.
+    pub query_rows: Option<(Array, Array)>,
     /// The padding masks of the rows attended together, built by the first
     /// layer that needs each: keyed by the rows' live key counts and the
     /// layer's window (layers of different KV groups see different counts,
@@ -176,12 +187,35 @@ impl Step {
             && batched_decode_rows > 0
             && mlxcel_mlx::paged_attention_available();
         let tokens = positions.len();
+        let every_query = crate::invariant::enabled();
+        let query_rows = if every_query
+            && path == AttentionPath::PagedDecode
+            && mlxcel_mlx::paged_attention_available()
+        {
+            let mut owner = Vec::with_capacity(tokens);
+            let mut after = Vec::with_capacity(2 * tokens);
+            for (r, span) in spans.iter().enumerate() {
+                let n = span.len();
+                for i in 0..n {
+                    owner.push(r as i32);
+                    after.extend([0, (n - 1 - i) as i32]);
+                }
+            }
+            Some((
+                Array::from_i32(&owner, &[tokens as i32])?,
+                Array::from_i32(&after, &[tokens as i32, 2])?,
+            ))
+        } else {
+            None
+        };
         Ok(Step {
             tokens,
             rows: spans,
             positions: Array::from_i32(&positions, &[tokens as i32])?,
             batched_decode_rows,
             paged_kernel,
+            every_query,
+            query_rows,
             batched_masks: std::cell::RefCell::default(),
         })
     }

@@ -107,6 +107,10 @@ pub(crate) struct WorkerConfig {
     pub(crate) pipeline: bool,
     /// Speculative decoding ([`crate::speculative`]).
     pub(crate) speculative: crate::speculative::SpeculativeConfig,
+    /// Batch-invariant execution (`--deterministic`,
+    /// [`mlxcel_model::invariant`]): how matmuls chunk their rows; `None`
+    /// when off.
+    pub(crate) batch_invariant: Option<mlxcel_model::invariant::Chunking>,
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     pub(crate) fault: crate::fault::FaultInjection,
