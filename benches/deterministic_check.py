@@ -24,12 +24,11 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benches"))
-from gpu_parity import bf16_copy  # noqa: E402
+from gpu_parity import bf16_copy, mlxcel_greedy  # noqa: E402
 
 CONFIGS = [
     ("concurrent", []),
@@ -39,20 +38,8 @@ CONFIGS = [
 
 
 def generate(binary, model, prompts, n, extra):
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-        path = f.name
-    cmd = [binary, "generate", "-m", str(model), "--prompts-file", path, "-n", str(n),
-           "--ignore-eos", "--print-token-ids", *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise SystemExit(f"mlxcel failed ({' '.join(extra)}):\n{res.stderr[-3000:]}")
-    ids = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("{"):
-            d = json.loads(line)
-            ids[d["prompt"]] = d["ids"]
-    return [ids[i] for i in range(len(prompts))]
+    """Each prompt's greedy token ids from `mlxcel generate` with `extra`."""
+    return mlxcel_greedy(binary, model, prompts, n, False, extra)
 
 
 def speeds(binary, model, extra):
