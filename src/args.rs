@@ -153,8 +153,11 @@ pub struct ModelArgs {
     /// reply (prompt lookup), `draft` the greedy tokens of
     /// `--draft-model`, and verifies them all in one forward; the output
     /// is the same as without (seeded sampling included). `off`: one token
-    /// per step. `auto`: `draft` with `--draft-model`, else `ngram` on a
-    /// CPU, `off` on a GPU and with --tensor-parallel.
+    /// per step. `auto`: `draft` with `--draft-model`, else `ngram`, but
+    /// `off` with --tensor-parallel and on a GPU whose verification rows
+    /// would not go through the paged-attention kernel
+    /// (`--attention-path batched|per-row`, or dense storage with
+    /// `--parallel` above 1).
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Auto)]
     pub speculative: SpeculativeArg,
     /// The draft model of `--speculative draft` (a directory, GGUF file or

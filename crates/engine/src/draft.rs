@@ -62,13 +62,16 @@ impl InFlight for NoStreams {
 
 impl<'m> Drafter<'m> {
     /// A drafter running `model` over `kv`, catching rows up by at most
-    /// `chunk` tokens a step.
-    pub(crate) fn new(model: &'m dyn Model, kv: KvCache, chunk: usize) -> Self {
-        let runner = LocalRunner::new(
-            model,
-            kv.config().backend,
-            mlxcel_model::AttentionPath::PerRow,
-        );
+    /// `chunk` tokens a step, its decode rows read as the engine's are
+    /// (`path`: on a GPU the paged-attention kernel, one call a layer for
+    /// every row drafting).
+    pub(crate) fn new(
+        model: &'m dyn Model,
+        kv: KvCache,
+        chunk: usize,
+        path: mlxcel_model::AttentionPath,
+    ) -> Self {
+        let runner = LocalRunner::new(model, kv.config().backend, path);
         Drafter {
             runner,
             kv,

@@ -68,13 +68,32 @@ pub enum SpeculativeMethod {
     /// A draft model (`--draft-model`) proposes each row's draft by greedy
     /// decoding (`crate::draft`).
     Draft,
-    /// Prompt lookup on a CPU, where it paid in every workload measured
-    /// (1.03-1.61x, `benches/results/2026-12-02-speculative-cpu.json`);
-    /// off on a GPU, where a verification step leaves the decode pipeline
-    /// and the paged-attention batch and cost 0.81x at 4 clients on chat
-    /// (H200, `benches/results/2026-12-02-speculative-h200.md`), and under
-    /// tensor parallelism.
+    /// A draft model when one is given; else prompt lookup on a CPU, where
+    /// it paid in every workload measured (1.03-1.61x,
+    /// `benches/results/2026-12-02-speculative-cpu.json`), and on a GPU
+    /// where verification rows are rows of the paged-attention kernel
+    /// (paged storage and the paged attention path, or one row a step):
+    /// 1.17-2.12x at 1, 4 and 8 clients on every workload (H100,
+    /// `benches/results/2026-12-06-speculative-h100.md`). Off on a GPU
+    /// whose verification rows would each take an attention of their own
+    /// (0.83-0.96x at 4 clients there), and under tensor parallelism.
     Auto,
+}
+
+/// Whether an engine's verification steps (rows of up to 1 + k tokens)
+/// attend in the paged-attention kernel on a GPU, each query a row of the
+/// kernel (`mlxcel_model::step::queries_as_kernel_rows`): on the paged
+/// attention path over paged storage, or with one row at most per step
+/// (`parallel` 1), where a row's own attention is all there is. `storage`
+/// is the storage asked for (`None`: the plan's choice, paged for more
+/// than one row).
+pub fn verifies_in_kernel(
+    path: mlxcel_model::AttentionPath,
+    storage: Option<mlxcel_kv::StorageBackend>,
+    parallel: usize,
+) -> bool {
+    path == mlxcel_model::AttentionPath::PagedDecode
+        && (parallel <= 1 || storage != Some(mlxcel_kv::StorageBackend::Dense))
 }
 
 impl SpeculativeMethod {
@@ -91,11 +110,20 @@ impl SpeculativeMethod {
     /// The method that runs: [`SpeculativeMethod::Auto`] decided for a
     /// GPU or CPU, with or without tensor parallelism and a draft model
     /// (a draft model given is used, on any device); the others as they
-    /// are.
-    pub fn resolve(self, gpu: bool, tensor_parallel: bool, draft_model: bool) -> Self {
+    /// are. `kernel_rows`: whether a GPU's verification steps attend in
+    /// the paged-attention kernel ([`verifies_in_kernel`]).
+    pub fn resolve(
+        self,
+        gpu: bool,
+        tensor_parallel: bool,
+        draft_model: bool,
+        kernel_rows: bool,
+    ) -> Self {
         match self {
             SpeculativeMethod::Auto if draft_model => SpeculativeMethod::Draft,
-            SpeculativeMethod::Auto if gpu || tensor_parallel => SpeculativeMethod::Off,
+            SpeculativeMethod::Auto if tensor_parallel || (gpu && !kernel_rows) => {
+                SpeculativeMethod::Off
+            }
             SpeculativeMethod::Auto => SpeculativeMethod::Ngram,
             m => m,
         }
@@ -299,15 +327,29 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_prompt_lookup_on_a_cpu_alone() {
+    fn auto_is_prompt_lookup_where_verification_is_cheap() {
         use SpeculativeMethod::*;
-        assert_eq!(Auto.resolve(false, false, false), Ngram);
-        assert_eq!(Auto.resolve(true, false, false), Off);
-        assert_eq!(Auto.resolve(false, true, false), Off);
-        assert_eq!(Ngram.resolve(true, false, false), Ngram);
-        assert_eq!(Off.resolve(false, false, false), Off);
-        assert_eq!(Auto.resolve(true, false, true), Draft);
-        assert_eq!(Off.resolve(false, false, true), Off);
+        assert_eq!(Auto.resolve(false, false, false, false), Ngram);
+        assert_eq!(Auto.resolve(true, false, false, true), Ngram);
+        assert_eq!(Auto.resolve(true, false, false, false), Off);
+        assert_eq!(Auto.resolve(false, true, false, true), Off);
+        assert_eq!(Ngram.resolve(true, false, false, false), Ngram);
+        assert_eq!(Off.resolve(false, false, false, true), Off);
+        assert_eq!(Auto.resolve(true, false, true, false), Draft);
+        assert_eq!(Off.resolve(false, false, true, true), Off);
+    }
+
+    #[test]
+    fn verification_is_in_the_kernel_on_paged_storage_or_one_row() {
+        use mlxcel_kv::StorageBackend::{Dense, Paged};
+        use mlxcel_model::AttentionPath::{BatchedDecode, PagedDecode, PerRow};
+        assert!(verifies_in_kernel(PagedDecode, None, 8));
+        assert!(verifies_in_kernel(PagedDecode, Some(Paged), 8));
+        assert!(verifies_in_kernel(PagedDecode, Some(Dense), 1));
+        assert!(verifies_in_kernel(PagedDecode, None, 1));
+        assert!(!verifies_in_kernel(PagedDecode, Some(Dense), 8));
+        assert!(!verifies_in_kernel(BatchedDecode, Some(Paged), 8));
+        assert!(!verifies_in_kernel(PerRow, None, 4));
     }
 
     #[test]

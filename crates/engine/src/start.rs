@@ -86,6 +86,11 @@ impl Engine {
             gpu,
             config.tensor_parallel.is_some(),
             config.draft_model.is_some(),
+            crate::speculative::verifies_in_kernel(
+                config.attention_path,
+                config.storage_backend,
+                config.parallel,
+            ),
         );
         if config.tensor_parallel.is_some() && config.speculative.method.proposes() {
             // Rejected drafts are truncated on rank 0 only; the followers'
@@ -329,7 +334,7 @@ fn engine_thread(
     let drafter = draft_model
         .as_deref()
         .zip(draft_kv)
-        .map(|(m, kv)| Drafter::new(m, kv, chunk));
+        .map(|(m, kv)| Drafter::new(m, kv, chunk, plan.worker.attention_path));
     let _ = ready.send(Ok(plan.loaded(&kv)));
     Worker::new(runner, drafter, text, kv, plan.worker, stats).run(queue);
 }

@@ -117,8 +117,9 @@ pub struct Step {
     /// live keys (one row of the paged-attention kernel on a GPU, one
     /// attention of one query elsewhere).
     pub every_query: bool,
-    /// With [`Step::every_query`] and the paged-attention kernel: the
-    /// queries as rows of the kernel. Per packed token,
+    /// With the paged-attention kernel, under [`Step::every_query`] or for
+    /// a step of short rows ([`queries_as_kernel_rows`]): the queries as
+    /// rows of the kernel. Per packed token,
     /// int32 `[tokens]` its row, and int32 `[tokens, 2]` `(0, keys after
     /// it)`: subtracted from its row's kernel meta (first-key offset, live
     /// keys), the query's own.
@@ -188,9 +189,9 @@ impl Step {
             && mlxcel_mlx::paged_attention_available();
         let tokens = positions.len();
         let every_query = crate::invariant::enabled();
-        let query_rows = if every_query
-            && path == AttentionPath::PagedDecode
-            && mlxcel_mlx::paged_attention_available()
+        let kernel = path == AttentionPath::PagedDecode && mlxcel_mlx::paged_attention_available();
+        let query_rows = if kernel
+            && (every_query || (short_rows_enabled() && queries_as_kernel_rows(&spans)))
         {
             let mut owner = Vec::with_capacity(tokens);
             let mut after = Vec::with_capacity(2 * tokens);
@@ -244,6 +245,35 @@ impl Step {
     }
 }
 
+/// The most tokens a row may have for a step of such rows to attend every
+/// query as a row of the paged-attention kernel
+/// ([`queries_as_kernel_rows`]): speculative verification (1 + up to 10
+/// draft tokens), a short prompt or the short tail of one.
+pub const SHORT_ROW_TOKENS: usize = 16;
+
+/// Whether a step of rows packed at `spans` attends each query as a row
+/// of its own of the paged-attention kernel (where the step's path is
+/// [`AttentionPath::PagedDecode`] and the kernel runs): when no row has
+/// more than [`SHORT_ROW_TOKENS`] tokens and one has more than one. Such
+/// rows otherwise take an attention each, over their keys gathered from
+/// the pool under a causal mask (a dozen graph nodes per row and layer);
+/// as kernel rows the whole step is one kernel per layer, and a
+/// verification query reads its keys as the decode query at its position
+/// would. Steps of decode rows only keep the batched kernel call; longer
+/// rows (prefill chunks) keep MLX's fused attention, which reads a row's
+/// keys once for all its queries.
+pub fn queries_as_kernel_rows(spans: &[Range<usize>]) -> bool {
+    spans.iter().all(|s| s.len() <= SHORT_ROW_TOKENS) && spans.iter().any(|s| s.len() > 1)
+}
+
+/// `MLXCEL_PAGED_SHORT_ROWS=0` turns [`queries_as_kernel_rows`] off in
+/// this process (to measure against the per-row attention it replaces);
+/// read once.
+fn short_rows_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLXCEL_PAGED_SHORT_ROWS").map_or(true, |v| v != "0"))
+}
+
 /// A step whose rows do not match its KV view or its own shape: a bug
 /// above the model (the engine reserves positions for exactly the rows it
 /// runs), reported instead of panicking.
@@ -279,4 +309,35 @@ pub enum StepMismatch {
         shape: Vec<i32>,
         hidden: usize,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spans(lens: &[usize]) -> Vec<Range<usize>> {
+        let mut at = 0;
+        lens.iter()
+            .map(|&n| {
+                at += n;
+                at - n..at
+            })
+            .collect()
+    }
+
+    #[test]
+    fn short_multi_token_rows_attend_as_kernel_rows() {
+        // Verification rows (1 + 10 drafts) beside decode rows.
+        assert!(queries_as_kernel_rows(&spans(&[1, 11, 1, 5])));
+        assert!(queries_as_kernel_rows(&spans(&[SHORT_ROW_TOKENS])));
+        // Decode rows only keep the batched kernel call.
+        assert!(!queries_as_kernel_rows(&spans(&[1, 1, 1])));
+        // A prefill chunk keeps MLX's fused attention, and so does the step.
+        assert!(!queries_as_kernel_rows(&spans(&[
+            1,
+            11,
+            SHORT_ROW_TOKENS + 1
+        ])));
+        assert!(!queries_as_kernel_rows(&spans(&[512])));
+    }
 }
