@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benches"))
 from gpu_parity import bf16_copy, mlxcel_greedy  # noqa: E402
+from load import plain_decode  # noqa: E402
 
 CONFIGS = [
     ("concurrent", []),
@@ -45,7 +46,7 @@ def generate(binary, model, prompts, n, extra):
 def speeds(binary, model, extra):
     prompt = (REPO / "README.md").read_text()[:2500]
     cmd = [binary, "generate", "-m", str(model), "-p", prompt, "-n", "128", "--ignore-eos",
-           "--runs", "3", "--no-chat-template", *extra]
+           "--runs", "3", "--no-chat-template", *plain_decode(extra)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"mlxcel failed ({' '.join(extra)}):\n{res.stderr[-3000:]}")

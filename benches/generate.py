@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_mlx_lm import prompt_ids  # noqa: E402
-from load import machine  # noqa: E402
+from load import machine, plain_decode  # noqa: E402
 
 
 def prompt_text(model_dir, n):
@@ -36,7 +36,7 @@ def prompt_text(model_dir, n):
 
 def run_mlxcel(binary, model_dir, text, gen_tokens, extra):
     cmd = [str(binary), "generate", "-m", str(model_dir), "--no-chat-template", "--ignore-eos",
-           "-p", text, "-n", str(gen_tokens), *extra]
+           "-p", text, "-n", str(gen_tokens), *plain_decode(extra)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={"RUST_LOG": "warn", "PATH": "/usr/bin:/bin"})
     p = re.search(r"Prompt: (\d+) tokens, ([\d.]+) tokens-per-sec", out.stderr)
     g = re.search(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec", out.stderr)

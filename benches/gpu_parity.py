@@ -28,6 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import plain_decode  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -79,7 +82,7 @@ def mlxcel_greedy(binary, model_dir: Path, prompts, n, sequential, extra):
         json.dump(prompts, f)
         path = f.name
     cmd = [binary, "generate", "-m", str(model_dir), "--prompts-file", path, "-n", str(n),
-           "--ignore-eos", "--print-token-ids", *extra]
+           "--ignore-eos", "--print-token-ids", *plain_decode(extra)]
     if sequential:
         cmd.append("--sequential")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -225,10 +225,22 @@ class Server:
         self.log.close()
 
 
+def plain_decode(flags):
+    """mlxcel's `flags` (a list) with `--speculative off` unless they choose
+    a method: `auto` speculates on a GPU too, and the benches that compare
+    against mlx_lm's plain decode (or random-weight models, which repeat
+    themselves, so prompt lookup finds drafts) measure one token a step;
+    benches/speculative.py measures speculation."""
+    flags = list(flags)
+    if not any(f == "--speculative" or f.startswith("--speculative=") for f in flags):
+        flags += ["--speculative", "off"]
+    return flags
+
+
 def start_mlxcel(args):
     port = free_port()
     cmd = [args.mlxcel_bin, "-m", args.model, "--host", HOST, "--port", str(port),
-           *shlex.split(args.mlxcel_args)]
+           *plain_decode(shlex.split(args.mlxcel_args))]
     env = dict(os.environ)
     env.setdefault("RUST_LOG", "warn")
     return Server("mlxcel", cmd, env, port)

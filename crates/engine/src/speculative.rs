@@ -71,8 +71,8 @@ pub enum SpeculativeMethod {
     /// A draft model when one is given; else prompt lookup on a CPU, where
     /// it paid in every workload measured (1.03-1.61x,
     /// `benches/results/2026-12-02-speculative-cpu.json`), and on a GPU
-    /// where verification rows are rows of the paged-attention kernel
-    /// (paged storage and the paged attention path, or one row a step):
+    /// where verification rows are rows of the paged-attention kernel, or
+    /// a step has one row ([`gpu_verification_fits`]):
     /// 1.17-2.12x at 1, 4 and 8 clients on every workload (H100,
     /// `benches/results/2026-12-06-speculative-h100.md`). Off on a GPU
     /// whose verification rows would each take an attention of their own
@@ -80,20 +80,30 @@ pub enum SpeculativeMethod {
     Auto,
 }
 
-/// Whether an engine's verification steps (rows of up to 1 + k tokens)
-/// attend in the paged-attention kernel on a GPU, each query a row of the
-/// kernel (`mlxcel_model::step::queries_as_kernel_rows`): on the paged
-/// attention path over paged storage, or with one row at most per step
-/// (`parallel` 1), where a row's own attention is all there is. `storage`
-/// is the storage asked for (`None`: the plan's choice, paged for more
-/// than one row).
-pub fn verifies_in_kernel(
-    path: mlxcel_model::AttentionPath,
-    storage: Option<mlxcel_kv::StorageBackend>,
-    parallel: usize,
-) -> bool {
-    path == mlxcel_model::AttentionPath::PagedDecode
-        && (parallel <= 1 || storage != Some(mlxcel_kv::StorageBackend::Dense))
+/// Whether a GPU engine of `config`, over a model of `head_dim`, verifies
+/// drafts without an attention per verification row: its steps of rows of
+/// up to `1 + num_tokens` tokens attend every query as a row of the
+/// paged-attention kernel (`mlxcel_model::step::queries_as_kernel_rows`:
+/// the paged attention path over paged storage, rows of at most
+/// `SHORT_ROW_TOKENS`, a head size and pool dtype the kernel reads, not
+/// turned off by `MLXCEL_PAGED_SHORT_ROWS=0`), or it runs one row a step
+/// (`parallel` 1), where that row's own attention is all a step has (as
+/// in decode). Layers of a head size the kernel doesn't take (Gemma 4's
+/// 512-wide global layers) still attend row by row.
+pub fn gpu_verification_fits(config: &crate::EngineConfig, head_dim: usize) -> bool {
+    use mlxcel_kv::{KvCacheDtype, StorageBackend};
+    if config.attention_path != mlxcel_model::AttentionPath::PagedDecode {
+        return false;
+    }
+    if config.parallel <= 1 {
+        return true;
+    }
+    config.storage_backend != Some(StorageBackend::Dense)
+        && config.speculative.num_tokens < mlxcel_model::step::SHORT_ROW_TOKENS
+        && (config.kv_cache_dtype == KvCacheDtype::Auto || config.kv_cache_dtype.bits().is_some())
+        && head_dim.is_multiple_of(32)
+        && head_dim <= 256
+        && mlxcel_model::step::short_rows_enabled()
 }
 
 impl SpeculativeMethod {
@@ -111,7 +121,8 @@ impl SpeculativeMethod {
     /// GPU or CPU, with or without tensor parallelism and a draft model
     /// (a draft model given is used, on any device); the others as they
     /// are. `kernel_rows`: whether a GPU's verification steps attend in
-    /// the paged-attention kernel ([`verifies_in_kernel`]).
+    /// the paged-attention kernel or runs one row a step
+    /// ([`gpu_verification_fits`]).
     pub fn resolve(
         self,
         gpu: bool,
@@ -340,16 +351,42 @@ mod tests {
     }
 
     #[test]
-    fn verification_is_in_the_kernel_on_paged_storage_or_one_row() {
-        use mlxcel_kv::StorageBackend::{Dense, Paged};
-        use mlxcel_model::AttentionPath::{BatchedDecode, PagedDecode, PerRow};
-        assert!(verifies_in_kernel(PagedDecode, None, 8));
-        assert!(verifies_in_kernel(PagedDecode, Some(Paged), 8));
-        assert!(verifies_in_kernel(PagedDecode, Some(Dense), 1));
-        assert!(verifies_in_kernel(PagedDecode, None, 1));
-        assert!(!verifies_in_kernel(PagedDecode, Some(Dense), 8));
-        assert!(!verifies_in_kernel(BatchedDecode, Some(Paged), 8));
-        assert!(!verifies_in_kernel(PerRow, None, 4));
+    fn verification_fits_in_the_kernel_or_one_row() {
+        use mlxcel_kv::{KvCacheDtype, StorageBackend};
+        use mlxcel_model::AttentionPath;
+        let config = |f: &dyn Fn(&mut crate::EngineConfig)| {
+            let mut c = crate::EngineConfig::new("m".into());
+            c.attention_path = AttentionPath::PagedDecode;
+            c.parallel = 8;
+            f(&mut c);
+            c
+        };
+        assert!(gpu_verification_fits(&config(&|_| {}), 64));
+        assert!(gpu_verification_fits(
+            &config(&|c| c.kv_cache_dtype = KvCacheDtype::Int8),
+            128
+        ));
+        assert!(gpu_verification_fits(
+            &config(&|c| c.storage_backend = Some(StorageBackend::Paged)),
+            256
+        ));
+        // One row a step: its own attention, on any storage.
+        let one = |c: &mut crate::EngineConfig| {
+            c.parallel = 1;
+            c.storage_backend = Some(StorageBackend::Dense);
+        };
+        assert!(gpu_verification_fits(&config(&one), 80));
+        // Each verification row would take an attention of its own.
+        let dense = |c: &mut crate::EngineConfig| c.storage_backend = Some(StorageBackend::Dense);
+        assert!(!gpu_verification_fits(&config(&dense), 64));
+        let batched = |c: &mut crate::EngineConfig| c.attention_path = AttentionPath::BatchedDecode;
+        assert!(!gpu_verification_fits(&config(&batched), 64));
+        let long = |c: &mut crate::EngineConfig| c.speculative.num_tokens = 16;
+        assert!(!gpu_verification_fits(&config(&long), 64));
+        let cast = |c: &mut crate::EngineConfig| c.kv_cache_dtype = KvCacheDtype::Float32;
+        assert!(!gpu_verification_fits(&config(&cast), 64));
+        assert!(!gpu_verification_fits(&config(&|_| {}), 80));
+        assert!(!gpu_verification_fits(&config(&|_| {}), 512));
     }
 
     #[test]

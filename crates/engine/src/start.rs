@@ -86,11 +86,7 @@ impl Engine {
             gpu,
             config.tensor_parallel.is_some(),
             config.draft_model.is_some(),
-            crate::speculative::verifies_in_kernel(
-                config.attention_path,
-                config.storage_backend,
-                config.parallel,
-            ),
+            crate::speculative::gpu_verification_fits(&config, model_config.head_dim),
         );
         if config.tensor_parallel.is_some() && config.speculative.method.proposes() {
             // Rejected drafts are truncated on rank 0 only; the followers'

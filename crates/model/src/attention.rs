@@ -517,7 +517,8 @@ impl Attention {
     /// (its row's block table, the keys up to itself), so that a query's
     /// attention is the same walk over the same keys whether it is decoded,
     /// prefilled in any chunk, or batched with anything ->
-    /// `[tokens, heads * head_dim]`. `None` when the step is not batch-invariant or the
+    /// `[tokens, heads * head_dim]`. `None` when the step has no
+    /// [`Step::query_rows`] (neither batch-invariant nor of short rows) or the
     /// kernel can't read this layer's pool (dense storage, a head size the
     /// kernel doesn't take, a pool stored in another dtype).
     fn attend_every_query(

@@ -247,8 +247,8 @@ impl Step {
 
 /// The most tokens a row may have for a step of such rows to attend every
 /// query as a row of the paged-attention kernel
-/// ([`queries_as_kernel_rows`]): speculative verification (1 + up to 10
-/// draft tokens), a short prompt or the short tail of one.
+/// ([`queries_as_kernel_rows`]): speculative verification (1 + the draft
+/// tokens, 10 at most by default), a short prompt or the short tail of one.
 pub const SHORT_ROW_TOKENS: usize = 16;
 
 /// Whether a step of rows packed at `spans` attends each query as a row
@@ -269,7 +269,7 @@ pub fn queries_as_kernel_rows(spans: &[Range<usize>]) -> bool {
 /// `MLXCEL_PAGED_SHORT_ROWS=0` turns [`queries_as_kernel_rows`] off in
 /// this process (to measure against the per-row attention it replaces);
 /// read once.
-fn short_rows_enabled() -> bool {
+pub fn short_rows_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("MLXCEL_PAGED_SHORT_ROWS").map_or(true, |v| v != "0"))
 }
