@@ -28,8 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import plain_decode  # noqa: E402
+from load import plain_decode  # noqa: E402  (benches/ is the script's directory)
 
 REPO = Path(__file__).resolve().parent.parent
 

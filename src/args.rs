@@ -155,9 +155,10 @@ pub struct ModelArgs {
     /// is the same as without (seeded sampling included). `off`: one token
     /// per step. `auto`: `draft` with `--draft-model`, else `ngram`, but
     /// `off` with --tensor-parallel and on a GPU whose verification rows
-    /// would not go through the paged-attention kernel
-    /// (`--attention-path batched|per-row`, or dense storage with
-    /// `--parallel` above 1).
+    /// would not go through the paged-attention kernel (with --parallel
+    /// above 1: --attention-path batched|per-row, dense storage, a float
+    /// --kv-cache-dtype other than the model's, --num-speculative-tokens of
+    /// 16 or more, a head size not a multiple of 32 or above 256).
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Auto)]
     pub speculative: SpeculativeArg,
     /// The draft model of `--speculative draft` (a directory, GGUF file or

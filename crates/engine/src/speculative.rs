@@ -101,8 +101,7 @@ pub fn gpu_verification_fits(config: &crate::EngineConfig, head_dim: usize) -> b
     config.storage_backend != Some(StorageBackend::Dense)
         && config.speculative.num_tokens < mlxcel_model::step::SHORT_ROW_TOKENS
         && (config.kv_cache_dtype == KvCacheDtype::Auto || config.kv_cache_dtype.bits().is_some())
-        && head_dim.is_multiple_of(32)
-        && head_dim <= 256
+        && mlxcel_mlx::paged_attention_head_dim_fits(head_dim)
         && mlxcel_model::step::short_rows_enabled()
 }
 

@@ -750,6 +750,12 @@ pub fn paged_attention_available() -> bool {
     bridge::paged_attention_available().unwrap_or(false)
 }
 
+/// Whether the paged-attention kernels take heads of `head_dim`: they
+/// split a head over a warp's 32 lanes, up to 256.
+pub fn paged_attention_head_dim_fits(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(32) && head_dim <= 256
+}
+
 /// Lets the paged-attention kernels split a row's keys into parts
 /// (flash-decoding, the default) or not. Whether they split depends on
 /// the launch (rows x heads, the longest row), so a query's reduction

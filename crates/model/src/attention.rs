@@ -532,7 +532,7 @@ impl Attention {
             return Ok(None);
         };
         let (h, d) = (self.heads, self.attn_dim);
-        if d % 32 != 0 || d > 256 {
+        if !mlxcel_mlx::paged_attention_head_dim_fits(d as usize) {
             return Ok(None);
         }
         let ids: Vec<usize> = (0..step.rows.len()).collect();
@@ -612,11 +612,9 @@ impl Attention {
         let (h, d) = (self.heads, self.attn_dim);
         let ids: Vec<usize> = (0..rows).collect();
         let q = q.slice(&[0, 0, 0, 0], &[rows as i32, h, 1, d])?;
-        // The kernel splits head_dim over a warp's 32 lanes (up to 256).
-        let kernel_fits = d % 32 == 0 && d <= 256;
         // Windowed layers too: the kernel attends to each row's last
         // `window` live keys.
-        if step.paged_kernel && kernel_fits {
+        if step.paged_kernel && mlxcel_mlx::paged_attention_head_dim_fits(d as usize) {
             // Float pools are read as they are when stored in the compute
             // dtype (a cast pool is gathered and cast back instead);
             // quantized ones are dequantized by the kernel as it reads.

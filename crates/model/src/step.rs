@@ -184,12 +184,10 @@ impl Step {
                 rows.iter().take_while(|r| r.input.len() == 1).count()
             }
         };
-        let paged_kernel = path == AttentionPath::PagedDecode
-            && batched_decode_rows > 0
-            && mlxcel_mlx::paged_attention_available();
+        let kernel = path == AttentionPath::PagedDecode && mlxcel_mlx::paged_attention_available();
+        let paged_kernel = kernel && batched_decode_rows > 0;
         let tokens = positions.len();
         let every_query = crate::invariant::enabled();
-        let kernel = path == AttentionPath::PagedDecode && mlxcel_mlx::paged_attention_available();
         let query_rows = if kernel
             && (every_query || (short_rows_enabled() && queries_as_kernel_rows(&spans)))
         {
