@@ -4,7 +4,7 @@
 
   python3 benches/gpu_models.py NAME OUT_DIR --tokenizer DIR [--group-size 64] [--bits 4]
 
-NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2),
+NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2), gemma3-270m,
 qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), qwen3.5-0.8b and
 qwen3.5-35b-a3b (Qwen3.5 hybrids, the latter 256 experts, 8 per token),
 qwen3.5-small (a 4-layer Qwen3.5 for CPU and float32 parity runs),
@@ -39,6 +39,15 @@ SHAPES = {
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768,
                          rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Gemma 3 270M's shape (GeGLU MLP, head size 256, five sliding-window
+    # layers to one global).
+    "gemma3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048,
+                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=256, vocab_size=262144, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0, sliding_window=512,
+                        sliding_window_pattern=6, query_pre_attn_scalar=256,
+                        max_position_embeddings=32768, rms_norm_eps=1e-6,
+                        hidden_activation="gelu_pytorch_tanh"),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, num_experts=128, num_experts_per_tok=8,

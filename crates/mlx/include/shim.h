@@ -60,6 +60,8 @@ ArrayPtr subtract(const array& a, const array& b);
 ArrayPtr multiply(const array& a, const array& b);
 ArrayPtr divide(const array& a, const array& b);
 ArrayPtr minimum(const array& a, const array& b);
+ArrayPtr swiglu(const array& gate, const array& up);
+ArrayPtr geglu_tanh(const array& gate, const array& up);
 ArrayPtr clamped_swiglu(const array& gate, const array& up, const array& gate_bias,
                         const array& up_bias, float alpha, float limit);
 ArrayPtr maximum(const array& a, const array& b);

@@ -40,6 +40,8 @@ pub(crate) mod bridge {
         fn multiply(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn divide(a: &array, b: &array) -> Result<UniquePtr<array>>;
         fn minimum(a: &array, b: &array) -> Result<UniquePtr<array>>;
+        fn swiglu(gate: &array, up: &array) -> Result<UniquePtr<array>>;
+        fn geglu_tanh(gate: &array, up: &array) -> Result<UniquePtr<array>>;
         fn clamped_swiglu(
             gate: &array,
             up: &array,

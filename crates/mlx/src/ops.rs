@@ -87,6 +87,24 @@ pub fn scaled_dot_product_attention(
     }
 }
 
+/// SwiGLU's product of a gated MLP (Shazeer 2020, "GLU Variants Improve
+/// Transformer"): `silu(gate) · up`, `gate` and `up` of one shape and
+/// dtype (`[..., intermediate]`). One fused kernel on a GPU (MLX's
+/// `compile`, shapeless, as mlx_lm compiles its `swiglu`) instead of three;
+/// the same ops unfused on the CPU. Bit for bit the separate ops' result
+/// wherever MLX's fused kernel rounds each op as the unfused kernels do.
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    Array::wrap(bridge::swiglu(gate.raw(), up.raw()))
+}
+
+/// GeGLU's product (Gemma's MLP): `gelu_tanh(gate) · up` with the tanh
+/// approximation of [`Array::gelu_tanh`], same shapes as [`swiglu`]. One
+/// fused kernel on a GPU (thirteen separate ones otherwise), the same ops
+/// unfused on the CPU.
+pub fn geglu_tanh(gate: &Array, up: &Array) -> Result<Array> {
+    Array::wrap(bridge::geglu_tanh(gate.raw(), up.raw()))
+}
+
 /// gpt-oss's clamped SwiGLU of an expert's gate and up projections (same
 /// shape and dtype), each plus its bias when `biases` are given (same
 /// shape): with `g = min(gate, limit)` and `u = clip(up, -limit, limit)`,

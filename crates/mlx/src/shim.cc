@@ -158,6 +158,50 @@ std::vector<array> clamped_swiglu_graph(const std::vector<array>& in) {
 }
 }  // namespace
 
+namespace {
+// SwiGLU's gate times up: silu(g) * u; inputs: gate, up.
+std::vector<array> swiglu_graph(const std::vector<array>& in) {
+  return {mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0])), in[1])};
+}
+
+// GeGLU (tanh GELU) gate times up; inputs: gate, up, then 0.044715,
+// sqrt(2/pi), 1 and 0.5 in the compute dtype. The order of operations is
+// the one `Array::gelu_tanh` had as separate ops.
+std::vector<array> geglu_tanh_graph(const std::vector<array>& in) {
+  const auto& x = in[0];
+  auto cube = mx::multiply(mx::multiply(x, x), x);
+  auto inner = mx::multiply(mx::add(x, mx::multiply(cube, in[2])), in[3]);
+  auto gate = mx::add(mx::tanh(inner), in[4]);
+  auto act = mx::multiply(mx::multiply(x, in[5]), gate);
+  return {mx::multiply(act, in[1])};
+}
+
+// `graph` as one compiled (fused, shapeless) function on a GPU; the plain
+// ops on the CPU, where MLX's compiled kernels need a compiler at run time.
+ArrayPtr run_fused(std::vector<array> (*graph)(const std::vector<array>&),
+                   const std::function<std::vector<array>(const std::vector<array>&)>& fused,
+                   const std::vector<array>& in) {
+  if (mx::default_device().type == mx::Device::gpu) {
+    return wrap(fused(in)[0]);
+  }
+  return wrap(graph(in)[0]);
+}
+}  // namespace
+
+ArrayPtr swiglu(const array& gate, const array& up) {
+  static const auto fused = mx::compile(swiglu_graph, /*shapeless=*/true);
+  return run_fused(swiglu_graph, fused, {gate, up});
+}
+
+ArrayPtr geglu_tanh(const array& gate, const array& up) {
+  static const auto fused = mx::compile(geglu_tanh_graph, /*shapeless=*/true);
+  const auto t = gate.dtype();
+  return run_fused(geglu_tanh_graph, fused,
+                   {gate, up, mx::array(0.044715f, t),
+                    mx::array(std::sqrt(2.0f / 3.14159265358979323846f), t), mx::array(1.0f, t),
+                    mx::array(0.5f, t)});
+}
+
 ArrayPtr clamped_swiglu(const array& gate, const array& up, const array& gate_bias,
                         const array& up_bias, float alpha, float limit) {
   const auto t = gate.dtype();

@@ -405,3 +405,37 @@ fn raw_bytes_round_trip_without_conversion() {
     // Bytes that don't fill the shape are an error.
     assert!(Array::from_bytes(&bytes[..6], &[2, 2], Dtype::Bfloat16).is_err());
 }
+
+/// The gated products of an MLP against their definitions in plain ops
+/// (SiLU: x·σ(x); GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)(x +
+/// 0.044715·x³)))), on hand-computed values and bit for bit against
+/// `silu`/`gelu_tanh` times up.
+#[test]
+fn gated_activations() {
+    let gate = Array::from_f32(&[-2.0, -0.5, 0.0, 0.5, 1.0, 3.0], &[2, 3]).unwrap();
+    let up = Array::from_f32(&[1.0, 2.0, -1.0, 0.25, -3.0, 0.5], &[2, 3]).unwrap();
+    let g: Vec<f32> = gate.to_vec_f32().unwrap();
+    let u: Vec<f32> = up.to_vec_f32().unwrap();
+    let silu: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&x, &y)| x / (1.0 + (-x).exp()) * y)
+        .collect();
+    let gelu: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&x, &y)| {
+            let inner = (2.0f32 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            0.5 * x * (1.0 + inner.tanh()) * y
+        })
+        .collect();
+    let sw = mlxcel_mlx::swiglu(&gate, &up).unwrap();
+    let ge = mlxcel_mlx::geglu_tanh(&gate, &up).unwrap();
+    assert_eq!(sw.shape(), vec![2, 3]);
+    close(&sw.to_vec_f32().unwrap(), &silu, 1e-6);
+    close(&ge.to_vec_f32().unwrap(), &gelu, 1e-6);
+    let plain_sw = gate.silu().unwrap().multiply(&up).unwrap();
+    let plain_ge = gate.gelu_tanh().unwrap().multiply(&up).unwrap();
+    assert_eq!(sw.to_vec_f32().unwrap(), plain_sw.to_vec_f32().unwrap());
+    assert_eq!(ge.to_vec_f32().unwrap(), plain_ge.to_vec_f32().unwrap());
+}

@@ -338,6 +338,69 @@ impl Attention {
         step: &Step,
     ) -> Result<Array, ModelError> {
         let t = step.tokens as i32;
+        let (h, d) = (self.heads, self.head_dim);
+        let (q, gate, new_kv) = match self.project_joint(x, step)? {
+            Some((q, k, v)) => (q, None, Some((k, v))),
+            None => self.project(x, step)?,
+        };
+        if let Some((k, v)) = new_kv {
+            kv.write(layer, &k, &v)?;
+            mark("kv.write", &kv.storage())?;
+        }
+        let mut parts = Vec::with_capacity(step.rows.len());
+        if let Some(every) = self.attend_every_query(&q, layer, kv, step)? {
+            parts.push(every);
+        } else if step.every_query {
+            for (row, span) in step.rows.iter().enumerate() {
+                parts.push(self.attend_row_per_query(&q, layer, kv, row, span)?);
+            }
+        } else {
+            let batched = step.batched_decode_rows;
+            if batched > 0 {
+                parts.push(self.attend_batched(&q, layer, kv, step)?);
+            }
+            for (row, span) in step.rows.iter().enumerate().skip(batched) {
+                parts.push(self.attend_row(&q, layer, kv, row, span)?);
+            }
+        }
+        // One part (a decode batch, or a single row) needs no copy.
+        let a = self.attn_dim;
+        let o = match parts.as_slice() {
+            [one] => one.reshape(&[1, t, h * a])?,
+            _ => {
+                let parts: Vec<&Array> = parts.iter().collect();
+                mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * a])?
+            }
+        };
+        // Stored wider than the heads: the padding's outputs are zeros.
+        let o = if a > d {
+            o.reshape(&[t, h, a])?
+                .slice(&[0, 0, 0], &[t, h, d])?
+                .reshape(&[1, t, h * d])?
+        } else {
+            o
+        };
+        mark("attn.concat", &[&o])?;
+        let o = match gate {
+            Some(g) => o.multiply(&g.sigmoid()?)?,
+            None => o,
+        };
+        let o = self.o_proj.forward(&o)?;
+        mark("attn.o_proj", &[&o])?;
+        Ok(o)
+    }
+
+    /// The step's queries `[tokens, heads, 1, attn_dim]` (rotated), the
+    /// output gate `[1, tokens, heads * head_dim]` of a gated layer, and
+    /// the new K/V `[tokens, stored_kv_heads, attn_dim]` to write (none on
+    /// a layer that reads another's).
+    #[allow(clippy::type_complexity)]
+    fn project(
+        &self,
+        x: &Array,
+        step: &Step,
+    ) -> Result<(Array, Option<Array>, Option<(Array, Array)>), ModelError> {
+        let t = step.tokens as i32;
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         // Packed per token: [tokens, heads, 1, head_dim], rotated at each
         // token's own absolute position.
@@ -392,50 +455,53 @@ impl Attention {
             mark("attn.rope", &[&q, &k])?;
             let k = self.repeat_kv(self.pad_heads(k.reshape(&[t, kvh, d])?)?)?;
             let v = self.repeat_kv(self.pad_heads(v)?)?;
-            kv.write(layer, &k, &v)?;
-            mark("kv.write", &kv.storage())?;
+            return Ok((q, gate, Some((k, v))));
         }
-        let mut parts = Vec::with_capacity(step.rows.len());
-        if let Some(every) = self.attend_every_query(&q, layer, kv, step)? {
-            parts.push(every);
-        } else if step.every_query {
-            for (row, span) in step.rows.iter().enumerate() {
-                parts.push(self.attend_row_per_query(&q, layer, kv, row, span)?);
-            }
-        } else {
-            let batched = step.batched_decode_rows;
-            if batched > 0 {
-                parts.push(self.attend_batched(&q, layer, kv, step)?);
-            }
-            for (row, span) in step.rows.iter().enumerate().skip(batched) {
-                parts.push(self.attend_row(&q, layer, kv, row, span)?);
-            }
+        Ok((q, gate, None))
+    }
+
+    /// [`Attention::project`] of a single-token step (one-row decode) on a
+    /// plain layer (fused q/k/v, no q/k/v norms, no output gate, heads
+    /// stored as computed): the queries and keys are adjacent heads of the
+    /// one fused product, so one RoPE kernel rotates both (RoPE is per
+    /// head and position, the same values as two calls), and every output
+    /// is a view of the product or of the rotation. Host-bound decode pays
+    /// per kernel (`docs/performance.md`). `None` where it doesn't apply.
+    #[allow(clippy::type_complexity)]
+    fn project_joint(
+        &self,
+        x: &Array,
+        step: &Step,
+    ) -> Result<Option<(Array, Array, Array)>, ModelError> {
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let plain = step.tokens == 1
+            && !self.output_gate
+            && self.q_norm.is_none()
+            && self.k_norm.is_none()
+            && self.v_norm.is_none()
+            && self.attn_dim == d
+            && self.stored_kv_heads == kvh
+            && self.qkv.fused_sizes() == Some(&[h * d, kvh * d, kvh * d][..]);
+        if !plain {
+            return Ok(None);
         }
-        // One part (a decode batch, or a single row) needs no copy.
-        let a = self.attn_dim;
-        let o = match parts.as_slice() {
-            [one] => one.reshape(&[1, t, h * a])?,
-            _ => {
-                let parts: Vec<&Array> = parts.iter().collect();
-                mlxcel_mlx::concatenate(&parts, 0)?.reshape(&[1, t, h * a])?
-            }
+        let Some(y) = self.qkv.forward_whole(x)? else {
+            return Ok(None);
         };
-        // Stored wider than the heads: the padding's outputs are zeros.
-        let o = if a > d {
-            o.reshape(&[t, h, a])?
-                .slice(&[0, 0, 0], &[t, h, d])?
-                .reshape(&[1, t, h * d])?
-        } else {
-            o
-        };
-        mark("attn.concat", &[&o])?;
-        let o = match gate {
-            Some(g) => o.multiply(&g.sigmoid()?)?,
-            None => o,
-        };
-        let o = self.o_proj.forward(&o)?;
-        mark("attn.o_proj", &[&o])?;
-        Ok(o)
+        let all = h + 2 * kvh;
+        let y = y.reshape(&[1, all, 1, d])?;
+        let qk = y.slice(&[0, 0, 0, 0], &[1, h + kvh, 1, d])?;
+        let v = y
+            .slice(&[0, h + kvh, 0, 0], &[1, all, 1, d])?
+            .reshape(&[1, kvh, d])?;
+        mark("attn.qkv_proj", &[&qk, &v])?;
+        let qk = self.rope.apply_at(&qk, &step.positions)?;
+        let q = qk.slice(&[0, 0, 0, 0], &[1, h, 1, d])?;
+        let k = qk
+            .slice(&[0, h, 0, 0], &[1, h + kvh, 1, d])?
+            .reshape(&[1, kvh, d])?;
+        mark("attn.rope", &[&q, &k])?;
+        Ok(Some((q, k, v)))
     }
 
     /// One row's queries `[n, heads, 1, head_dim]` (packed at `span.start`)

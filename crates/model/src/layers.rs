@@ -567,6 +567,34 @@ impl LinearGroup {
         self.len() == 0
     }
 
+    /// The one fused product `[..., sum of out_i]` (the parts' outputs side
+    /// by side, in order) when [`LinearGroup::forward`] would take it: a
+    /// fused group over at most [`FUSED_MAX_ROWS`] input rows (any row
+    /// count under batch-invariant execution). `None` otherwise (take the
+    /// parts' outputs from [`LinearGroup::forward`]).
+    ///
+    /// # Errors
+    /// MLX failing to build the product.
+    pub fn forward_whole(&self, x: &Array) -> Result<Option<Array>, ModelError> {
+        match self {
+            LinearGroup::Fused { linear, .. }
+                if input_rows(x) <= FUSED_MAX_ROWS || crate::invariant::enabled() =>
+            {
+                Ok(Some(linear.forward(x)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// A fused group's part output sizes (`out_i`), in order; `None` for
+    /// separate parts.
+    pub fn fused_sizes(&self) -> Option<&[i32]> {
+        match self {
+            LinearGroup::Fused { sizes, .. } => Some(sizes),
+            LinearGroup::Separate(_) => None,
+        }
+    }
+
     /// `[..., in]` -> one `[..., out_i]` per part, in order.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>, ModelError> {
         match self {
@@ -777,11 +805,11 @@ impl Mlp {
     pub fn forward(&self, x: &Array) -> Result<Array, ModelError> {
         let [g, u] = <[Array; 2]>::try_from(self.gate_up.forward(x)?)
             .map_err(|_| ModelError::Weights("an MLP without gate and up".into()))?;
-        let g = match self.activation {
-            Activation::Silu => g.silu()?,
-            Activation::GeluTanh => g.gelu_tanh()?,
+        let h = match self.activation {
+            Activation::Silu => mlxcel_mlx::swiglu(&g, &u)?,
+            Activation::GeluTanh => mlxcel_mlx::geglu_tanh(&g, &u)?,
         };
-        self.down_proj.forward(&g.multiply(&u)?)
+        self.down_proj.forward(&h)
     }
 }
 

@@ -633,10 +633,9 @@ impl SparseMoe {
                     None => (g, u),
                 };
                 match self.activation {
-                    Activation::Silu => g.silu()?,
-                    Activation::GeluTanh => g.gelu_tanh()?,
+                    Activation::Silu => mlxcel_mlx::swiglu(&g, &u)?,
+                    Activation::GeluTanh => mlxcel_mlx::geglu_tanh(&g, &u)?,
                 }
-                .multiply(&u)?
             }
             ExpertGlu::ClampedSwiglu { alpha, limit } => {
                 let b = biases.as_ref().map(|[bg, bu, _]| (bg, bu));
