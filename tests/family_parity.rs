@@ -592,6 +592,14 @@ fn engine_answers_alike(model: &str, cached: Option<usize>) {
     let cached = cached.unwrap_or(prompt.len() - 1);
     assert_eq!(usage.cached_tokens, cached, "a repeated prompt's hit");
     assert_eq!(warm, want, "warm = cold");
+    // Decode steps were pipelined, windowed models included: a window
+    // group's trim lands a step late there, hidden by the layers' masks.
+    let stats = common::settled(&e);
+    assert!(
+        stats.pipelined_steps > 0,
+        "{model}: no pipelined decode step"
+    );
+    assert_eq!(stats.failed_steps, 0, "{model}");
 }
 
 /// A Qwen3-MoE config that disagrees with its weights, or asks for more

@@ -202,3 +202,43 @@ fn a_request_fits_when_it_fits_every_group() {
     drop(running);
     c.reclaim().unwrap();
 }
+
+/// A window group alone trims only what its layers' window hides (a trim
+/// may land a step late: pipelined decode); `--max-kv-size` trims keys the
+/// attention would still see, on the full group and on a window wider than
+/// the cap.
+#[test]
+fn only_a_size_cap_trims_inside_what_attention_sees() {
+    let windowed = grouped_cache(16, 8, false);
+    assert!(windowed.trims());
+    assert!(!windowed.trims_inside_attention());
+    for (windows, cap) in [
+        (vec![None, Some(WINDOW)], Some(100)),
+        (vec![None, Some(WINDOW)], Some(4)),
+        (vec![None], Some(100)),
+    ] {
+        let mut groups = KvGroupConfig::from_layer_windows(&windows, cap);
+        for g in &mut groups {
+            g.num_blocks = 16;
+        }
+        let blocks = groups.iter().map(|g| g.num_blocks).sum();
+        let c = KvCache::with_groups(
+            KvCacheConfig {
+                layout: KvLayout {
+                    layers: windows.len(),
+                    kv_heads: 1,
+                    head_dim: HEAD_DIM,
+                    dtype: Dtype::Float32,
+                    kv_dtype: mlxcel_kv::KvCacheDtype::Auto,
+                },
+                block_size: BS,
+                num_blocks: blocks,
+                backend: StorageBackend::Paged,
+                prefix: None,
+            },
+            groups,
+        )
+        .expect("cache");
+        assert!(c.trims_inside_attention(), "{windows:?} capped at {cap:?}");
+    }
+}

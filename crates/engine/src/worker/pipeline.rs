@@ -26,15 +26,17 @@ const DEVICE_INPUT: [u32; 1] = [0];
 
 impl Worker<'_> {
     /// Whether pipelining may run for these rows at all: it is on, the
-    /// runner can queue, no KV group trims between steps (a window must
-    /// be applied before the next step reads), and (tests only) no fault
-    /// is being injected.
+    /// runner can queue, no KV group trims keys its attention would still
+    /// see (`--max-kv-size`: that trim must land before the next step
+    /// reads; a sliding window's trim may land a step late, its layers
+    /// mask past the window, see [`mlxcel_kv::KvCache::trims_inside_attention`]),
+    /// and (tests only) no fault is being injected.
     fn pipeline_allowed(&self) -> bool {
         #[cfg(feature = "fault-injection")]
         if self.config.fault.poison_token.is_some() {
             return false;
         }
-        self.config.pipeline && self.runner.can_queue() && !self.kv.trims()
+        self.config.pipeline && self.runner.can_queue() && !self.kv.trims_inside_attention()
     }
 
     /// A plan starts a pipeline when every running sequence is in it as a

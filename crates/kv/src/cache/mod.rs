@@ -372,6 +372,21 @@ impl KvCache {
         self.groups.iter().any(|g| g.config.keep.is_some())
     }
 
+    /// Whether some group keeps fewer keys than its layers' attention
+    /// sees (`--max-kv-size`): a step built before the previous step's
+    /// [`KvCache::trim`] would then attend to keys the trim drops. A
+    /// sliding-window group alone keeps `window - 1` keys
+    /// ([`KvGroupConfig::keep_for`]) and its layers mask every key past
+    /// the window themselves, so a trim one step late changes nothing that
+    /// is attended to (pipelined decode relies on it).
+    pub fn trims_inside_attention(&self) -> bool {
+        self.groups.iter().any(|g| {
+            g.config.keep.is_some()
+                && (g.config.window.is_none()
+                    || g.config.keep != KvGroupConfig::keep_for(g.config.window, None))
+        })
+    }
+
     /// Sequences alive (handles not yet reclaimed).
     pub fn live_sequences(&self) -> usize {
         self.seqs.len()
