@@ -119,6 +119,50 @@ fn a_panicking_step_fails_only_its_request() {
     fault_run(true);
 }
 
+/// A pipelined decode step whose tokens fail to read (a device error
+/// surfacing at the read) is rolled back with the step queued behind it,
+/// and its rows rerun synchronously. On a sliding-window model (tiny
+/// random-weight Gemma 3: a local layer of a 16-key window, past it after
+/// the 40-token prompt) the rerun must attend to the keys a plain run
+/// does: the window group's trim keeps the queued step's keys
+/// (`KvCache::trim_keeping`), and with invariants checked a rollback that
+/// lost one fails its request. Every reply matches the run without the
+/// fault, wherever in the decode the read fails.
+#[test]
+fn a_failed_pipelined_read_reruns_over_the_same_window() {
+    let dir = common::tiny_gemma3_dir("faults");
+    let golden = common::parity::read_golden(&dir, "make_tiny_models.py");
+    let prompt = common::parity::ids(&golden, "prompt");
+    let prompts = [prompt.clone(), prompt[..24].to_vec()];
+    let run = |fail: Option<u64>| {
+        let mut c = common::tiny_engine_config(&dir, 4);
+        c.fault = FaultInjection {
+            fail_pipelined_read: fail,
+            ..FaultInjection::default()
+        };
+        let e = Engine::start(c).expect("engine");
+        let streams: Vec<_> = prompts
+            .iter()
+            .map(|p| e.submit(long_request(p.clone(), 40)).expect("submit"))
+            .collect();
+        let replies: Vec<Vec<u32>> = streams
+            .into_iter()
+            .map(|s| collect_tokens(s).expect("every request succeeds").0)
+            .collect();
+        (replies, settled(&e))
+    };
+    let (want, plain) = run(None);
+    assert!(plain.pipelined_steps > 0, "{plain:?}");
+    assert_eq!(plain.failed_steps, 0);
+    for n in [2, 12, 30] {
+        let (got, stats) = run(Some(n));
+        assert_eq!(got, want, "the read of pipelined step {n} failed");
+        assert_eq!(stats.failed_steps, 1, "{stats:?}");
+        assert!(stats.pipelined_steps > n, "{stats:?}");
+        assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
+    }
+}
+
 #[test]
 fn long_prompts_complete_under_a_small_kv_window_and_short_ones_are_unchanged() {
     let plain = Engine::start(config()).expect("engine");

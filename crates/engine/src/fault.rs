@@ -12,6 +12,10 @@ pub struct FaultInjection {
     /// Every write of the prompt cache's disk tier fails with this OS
     /// error (28: no space left on device).
     pub disk_write_errno: Option<i32>,
+    /// The n-th read of a pipelined decode step (counting from 1) fails
+    /// once, as a device error surfacing when the tokens are read would:
+    /// the step and the one queued behind it are rolled back.
+    pub fail_pipelined_read: Option<u64>,
 }
 
 impl FaultInjection {

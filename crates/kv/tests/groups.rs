@@ -131,6 +131,79 @@ fn a_window_group_frees_what_left_its_window_and_the_full_group_keeps_all() {
     assert_eq!(c.counts().used, 0);
 }
 
+/// Reserves and writes a one-token step of `seq` and completes it, the way
+/// a pipelined decode step is queued (its tokens not read yet): the
+/// reservation is what a failed read rolls back.
+fn queue(c: &mut KvCache, seq: &KvSequence) -> mlxcel_kv::StepReservation {
+    let reservation = c
+        .reserve_step(&[RowReserve {
+            seq,
+            real: 1,
+            padded: 1,
+        }])
+        .expect("reserve");
+    {
+        let mut s = c.step(&[(seq, 1)]).expect("step");
+        for layer in 0..2 {
+            let vals: Vec<f32> = s
+                .new_positions(0)
+                .flat_map(|p| [key(p, layer); HEAD_DIM])
+                .collect();
+            let k = Array::from_f32(&vals, &[1, 1, HEAD_DIM as i32]).expect("k");
+            s.write(layer, &k, &k).expect("write");
+        }
+        mlxcel_mlx::eval(&s.storage()).expect("eval");
+    }
+    c.complete_step(reservation.clone(), true)
+        .expect("complete");
+    reservation
+}
+
+/// Pipelined decode: step p is queued, step p-1's read trims the window
+/// group keeping the queued step's slot too (`trim_keeping`), step p+1 is
+/// queued over one key more than the window, then step p's read fails and
+/// both queued steps roll back: the group holds exactly the `keep` keys a
+/// synchronous rerun of step p reads. A plain trim there would have
+/// dropped one of them, which `check` reports.
+#[test]
+fn a_rolled_back_pipelined_step_keeps_the_keys_its_rerun_reads() {
+    for plain_trim in [false, true] {
+        let mut c = grouped_cache(64, 8, false);
+        let seq = c.new_sequence();
+        step(&mut c, &seq, 20);
+        for _ in 0..5 {
+            step(&mut c, &seq, 1);
+        }
+        let p = c.end(&seq).unwrap();
+        assert_eq!(c.group_range(&seq, 1).unwrap(), p - KEEP..p);
+        let queued = queue(&mut c, &seq);
+        if plain_trim {
+            c.trim(&seq).expect("trim");
+        } else {
+            c.trim_keeping(&seq, 1).expect("trim");
+            assert_eq!(c.group_range(&seq, 1).unwrap(), p - KEEP..p + 1);
+        }
+        c.check(&seq).expect("invariants while queued");
+        let _behind = queue(&mut c, &seq);
+        c.complete_step(queued, false).expect("roll back");
+        assert_eq!(c.end(&seq).unwrap(), p);
+        if plain_trim {
+            let e = c.check(&seq).expect_err("a dropped key");
+            assert!(e.to_string().contains("dropped keys"), "{e}");
+            assert_eq!(c.group_range(&seq, 1).unwrap(), p - KEEP + 1..p);
+        } else {
+            c.check(&seq).expect("invariants after the rollback");
+            assert_eq!(c.group_range(&seq, 1).unwrap(), p - KEEP..p);
+            // The rerun reads the window's last keys, as a plain run does.
+            let read = step(&mut c, &seq, 1);
+            assert_eq!(read[1], (p - KEEP..=p).collect::<Vec<_>>());
+        }
+        drop(seq);
+        c.reclaim().unwrap();
+        assert_eq!(c.counts().used, 0);
+    }
+}
+
 #[test]
 fn a_prefix_hit_starts_each_group_where_a_cold_run_is() {
     let mut c = grouped_cache(64, 16, true);
@@ -203,8 +276,8 @@ fn a_request_fits_when_it_fits_every_group() {
     c.reclaim().unwrap();
 }
 
-/// A window group alone trims only what its layers' window hides (a trim
-/// may land a step late: pipelined decode); `--max-kv-size` trims keys the
+/// A window group alone trims only what its layers' window hides (a step
+/// queued behind another may see a key past the window: pipelined decode); `--max-kv-size` trims keys the
 /// attention would still see, on the full group and on a window wider than
 /// the cap.
 #[test]

@@ -73,6 +73,9 @@ pub(crate) struct LocalRunner<'m> {
     /// Test-only: make chosen forwards fail.
     #[cfg(feature = "fault-injection")]
     fault: crate::fault::FaultInjection,
+    /// Test-only: pipelined reads so far (`FaultInjection::fail_pipelined_read`).
+    #[cfg(feature = "fault-injection")]
+    pipelined_reads: u64,
 }
 
 impl<'m> LocalRunner<'m> {
@@ -87,6 +90,8 @@ impl<'m> LocalRunner<'m> {
             },
             #[cfg(feature = "fault-injection")]
             fault: crate::fault::FaultInjection::default(),
+            #[cfg(feature = "fault-injection")]
+            pipelined_reads: 0,
         }
     }
 
@@ -249,13 +254,23 @@ impl StepRunner for LocalRunner<'_> {
     }
 
     fn read(&mut self, kv: &mut KvCache, pending: &Pending) -> Result<Vec<u32>, StepError> {
-        let read = profile::region("engine.wait_tokens", || pending.tokens.to_vec_u32());
-        read.map_err(|e| {
+        let read = profile::region("engine.wait_tokens", || pending.tokens.to_vec_u32())
+            .map_err(StepError::from);
+        #[cfg(feature = "fault-injection")]
+        let read = {
+            self.pipelined_reads += 1;
+            match self.fault.fail_pipelined_read {
+                Some(n) if n == self.pipelined_reads => {
+                    read.and(Err(StepError::Internal("injected pipelined read failure")))
+                }
+                _ => read,
+            }
+        };
+        read.inspect_err(|_| {
             // Roll the step (and any queued behind it) back.
             if let Err(undo) = kv.complete_step(pending.reservation.clone(), false) {
                 tracing::error!(error = %undo, "rolling back a failed pipelined step");
             }
-            StepError::from(e)
         })
     }
 }

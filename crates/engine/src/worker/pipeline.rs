@@ -28,9 +28,10 @@ impl Worker<'_> {
     /// Whether pipelining may run for these rows at all: it is on, the
     /// runner can queue, no KV group trims keys its attention would still
     /// see (`--max-kv-size`: that trim must land before the next step
-    /// reads; a sliding window's trim may land a step late, its layers
-    /// mask past the window, see [`mlxcel_kv::KvCache::trims_inside_attention`]),
-    /// and (tests only) no fault is being injected.
+    /// reads; a sliding window's trim keeps the queued steps' keys, which
+    /// its layers mask, see [`mlxcel_kv::KvCache::trims_inside_attention`]
+    /// and [`mlxcel_kv::KvCache::trim_keeping`]), and (tests only) no
+    /// poison token is being injected.
     fn pipeline_allowed(&self) -> bool {
         #[cfg(feature = "fault-injection")]
         if self.config.fault.poison_token.is_some() {
@@ -79,6 +80,41 @@ impl Worker<'_> {
                 self.counters.failed_steps += 1;
                 tracing::error!(error = %e, rows = queued.ids.len(), "pipelined step failed");
                 self.pipeline_paused = true;
+                if self.config.check_invariants {
+                    self.check_rolled_back(&queued.ids);
+                }
+            }
+        }
+    }
+
+    /// Checks the caches of the sequences `ids` after a pipelined read
+    /// failed and the runner rolled their queued steps back: each must
+    /// end at its computed tokens and hold every key its synchronous rerun
+    /// reads. A broken one fails its sequence (tests check invariants).
+    fn check_rolled_back(&mut self, ids: &[u64]) {
+        for &id in ids {
+            let Some(seq) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            let s = &self.running[seq];
+            let checked = self
+                .kv
+                .check(&s.kv)
+                .map_err(StepError::from)
+                .and_then(|()| {
+                    let end = self.kv.end(&s.kv)?;
+                    if end == s.computed {
+                        Ok(())
+                    } else {
+                        tracing::error!(end, computed = s.computed, "cache end after a rollback");
+                        Err(StepError::Internal(
+                            "a rolled-back cache does not end at the computed tokens",
+                        ))
+                    }
+                });
+            if let Err(e) = checked {
+                tracing::error!(error = %e, "a cache after a pipelined rollback");
+                self.fail(seq, &e);
             }
         }
     }

@@ -314,8 +314,9 @@ impl Worker<'_> {
         let s = &self.running[seq];
         let kv = &mut self.kv;
         // Each KV group drops what fell out of its window (or past
-        // `--max-kv-size`); a full group keeps everything.
-        kv.trim(&s.kv)?;
+        // `--max-kv-size`); a full group keeps everything. Keys a queued
+        // step's rollback would need again stay (`ahead` more).
+        kv.trim_keeping(&s.kv, ahead)?;
         if self.config.check_invariants {
             kv.check(&s.kv)?;
             let end = kv.end(&s.kv)?;

@@ -377,8 +377,9 @@ impl KvCache {
     /// [`KvCache::trim`] would then attend to keys the trim drops. A
     /// sliding-window group alone keeps `window - 1` keys
     /// ([`KvGroupConfig::keep_for`]) and its layers mask every key past
-    /// the window themselves, so a trim one step late changes nothing that
-    /// is attended to (pipelined decode relies on it).
+    /// the window themselves, so a step queued behind another (pipelined
+    /// decode, whose trims keep the queued steps' keys more:
+    /// [`KvCache::trim_keeping`]) may see a key or two past its window.
     pub fn trims_inside_attention(&self) -> bool {
         self.groups.iter().any(|g| {
             g.config.keep.is_some()

@@ -154,8 +154,24 @@ impl KvCache {
     /// keeps everything (or the last `--max-kv-size`). Call it after every
     /// step, once the step's blocks were donated.
     ///
+    /// # Errors
+    /// [`KvError::Invariant`] for a sequence this cache doesn't know.
+    ///
     /// [`KvGroupConfig::keep`]: crate::KvGroupConfig::keep
     pub fn trim(&mut self, seq: &KvSequence) -> Result<(), KvError> {
+        self.trim_keeping(seq, 0)
+    }
+
+    /// [`KvCache::trim`] with `ahead` positions at the end reserved by
+    /// steps queued but not read yet (pipelined decode): each group keeps
+    /// `keep + ahead` keys, what the next synchronous step would keep
+    /// once those queued steps were rolled back (a failed read). A step
+    /// queued after this trim sees up to `ahead` keys more than its window,
+    /// which its layers mask.
+    ///
+    /// # Errors
+    /// As [`KvCache::trim`].
+    pub fn trim_keeping(&mut self, seq: &KvSequence, ahead: usize) -> Result<(), KvError> {
         let state = self
             .seqs
             .get_mut(&seq.id)
@@ -163,6 +179,7 @@ impl KvCache {
         for (g, blocks) in state.blocks.iter_mut().enumerate() {
             let group = &mut self.groups[g];
             if let Some(keep) = group.config.keep {
+                let keep = keep + ahead;
                 if blocks.len() > keep {
                     blocks.drop_front(&mut group.pool, blocks.end() - keep)?;
                 }
@@ -172,17 +189,32 @@ impl KvCache {
     }
 
     /// Checks that the sequence's positions, block tables and storage
-    /// agree, and that every group ends at the same position.
+    /// agree, that every group ends at the same position, and that a
+    /// group that dropped its front still holds the `keep` keys the next
+    /// step reads ([`KvGroupConfig::keep`]).
+    ///
+    /// # Errors
+    /// [`KvError::Invariant`] naming the first broken one.
+    ///
+    /// [`KvGroupConfig::keep`]: crate::KvGroupConfig::keep
     pub fn check(&self, seq: &KvSequence) -> Result<(), KvError> {
         let s = self.state(seq)?;
         let end = s.first().end();
-        for b in &s.blocks {
+        for (g, b) in s.blocks.iter().enumerate() {
             b.check_invariants()?;
             if b.end() != end {
                 return Err(KvError::Invariant(format!(
                     "KV groups end at {} and {end}",
                     b.end()
                 )));
+            }
+            if let Some(keep) = self.groups[g].config.keep {
+                if b.start() > 0 && b.len() < keep {
+                    return Err(KvError::Invariant(format!(
+                        "KV group {g} dropped keys it keeps: it holds [{}, {end}), {keep} keys kept",
+                        b.start()
+                    )));
+                }
             }
         }
         if let Some(d) = &s.dense {
