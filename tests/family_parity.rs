@@ -593,7 +593,8 @@ fn engine_answers_alike(model: &str, cached: Option<usize>) {
     assert_eq!(usage.cached_tokens, cached, "a repeated prompt's hit");
     assert_eq!(warm, want, "warm = cold");
     // Decode steps were pipelined, windowed models included: a window
-    // group's trim lands a step late there, hidden by the layers' masks.
+    // group keeps the queued step's key too (`KvCache::trim_keeping`),
+    // hidden by the layers' masks.
     let stats = common::settled(&e);
     assert!(
         stats.pipelined_steps > 0,

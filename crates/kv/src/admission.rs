@@ -7,10 +7,12 @@
 //! 1` blocks, `bs` the block size: `pad` is the pad tokens a tiled prefill
 //! chunk writes past its real end (`tile - 1`, 0 without tiles), the `+ 1`
 //! a block that a window (or a shared prompt's copy-on-write) leaves
-//! partly used. `h(t)` is `t` without a window; with one of `w` keys, the
-//! sequence keeps `w` keys between steps and a prefill chunk of up to
+//! partly used. `h(t)` is `t` without a window; with a keep of `w` keys,
+//! the sequence keeps `w` keys between steps and a prefill chunk of up to
 //! `chunk` tokens on top, starting mid-block: `h(t) = min(t, w + chunk) +
-//! bs`.
+//! bs`. Pipelined decode holds `w + 2` (the queued step's key kept, the
+//! next step's slot): within `w + chunk` for chunks of 2 or more, and
+//! within the `+ bs` slack for a chunk of 1.
 //!
 //! A request of `p` prompt tokens and `n` choices of up to `m` new tokens
 //! holds at worst `W(p + m) + (n - 1) · W(m + bs)`: the first choice all its

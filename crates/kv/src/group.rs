@@ -5,8 +5,9 @@
 //!
 //! A full-attention group keeps every key of a sequence (or the last
 //! `--max-kv-size`); a sliding-window group of window `w` keeps at most
-//! `w - 1` keys between steps (the next token is the window's last), so it
-//! frees the blocks that fell out of its window. A model whose layers all
+//! `w - 1` keys between steps (the next token is the window's last; `w`
+//! while a pipelined step is queued, `KvCache::trim_keeping`), so it frees
+//! the blocks that fell out of its window. A model whose layers all
 //! attend the same way has one group and behaves as a cache without
 //! groups.
 

@@ -840,9 +840,10 @@ pub fn padding_mask(
 }
 
 /// [`causal_mask`] with a sliding window of `window` keys: query `i` of the
-/// last `q_len` sees the live keys at distance `0..window` from it. The
-/// cache keeps `window - 1` keys between steps, so a single query needs no
-/// band; a chunk of several does once `k_len > window`.
+/// last `q_len` sees the live keys at distance `0..window` from it, a band
+/// once `k_len > window`: a chunk of several queries, or a single query
+/// of a pipelined decode step, whose cache also holds the key the step
+/// queued before it kept (`KvCache::trim_keeping`).
 ///
 /// # Errors
 /// As [`causal_mask`].

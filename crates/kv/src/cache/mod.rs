@@ -379,7 +379,7 @@ impl KvCache {
     /// ([`KvGroupConfig::keep_for`]) and its layers mask every key past
     /// the window themselves, so a step queued behind another (pipelined
     /// decode, whose trims keep the queued steps' keys more:
-    /// [`KvCache::trim_keeping`]) may see a key or two past its window.
+    /// [`KvCache::trim_keeping`]) sees one key past its window.
     pub fn trims_inside_attention(&self) -> bool {
         self.groups.iter().any(|g| {
             g.config.keep.is_some()
