@@ -53,6 +53,20 @@ fn key(pos: usize, layer: usize) -> f32 {
 /// what each layer reads back, then trims; returns each layer's keys read
 /// (positions).
 fn step(c: &mut KvCache, seq: &KvSequence, n: usize) -> [Vec<usize>; 2] {
+    let (_, read) = write_step(c, seq, n);
+    c.trim(seq).expect("trim");
+    c.check(seq).expect("invariants");
+    read
+}
+
+/// Reserves, writes (`key(pos, layer)`), reads back and completes one step
+/// of `n` tokens for `seq`, without trimming: the reservation (what a
+/// failed pipelined read rolls back) and each layer's keys read.
+fn write_step(
+    c: &mut KvCache,
+    seq: &KvSequence,
+    n: usize,
+) -> (mlxcel_kv::StepReservation, [Vec<usize>; 2]) {
     let reservation = c
         .reserve_step(&[RowReserve {
             seq,
@@ -82,10 +96,9 @@ fn step(c: &mut KvCache, seq: &KvSequence, n: usize) -> [Vec<usize>; 2] {
         }
         mlxcel_mlx::eval(&s.storage()).expect("eval");
     }
-    c.complete_step(reservation, true).expect("complete");
-    c.trim(seq).expect("trim");
-    c.check(seq).expect("invariants");
-    read
+    c.complete_step(reservation.clone(), true)
+        .expect("complete");
+    (reservation, read)
 }
 
 #[test]
@@ -131,32 +144,11 @@ fn a_window_group_frees_what_left_its_window_and_the_full_group_keeps_all() {
     assert_eq!(c.counts().used, 0);
 }
 
-/// Reserves and writes a one-token step of `seq` and completes it, the way
-/// a pipelined decode step is queued (its tokens not read yet): the
-/// reservation is what a failed read rolls back.
+/// A one-token step of `seq` written and completed the way a pipelined
+/// decode step is queued (its tokens not read yet): the reservation is
+/// what a failed read rolls back.
 fn queue(c: &mut KvCache, seq: &KvSequence) -> mlxcel_kv::StepReservation {
-    let reservation = c
-        .reserve_step(&[RowReserve {
-            seq,
-            real: 1,
-            padded: 1,
-        }])
-        .expect("reserve");
-    {
-        let mut s = c.step(&[(seq, 1)]).expect("step");
-        for layer in 0..2 {
-            let vals: Vec<f32> = s
-                .new_positions(0)
-                .flat_map(|p| [key(p, layer); HEAD_DIM])
-                .collect();
-            let k = Array::from_f32(&vals, &[1, 1, HEAD_DIM as i32]).expect("k");
-            s.write(layer, &k, &k).expect("write");
-        }
-        mlxcel_mlx::eval(&s.storage()).expect("eval");
-    }
-    c.complete_step(reservation.clone(), true)
-        .expect("complete");
-    reservation
+    write_step(c, seq, 1).0
 }
 
 /// Pipelined decode: step p is queued, step p-1's read trims the window
@@ -277,9 +269,9 @@ fn a_request_fits_when_it_fits_every_group() {
 }
 
 /// A window group alone trims only what its layers' window hides (a step
-/// queued behind another may see a key past the window: pipelined decode); `--max-kv-size` trims keys the
-/// attention would still see, on the full group and on a window wider than
-/// the cap.
+/// queued behind another may see a key past the window: pipelined
+/// decode); `--max-kv-size` trims keys the attention would still see, on
+/// the full group and on a window wider than the cap.
 #[test]
 fn only_a_size_cap_trims_inside_what_attention_sees() {
     let windowed = grouped_cache(16, 8, false);

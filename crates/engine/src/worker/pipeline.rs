@@ -96,23 +96,7 @@ impl Worker<'_> {
             let Some(seq) = self.running.iter().position(|s| s.id == id) else {
                 continue;
             };
-            let s = &self.running[seq];
-            let checked = self
-                .kv
-                .check(&s.kv)
-                .map_err(StepError::from)
-                .and_then(|()| {
-                    let end = self.kv.end(&s.kv)?;
-                    if end == s.computed {
-                        Ok(())
-                    } else {
-                        tracing::error!(end, computed = s.computed, "cache end after a rollback");
-                        Err(StepError::Internal(
-                            "a rolled-back cache does not end at the computed tokens",
-                        ))
-                    }
-                });
-            if let Err(e) = checked {
+            if let Err(e) = self.check_cache(seq, 0) {
                 tracing::error!(error = %e, "a cache after a pipelined rollback");
                 self.fail(seq, &e);
             }

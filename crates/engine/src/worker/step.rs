@@ -318,14 +318,27 @@ impl Worker<'_> {
         // step's rollback would need again stay (`ahead` more).
         kv.trim_keeping(&s.kv, ahead)?;
         if self.config.check_invariants {
-            kv.check(&s.kv)?;
-            let end = kv.end(&s.kv)?;
-            if end != s.computed + ahead {
-                tracing::error!(end, computed = s.computed, ahead, "cache end mismatch");
-                return Err(StepError::Internal(
-                    "the cache's end is not the computed tokens plus those queued",
-                ));
-            }
+            self.check_cache(seq, ahead)?;
+        }
+        Ok(())
+    }
+
+    /// Checks sequence `seq`'s cache ([`mlxcel_kv::KvCache::check`]) and
+    /// that it ends at the computed tokens plus the `ahead` positions
+    /// reserved by a step still queued.
+    ///
+    /// # Errors
+    /// [`StepError::Internal`] (or the cache's invariant error) naming
+    /// what is broken.
+    pub(super) fn check_cache(&self, seq: usize, ahead: usize) -> Result<(), StepError> {
+        let s = &self.running[seq];
+        self.kv.check(&s.kv)?;
+        let end = self.kv.end(&s.kv)?;
+        if end != s.computed + ahead {
+            tracing::error!(end, computed = s.computed, ahead, "cache end mismatch");
+            return Err(StepError::Internal(
+                "the cache's end is not the computed tokens plus those queued",
+            ));
         }
         Ok(())
     }

@@ -378,8 +378,8 @@ impl KvCache {
     /// sliding-window group alone keeps `window - 1` keys
     /// ([`KvGroupConfig::keep_for`]) and its layers mask every key past
     /// the window themselves, so a step queued behind another (pipelined
-    /// decode, whose trims keep the queued steps' keys more:
-    /// [`KvCache::trim_keeping`]) sees one key past its window.
+    /// decode, whose trims also keep the queued step's key:
+    /// [`KvCache::trim_keeping`]) may see one key past its window.
     pub fn trims_inside_attention(&self) -> bool {
         self.groups.iter().any(|g| {
             g.config.keep.is_some()
