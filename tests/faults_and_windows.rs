@@ -163,6 +163,57 @@ fn a_failed_pipelined_read_reruns_over_the_same_window() {
     }
 }
 
+/// A pipelined step's positions reach the prefix cache only after its
+/// read: when the read fails and the step is rolled back, no cached block
+/// (nor, on a hybrid model, recurrent snapshot) covers a position it
+/// wrote. With invariants checked, a sequence that donated a block past
+/// its rolled-back end fails ("donated blocks up to position ..."). The
+/// failing read sweeps one block's worth of steps, so each row's queued
+/// step fills a block at one of them; replies match the unfaulted run's,
+/// and a second request on the first prompt plus its reply (a prefix hit
+/// over the decoded blocks) answers as it does without the fault.
+#[test]
+fn a_failed_pipelined_read_leaves_no_block_it_wrote_in_the_prefix_cache() {
+    for model in ["llama", "qwen3_5"] {
+        let dir = common::tiny_model_dir(model, "faults-donate");
+        let golden = common::parity::read_golden(&dir, "make_tiny_models.py");
+        let prompt = common::parity::ids(&golden, "prompt");
+        let prompts = [prompt.clone(), prompt[..21].to_vec()];
+        let run = |fail: Option<u64>| {
+            let mut c = common::tiny_engine_config(&dir, 4);
+            c.fault = FaultInjection {
+                fail_pipelined_read: fail,
+                ..FaultInjection::default()
+            };
+            let e = Engine::start(c).expect("engine");
+            let streams: Vec<_> = prompts
+                .iter()
+                .map(|p| e.submit(long_request(p.clone(), 24)).expect("submit"))
+                .collect();
+            let replies: Vec<Vec<u32>> = streams
+                .into_iter()
+                .map(|s| collect_tokens(s).expect("every request succeeds").0)
+                .collect();
+            let mut again = prompts[0].clone();
+            again.extend(&replies[0]);
+            let warm = collect_tokens(e.submit(long_request(again, 8)).expect("submit"))
+                .expect("the warm request succeeds")
+                .0;
+            (replies, warm, settled(&e))
+        };
+        let (want, want_warm, plain) = run(None);
+        assert!(plain.pipelined_steps > 8, "{model}: {plain:?}");
+        assert!(plain.prefix_cache_hits > 0, "{model}: {plain:?}");
+        for n in 1..=8 {
+            let (got, warm, stats) = run(Some(n));
+            assert_eq!(got, want, "{model}: the read of pipelined step {n} failed");
+            assert_eq!(warm, want_warm, "{model}: warm after failed read {n}");
+            assert_eq!(stats.failed_steps, 1, "{model}: {stats:?}");
+            assert_eq!(stats.kv_blocks_active, 0, "{model}: blocks conserved");
+        }
+    }
+}
+
 #[test]
 fn long_prompts_complete_under_a_small_kv_window_and_short_ones_are_unchanged() {
     let plain = Engine::start(config()).expect("engine");

@@ -234,17 +234,9 @@ impl Worker<'_> {
                 self.fail(seq, &e);
                 continue;
             }
+            // Its blocks up to the computed positions were donated in
+            // `advance`; the queued step's position waits for its read.
             self.emit_and_record(seq, NextToken::Sampled(token));
-            if reserved_ahead > 0 {
-                // The emitted token is the queued step's input: every
-                // position the cache holds is known now, so its full blocks
-                // can be donated (the queued step's write lands before any
-                // later reader, on the same stream), also when the sequence
-                // just finished.
-                if let Err(e) = self.donate_known(seq) {
-                    tracing::error!(error = %e, "donating a pipelined row's blocks");
-                }
-            }
         }
     }
 }

@@ -307,9 +307,9 @@ impl Worker<'_> {
         ahead: usize,
     ) -> Result<(), StepError> {
         self.running[seq].computed += real;
-        // Full blocks become hittable as soon as they are computed (with a
-        // step queued ahead, the token at `computed` is not known before the
-        // emit: `emit_queued` donates then).
+        // Full blocks become hittable as soon as they are computed and
+        // read (a step queued ahead writes past `computed`: its positions
+        // wait for its read).
         self.donate_known(seq)?;
         let s = &self.running[seq];
         let kv = &mut self.kv;
@@ -343,13 +343,15 @@ impl Worker<'_> {
         Ok(())
     }
 
-    /// Donates sequence `seq`'s full blocks when every position its cache
-    /// holds has a known token.
+    /// Donates sequence `seq`'s full blocks among its computed positions
+    /// with known tokens: those a read step wrote, never those of a step
+    /// still queued (its read may fail and roll it back) nor rejected
+    /// drafts (their tokens are not the sequence's).
     pub(super) fn donate_known(&mut self, seq: usize) -> Result<(), StepError> {
         let s = &self.running[seq];
-        let end = self.kv.end(&s.kv)?;
-        if s.job.request.cache_prompt && s.tokens.len() >= end {
-            self.kv.donate(&s.kv, &s.tokens[..end])?;
+        if s.job.request.cache_prompt {
+            let known = s.computed.min(s.tokens.len());
+            self.kv.donate(&s.kv, &s.tokens[..known])?;
         }
         Ok(())
     }

@@ -189,9 +189,11 @@ impl KvCache {
     }
 
     /// Checks that the sequence's positions, block tables and storage
-    /// agree, that every group ends at the same position, and that a
-    /// group that dropped its front still holds the `keep` keys the next
-    /// step reads ([`KvGroupConfig::keep`]).
+    /// agree, that every group ends at the same position, that a group
+    /// that dropped its front still holds the `keep` keys the next step
+    /// reads ([`KvGroupConfig::keep`]), and that it donated no block past
+    /// its end (a rolled-back step's positions are never in the prefix
+    /// cache).
     ///
     /// # Errors
     /// [`KvError::Invariant`] naming the first broken one.
@@ -216,6 +218,12 @@ impl KvCache {
                     )));
                 }
             }
+        }
+        let donated = s.hashes.len() * self.config.block_size;
+        if donated > end {
+            return Err(KvError::Invariant(format!(
+                "donated blocks up to position {donated}, past the end {end}"
+            )));
         }
         if let Some(d) = &s.dense {
             d.check_covers(s.first().start(), end)?;

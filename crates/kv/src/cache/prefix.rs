@@ -122,9 +122,15 @@ impl KvCache {
         Ok((seq, hit.cached))
     }
 
-    /// Donates the sequence's full blocks of `tokens` (its token ids from
-    /// position 0, at least `end` of them) to the prefix cache, in every
-    /// group under the same chained hashes; see [`PrefixCache::donate`].
+    /// Donates the sequence's full blocks among the positions of `tokens`
+    /// (its token ids from position 0, of positions whose K/V every read
+    /// so far has seen written; those past the cache's end are ignored) to
+    /// the prefix cache, in every group under the same chained hashes; see
+    /// [`PrefixCache::donate`]. The newest complete recurrent state at a
+    /// block boundary within them becomes a snapshot. A caller with a step
+    /// queued and not read passes only the tokens before that step's
+    /// positions, so a failed read never leaves a cached block (or
+    /// snapshot) its step did not write.
     /// Returns (newly cached, swapped for shared), summed over groups.
     pub fn donate(&mut self, seq: &KvSequence, tokens: &[u32]) -> Result<(usize, usize), KvError> {
         let Some((cache, cfg)) = &mut self.prefix else {
@@ -135,11 +141,11 @@ impl KvCache {
             .get_mut(&seq.id)
             .ok_or(KvError::Invariant(format!("unknown sequence {}", seq.id)))?;
         let from = state.hashes.len();
-        let end = state.blocks[0].end();
+        let known = tokens.len().min(state.blocks[0].end());
         crate::prefix::extend_hashes(
             &mut state.hashes,
             tokens,
-            end,
+            known,
             self.config.block_size,
             cfg.extra_key,
         )?;
@@ -158,7 +164,7 @@ impl KvCache {
             .entries
             .iter()
             .rev()
-            .find(|e| e.complete())
+            .find(|e| e.at <= known && e.complete())
             .cloned();
         if let Some(entry) = newest.filter(|e| e.at > 0 && e.at % bs == 0) {
             if let Some(&hash) = state.hashes.get(entry.at / bs - 1) {
