@@ -762,8 +762,9 @@ fn window_arg(window: Option<usize>) -> Result<i32> {
     })
 }
 
-/// Whether [`paged_decode_attention`] has a kernel on this machine: MLX's
-/// CUDA backend, or Metal on macOS.
+/// Whether [`paged_decode_attention`] has a kernel for the default device:
+/// it is a GPU, of MLX's CUDA backend or Metal on macOS (false with the
+/// CPU as the default device, on any machine).
 pub fn paged_attention_available() -> bool {
     bridge::paged_attention_available().unwrap_or(false)
 }

@@ -532,16 +532,24 @@ ArrayPtr paged_decode_attention_quantized_sinks(
 
 void set_paged_attention_split(bool split) { g_split = split; }
 
-bool paged_attention_available() {
+namespace {
+// Whether MLX was built with the GPU backend our kernels are written for
+// and it found a device.
+bool gpu_backend_available() {
 #if defined(__APPLE__)
   return mx::metal::is_available();
 #else
   return mx::cu::is_available();
 #endif
 }
+}  // namespace
+
+// The kernels run on the default device's stream: a GPU backend is not
+// enough when the default device is the CPU (`--device cpu` on a GPU host).
+bool paged_attention_available() { return gpu_kernels_usable(); }
 
 bool gpu_kernels_usable() {
-  return mx::default_device().type == mx::Device::gpu && paged_attention_available();
+  return mx::default_device().type == mx::Device::gpu && gpu_backend_available();
 }
 
 mx::fast::CustomKernelFunction gpu_custom_kernel(const std::string& name,
