@@ -16,6 +16,10 @@
 #   batch   32 rows of a 512-token prompt, 128 new tokens (mlxcel
 #           `generate --batch 32`; mlx_lm `batch_generate`)
 #   serve   benches/load.py at 1, 8 and 32 clients (--parallel 32)
+# mlxcel decodes with --speculative off, as mlx_lm's plain loop does (the
+# default, prompt lookup, drafts from a random model's repetitive output and
+# would make mlxcel's numbers those of speculative decoding; load.py pins
+# it off too; benches/speculative.py measures speculation).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 MLXCEL_DIR=${MLXCEL_DIR:-$HERE/target/release}
@@ -40,7 +44,7 @@ for m in $MODELS; do
     for pt in $PTS; do
       P=$(prompt "$M" "$pt")
       echo "### $m single pt=$pt mlxcel"
-      timeout 600 "$MLXCEL_DIR/mlxcel" generate -m "$M" --no-chat-template --ignore-eos -p "$P" -n "$GT" --runs 3 ${EXTRA:-} 2>&1 \
+      timeout 600 "$MLXCEL_DIR/mlxcel" generate -m "$M" --no-chat-template --ignore-eos -p "$P" -n "$GT" --runs 3 --speculative off ${EXTRA:-} 2>&1 \
         | grep -E "Prompt:|Generation:|Run |warm-up done|rror|anic"
       echo "### $m single pt=$pt mlx_lm"
       timeout 600 "$PY" "$HERE/scripts/bench_mlx_lm.py" --model "$M" --prompt-tokens "$pt" --gen-tokens "$GT" --runs 3 --blas default 2>&1 | tail -1
@@ -49,7 +53,7 @@ for m in $MODELS; do
   if has batch; then
     P=$(prompt "$M" "$BPT")
     echo "### $m batch32 pt=$BPT mlxcel"
-    timeout 600 "$MLXCEL_DIR/mlxcel" generate -m "$M" --no-chat-template --ignore-eos -p "$P" -n "$BGT" --batch "$B" --runs 2 --no-prompt-cache --profile steps ${EXTRA:-} 2>&1 \
+    timeout 600 "$MLXCEL_DIR/mlxcel" generate -m "$M" --no-chat-template --ignore-eos -p "$P" -n "$BGT" --batch "$B" --runs 2 --no-prompt-cache --profile steps --speculative off ${EXTRA:-} 2>&1 \
       | grep -E "Prompt:|Generation:|Run |decode x$B|engine\.|model\.|rror|anic" | head -60
     echo "### $m batch32 pt=$BPT mlx_lm"
     timeout 600 "$PY" "$HERE/scripts/bench_mlx_lm.py" --model "$M" --prompt-tokens "$BPT" --gen-tokens "$BGT" --runs 2 --batch "$B" --blas default 2>&1 | tail -1

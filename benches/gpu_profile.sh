@@ -6,7 +6,7 @@
 #   MLXCEL=target/release/mlxcel MODEL=DIR bash benches/gpu_profile.sh
 # PT/GT: prompt and generated tokens (1024/256); SECTIONS picks parts
 # (default: probe single layers batch batchlayers mlx_lm); EXTRA: more
-# `generate` flags.
+# `generate` flags (decode is plain: --speculative off, as mlx_lm's).
 set -uo pipefail
 MLXCEL=${MLXCEL:-target/release/mlxcel}
 MODEL=${MODEL:?a model directory}
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained('$MODE
 print(t.decode(prompt_ids(t, $1)), end='')"
 }
 P=$(prompt "$PT"); P512=$(prompt 512)
-gen() { "$MLXCEL" generate -m "$MODEL" --no-chat-template --ignore-eos ${EXTRA:-} "$@" 2>&1 | grep -v " INFO "; }
+gen() { "$MLXCEL" generate -m "$MODEL" --no-chat-template --ignore-eos --speculative off ${EXTRA:-} "$@" 2>&1 | grep -v " INFO "; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 has probe && "$PY" "$HERE/benches/gpu_probe.py"
 if has single; then

@@ -63,7 +63,7 @@ M=/tmp/m/q15
 python3 -c "
 import sys; sys.path.insert(0,'scripts'); from bench_mlx_lm import prompt_ids
 from transformers import AutoTokenizer; t=AutoTokenizer.from_pretrained('$M'); print(t.decode(prompt_ids(t,4096)),end='')" > /tmp/prompt.txt
-run() { timeout 150 /tmp/mlxcel generate -m $M --no-chat-template --ignore-eos -p "$(cat /tmp/prompt.txt)" "$@" 2>&1 | grep -E "Prompt:|Generation:|rror|anic" | tail -2; }
+run() { timeout 150 /tmp/mlxcel generate -m $M --no-chat-template --ignore-eos --speculative off -p "$(cat /tmp/prompt.txt)" "$@" 2>&1 | grep -E "Prompt:|Generation:|rror|anic" | tail -2; }
 for kv in auto int8 int4; do
   echo "== 1 stream, 4k prompt, kv $kv, paged"; run -n 256 --runs 2 --kv-cache-dtype $kv --decode-storage-backend paged
   echo "== 8 rows, 4k prompt, kv $kv"; run -n 128 --batch 8 --kv-cache-dtype $kv

@@ -126,8 +126,8 @@ impl KvCache {
     /// (its token ids from position 0, of positions whose K/V every read
     /// so far has seen written; those past the cache's end are ignored) to
     /// the prefix cache, in every group under the same chained hashes; see
-    /// [`PrefixCache::donate`]. The newest complete recurrent state at a
-    /// block boundary within them becomes a snapshot. A caller with a step
+    /// [`PrefixCache::donate`]. The newest complete recurrent state within
+    /// them becomes a snapshot if it sits at a block boundary. A caller with a step
     /// queued and not read passes only the tokens before that step's
     /// positions, so a failed read never leaves a cached block (or
     /// snapshot) its step did not write.
