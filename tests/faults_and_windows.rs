@@ -119,6 +119,36 @@ fn a_panicking_step_fails_only_its_request() {
     fault_run(true);
 }
 
+/// Starts a tiny-model engine on `dir` whose `fail`-th pipelined read
+/// fails (none: no fault), decodes `max_tokens` for each of `prompts` at
+/// once, and returns the engine with the replies (every request must
+/// succeed).
+fn run_failing_pipelined_read(
+    dir: &std::path::Path,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    fail: Option<u64>,
+) -> (Engine, Vec<Vec<u32>>) {
+    let mut c = common::tiny_engine_config(dir, 4);
+    c.fault = FaultInjection {
+        fail_pipelined_read: fail,
+        ..FaultInjection::default()
+    };
+    let e = Engine::start(c).expect("engine");
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            e.submit(long_request(p.clone(), max_tokens))
+                .expect("submit")
+        })
+        .collect();
+    let replies = streams
+        .into_iter()
+        .map(|s| collect_tokens(s).expect("every request succeeds").0)
+        .collect();
+    (e, replies)
+}
+
 /// A pipelined decode step whose tokens fail to read (a device error
 /// surfacing at the read) is rolled back with the step queued behind it,
 /// and its rows rerun synchronously. On a sliding-window model (tiny
@@ -135,20 +165,7 @@ fn a_failed_pipelined_read_reruns_over_the_same_window() {
     let prompt = common::parity::ids(&golden, "prompt");
     let prompts = [prompt.clone(), prompt[..24].to_vec()];
     let run = |fail: Option<u64>| {
-        let mut c = common::tiny_engine_config(&dir, 4);
-        c.fault = FaultInjection {
-            fail_pipelined_read: fail,
-            ..FaultInjection::default()
-        };
-        let e = Engine::start(c).expect("engine");
-        let streams: Vec<_> = prompts
-            .iter()
-            .map(|p| e.submit(long_request(p.clone(), 40)).expect("submit"))
-            .collect();
-        let replies: Vec<Vec<u32>> = streams
-            .into_iter()
-            .map(|s| collect_tokens(s).expect("every request succeeds").0)
-            .collect();
+        let (e, replies) = run_failing_pipelined_read(&dir, &prompts, 40, fail);
         (replies, settled(&e))
     };
     let (want, plain) = run(None);
@@ -180,20 +197,7 @@ fn a_failed_pipelined_read_leaves_no_block_it_wrote_in_the_prefix_cache() {
         let prompt = common::parity::ids(&golden, "prompt");
         let prompts = [prompt.clone(), prompt[..21].to_vec()];
         let run = |fail: Option<u64>| {
-            let mut c = common::tiny_engine_config(&dir, 4);
-            c.fault = FaultInjection {
-                fail_pipelined_read: fail,
-                ..FaultInjection::default()
-            };
-            let e = Engine::start(c).expect("engine");
-            let streams: Vec<_> = prompts
-                .iter()
-                .map(|p| e.submit(long_request(p.clone(), 24)).expect("submit"))
-                .collect();
-            let replies: Vec<Vec<u32>> = streams
-                .into_iter()
-                .map(|s| collect_tokens(s).expect("every request succeeds").0)
-                .collect();
+            let (e, replies) = run_failing_pipelined_read(&dir, &prompts, 24, fail);
             let mut again = prompts[0].clone();
             again.extend(&replies[0]);
             let warm = collect_tokens(e.submit(long_request(again, 8)).expect("submit"))
