@@ -843,7 +843,10 @@ pub fn padding_mask(
 /// last `q_len` sees the live keys at distance `0..window` from it, a band
 /// once `k_len > window`: a chunk of several queries, or a single query
 /// of a pipelined decode step, whose cache also holds the key the step
-/// queued before it kept (`KvCache::trim_keeping`).
+/// queued before it kept (`KvCache::trim_keeping`). The mask is built on
+/// the host once per shape: the thread keeps the last
+/// [`BAND_MASKS_KEPT`] of them (up to [`BAND_MASK_MAX_ELEMENTS`] each), so
+/// every windowed layer of a step shares one upload.
 ///
 /// # Errors
 /// As [`causal_mask`].
@@ -857,6 +860,15 @@ pub fn windowed_causal_mask(
     if k_len as usize <= window {
         return Ok(plain);
     }
+    let key = (q_len, k_len, window, dtype);
+    if let Some(hit) = BAND_MASKS.with(|c| {
+        c.borrow()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, m)| m.clone())
+    }) {
+        return Ok(AttentionMask::Array(hit));
+    }
     let (q, k) = (q_len as usize, k_len as usize);
     let mut m = vec![f32::NEG_INFINITY; q * k];
     for i in 0..q {
@@ -865,7 +877,37 @@ pub fn windowed_causal_mask(
         let first = (at + 1).saturating_sub(window);
         m[i * k + first..=i * k + at].fill(0.0);
     }
-    additive_mask(&m, &[1, 1, q_len, k_len], dtype)
+    let mask = additive_mask(&m, &[1, 1, q_len, k_len], dtype)?;
+    if let AttentionMask::Array(a) = &mask {
+        if q * k <= BAND_MASK_MAX_ELEMENTS {
+            BAND_MASKS.with(|c| {
+                let mut c = c.borrow_mut();
+                if c.len() == BAND_MASKS_KEPT {
+                    c.remove(0);
+                }
+                c.push((key, a.clone()));
+            });
+        }
+    }
+    Ok(mask)
+}
+
+/// What a band mask is kept by: queries, keys, window, dtype.
+type BandKey = (i32, i32, usize, Dtype);
+
+/// Band masks [`windowed_causal_mask`] keeps per thread.
+const BAND_MASKS_KEPT: usize = 4;
+/// The largest band mask kept, in elements (4 Mi: 8 MiB in bfloat16).
+const BAND_MASK_MAX_ELEMENTS: usize = 1 << 22;
+
+thread_local! {
+    /// The last band masks built on this thread, by (queries, keys,
+    /// window, dtype): every windowed layer of a step attends a row under
+    /// the same band, which was built on the host and uploaded once per
+    /// layer (on an H100, 15 of Gemma 3 270M's 18 layers each uploaded a
+    /// 4 MiB mask for a 1,024-token prefill: 52 of its 74 ms).
+    static BAND_MASKS: std::cell::RefCell<Vec<(BandKey, Array)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// An additive mask (0 visible, -inf hidden) of `shape` in the compute dtype.
@@ -876,4 +918,52 @@ fn additive_mask(values: &[f32], shape: &[i32], dtype: Dtype) -> Result<Attentio
     } else {
         mask.astype(dtype)?
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The band of `q` queries over `k` keys, window `w`, as 0/1 by row.
+    fn band(mask: &AttentionMask) -> Vec<u8> {
+        let AttentionMask::Array(a) = mask else {
+            panic!("a band is an array mask");
+        };
+        let v = a.astype(Dtype::Float32).unwrap().to_vec_f32().unwrap();
+        v.iter().map(|&x| u8::from(x == 0.0)).collect()
+    }
+
+    #[test]
+    fn a_kept_band_mask_is_the_one_built_for_its_shape() {
+        // 3 queries (the last 3 of 5 keys, at 2, 3, 4), window 2: query
+        // i sees the keys at i+1 and i+2.
+        #[rustfmt::skip]
+        let want = vec![
+            0, 1, 1, 0, 0,
+            0, 0, 1, 1, 0,
+            0, 0, 0, 1, 1,
+        ];
+        let first = windowed_causal_mask(3, 5, 2, Dtype::Float32).unwrap();
+        assert_eq!(band(&first), want);
+        // Other shapes, windows and dtypes in between, more than are kept.
+        for (q, k, w) in [(2, 5, 2), (3, 5, 3), (3, 6, 2), (1, 5, 2), (4, 9, 3)] {
+            let m = windowed_causal_mask(q, k, w, Dtype::Float32).unwrap();
+            assert_eq!(band(&m).len(), (q * k) as usize);
+        }
+        let bf16 = windowed_causal_mask(3, 5, 2, Dtype::Bfloat16).unwrap();
+        let AttentionMask::Array(a) = &bf16 else {
+            panic!("a band is an array mask");
+        };
+        assert_eq!(a.dtype(), Dtype::Bfloat16);
+        assert_eq!(band(&bf16), want);
+        let again = windowed_causal_mask(3, 5, 2, Dtype::Float32).unwrap();
+        assert_eq!(band(&again), want);
+        let w3 = windowed_causal_mask(3, 5, 3, Dtype::Float32).unwrap();
+        assert_eq!(band(&w3), [1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]);
+        // Keys within the window: plain causal, nothing kept.
+        assert!(matches!(
+            windowed_causal_mask(3, 3, 4, Dtype::Float32).unwrap(),
+            AttentionMask::Causal
+        ));
+    }
 }
