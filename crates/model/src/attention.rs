@@ -844,9 +844,9 @@ pub fn padding_mask(
 /// once `k_len > window`: a chunk of several queries, or a single query
 /// of a pipelined decode step, whose cache also holds the key the step
 /// queued before it kept (`KvCache::trim_keeping`). The mask is built on
-/// the host once per shape: the thread keeps the last
-/// [`BAND_MASKS_KEPT`] of them (up to [`BAND_MASK_MAX_ELEMENTS`] each), so
-/// every windowed layer of a step shares one upload.
+/// the host once per shape: the thread keeps the last four of them (up to
+/// 4 Mi elements each), so every windowed layer of a step shares one
+/// upload.
 ///
 /// # Errors
 /// As [`causal_mask`].
