@@ -924,13 +924,21 @@ fn additive_mask(values: &[f32], shape: &[i32], dtype: Dtype) -> Result<Attentio
 mod tests {
     use super::*;
 
-    /// The band of `q` queries over `k` keys, window `w`, as 0/1 by row.
+    /// A band mask's entries, row by row, as 1 (visible) or 0 (hidden).
     fn band(mask: &AttentionMask) -> Vec<u8> {
         let AttentionMask::Array(a) = mask else {
             panic!("a band is an array mask");
         };
         let v = a.astype(Dtype::Float32).unwrap().to_vec_f32().unwrap();
         v.iter().map(|&x| u8::from(x == 0.0)).collect()
+    }
+
+    /// The mask's dtype.
+    fn dtype(mask: &AttentionMask) -> Dtype {
+        let AttentionMask::Array(a) = mask else {
+            panic!("a band is an array mask");
+        };
+        a.dtype()
     }
 
     #[test]
@@ -945,21 +953,25 @@ mod tests {
         ];
         let first = windowed_causal_mask(3, 5, 2, Dtype::Float32).unwrap();
         assert_eq!(band(&first), want);
-        // Other shapes, windows and dtypes in between, more than are kept.
-        for (q, k, w) in [(2, 5, 2), (3, 5, 3), (3, 6, 2), (1, 5, 2), (4, 9, 3)] {
+        // The same shape in another dtype is its own mask, while the
+        // float32 one is kept; asked again, the float32 one is the kept one.
+        let bf16 = windowed_causal_mask(3, 5, 2, Dtype::Bfloat16).unwrap();
+        assert_eq!(dtype(&bf16), Dtype::Bfloat16);
+        assert_eq!(band(&bf16), want);
+        let kept = windowed_causal_mask(3, 5, 2, Dtype::Float32).unwrap();
+        assert_eq!(dtype(&kept), Dtype::Float32);
+        assert_eq!(band(&kept), want);
+        // Another window over the same queries and keys is another band.
+        let w3 = windowed_causal_mask(3, 5, 3, Dtype::Float32).unwrap();
+        assert_eq!(band(&w3), [1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]);
+        // More other shapes and windows than are kept: each its own band.
+        for (q, k, w) in [(2, 5, 2), (3, 6, 2), (1, 5, 2), (4, 9, 3)] {
             let m = windowed_causal_mask(q, k, w, Dtype::Float32).unwrap();
             assert_eq!(band(&m).len(), (q * k) as usize);
         }
-        let bf16 = windowed_causal_mask(3, 5, 2, Dtype::Bfloat16).unwrap();
-        let AttentionMask::Array(a) = &bf16 else {
-            panic!("a band is an array mask");
-        };
-        assert_eq!(a.dtype(), Dtype::Bfloat16);
-        assert_eq!(band(&bf16), want);
+        // Rebuilt after it was dropped.
         let again = windowed_causal_mask(3, 5, 2, Dtype::Float32).unwrap();
         assert_eq!(band(&again), want);
-        let w3 = windowed_causal_mask(3, 5, 3, Dtype::Float32).unwrap();
-        assert_eq!(band(&w3), [1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]);
         // Keys within the window: plain causal, nothing kept.
         assert!(matches!(
             windowed_causal_mask(3, 3, 4, Dtype::Float32).unwrap(),
