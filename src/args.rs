@@ -80,6 +80,12 @@ pub struct ModelArgs {
     /// none. Only for GGUF files; no effect with dequantized weights.
     #[arg(long, value_enum, default_value_t = QuantizeArg::Auto)]
     pub quantize: QuantizeArg,
+    /// With quantized weights, a matmul over at least this many tokens
+    /// (prefill) dequantizes its weight for the product and runs a dense
+    /// GEMM, which is faster there; `0` never does (`auto`: 512 on a GPU,
+    /// 16 on a CPU).
+    #[arg(long, default_value = "auto", value_parser = parse_auto_usize)]
+    pub dequant_matmul_rows: AutoOr<usize>,
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
@@ -366,6 +372,7 @@ impl ModelArgs {
             QuantizeArg::Q4 => GgufQuantize::Bits(4),
             QuantizeArg::Q8 => GgufQuantize::Bits(8),
         };
+        c.dequant_matmul_rows = self.dequant_matmul_rows.value();
         c.use_gpu = self.device != DeviceArg::Cpu;
         let gpu = c.use_gpu && mlxcel_mlx::gpu_available();
         c.prefill_chunk_size = match self.prefill_chunk_size {

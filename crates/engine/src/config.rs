@@ -24,6 +24,18 @@ pub mod defaults {
     /// Prefill chunk of `--prefill-chunk-size auto` on a GPU: one step for
     /// most prompts (measured on an H200, docs/performance.md).
     pub const GPU_PREFILL_CHUNK_SIZE: usize = 2048;
+    /// Input rows from which a GPU product with a quantized matrix
+    /// dequantizes it and runs a dense matmul (`--dequant-matmul-rows
+    /// auto`): from there the dense one was faster on every large shape
+    /// measured (H100, `mlxcel_model::layers::set_dequantized_matmul_rows`).
+    pub const GPU_DEQUANT_MATMUL_ROWS: usize = 512;
+    /// The same on a CPU, for `--weights quantized` (the CPU default
+    /// dequantizes at load): MLX's CPU quantized matmul runs ~2 GFLOP/s at
+    /// any row count, so dequantizing for the product pays from a few
+    /// rows (SmolLM2 4-bit, float32, 700-token prompt on this 2-core
+    /// machine: prefill 15.5 -> 186 tok/s at 16; at 1 row, decode fell
+    /// from 9.9 to 1.8 tok/s).
+    pub const CPU_DEQUANT_MATMUL_ROWS: usize = 16;
     /// Most bytes of block files the prompt cache's disk tier keeps
     /// (`--prompt-cache-disk-size`): 16 GiB.
     pub const PROMPT_CACHE_DISK_SIZE: u64 = 16 << 30;
@@ -109,6 +121,12 @@ pub struct EngineConfig {
     /// needs are compiled before the first request (`crate::warmup`);
     /// `None` = auto (on when running on a GPU).
     pub warmup: Option<bool>,
+    /// With quantized weights, products over at least this many input rows
+    /// dequantize their matrix and run a dense matmul
+    /// ([`mlxcel_model::layers::set_dequantized_matmul_rows`]); `Some(0)`:
+    /// never; `None` = auto ([`defaults::GPU_DEQUANT_MATMUL_ROWS`] on a
+    /// GPU, [`defaults::CPU_DEQUANT_MATMUL_ROWS`] on a CPU).
+    pub dequant_matmul_rows: Option<usize>,
     /// Let MLX's CUDA backend use cuDNN's fused attention for prefill (it
     /// builds a graph per query/key shape, 50-800 ms each; default off: see
     /// docs/performance.md).
@@ -212,6 +230,7 @@ impl EngineConfig {
             speculative: crate::speculative::SpeculativeConfig::default(),
             draft_model: None,
             warmup: None,
+            dequant_matmul_rows: None,
             cudnn_attention: false,
             deterministic: false,
             kernel_cache_dir: None,
@@ -271,6 +290,20 @@ pub fn auto_prefill_chunk_size(gpu: bool) -> usize {
     }
 }
 
+/// The input rows from which products with quantized matrices dequantize
+/// them (`--dequant-matmul-rows`; `None`: never): `rows` as given, `0` as
+/// never, `auto` ([`EngineConfig::dequant_matmul_rows`] `None`)
+/// [`defaults::GPU_DEQUANT_MATMUL_ROWS`] on a GPU and
+/// [`defaults::CPU_DEQUANT_MATMUL_ROWS`] on a CPU.
+pub fn dequant_matmul_rows(rows: Option<usize>, gpu: bool) -> Option<usize> {
+    match rows {
+        Some(0) => None,
+        Some(rows) => Some(rows),
+        None if gpu => Some(defaults::GPU_DEQUANT_MATMUL_ROWS),
+        None => Some(defaults::CPU_DEQUANT_MATMUL_ROWS),
+    }
+}
+
 /// `--tensor-parallel` as the engine takes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorParallelConfig {
@@ -303,5 +336,14 @@ mod tests {
         assert_eq!(P::Think.markers(false, none), Some(M::THINK));
         assert_eq!(P::Gemma4.markers(true, none), Some(M::GEMMA4_CHANNEL));
         assert_eq!(P::None.markers(true, gemma4), None);
+    }
+
+    #[test]
+    fn dequantized_matmuls_start_at_the_rows_asked_or_the_devices_default() {
+        assert_eq!(dequant_matmul_rows(None, true), Some(512));
+        assert_eq!(dequant_matmul_rows(None, false), Some(16));
+        assert_eq!(dequant_matmul_rows(Some(0), true), None);
+        assert_eq!(dequant_matmul_rows(Some(0), false), None);
+        assert_eq!(dequant_matmul_rows(Some(96), true), Some(96));
     }
 }

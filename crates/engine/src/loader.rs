@@ -103,6 +103,9 @@ pub(crate) struct Opened {
     pub(crate) model_config: ModelConfig,
     pub(crate) options: LoadOptions,
     pub(crate) gpu: bool,
+    /// [`EngineConfig::dequant_matmul_rows`] decided for the device
+    /// (`None`: never).
+    pub(crate) dequant_matmul_rows: Option<usize>,
 }
 
 impl Opened {
@@ -133,25 +136,32 @@ impl Opened {
         model_config.tensor_parallel = shard;
         let gpu = prepare_device(config)?;
         let options = load_options(config, &model_config, gpu);
+        let dequant_matmul_rows =
+            crate::config::dequant_matmul_rows(config.dequant_matmul_rows, gpu);
         Ok(Opened {
             checkpoint,
             model_config,
             options,
             gpu,
+            dequant_matmul_rows,
         })
     }
 
-    /// Loads the model (on the calling thread's device).
+    /// Loads the model (on the calling thread's device) and sets the
+    /// calling thread's dequantized-matmul row count, which the forwards it
+    /// builds use.
     ///
     /// # Errors
     /// Missing or mistyped weights, an unsupported variant.
     pub(crate) fn load(self) -> Result<Box<dyn Model>, EngineError> {
         mlxcel_mlx::use_device(self.gpu)?;
+        mlxcel_model::layers::set_dequantized_matmul_rows(self.dequant_matmul_rows);
         tracing::info!(
             dir = %self.checkpoint.path().display(),
             dtype = ?self.options.dtype,
             weight_mode = ?self.options.weight_mode,
             gpu = self.gpu,
+            dequant_matmul_rows = ?self.dequant_matmul_rows,
             "loading model"
         );
         Ok(self

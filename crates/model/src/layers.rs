@@ -3,6 +3,8 @@
 //! gated SiLU MLP. Each has `load(ctx, path)` with `path` mirroring the
 //! checkpoint's tensor names, and `forward`.
 
+use std::cell::Cell;
+
 use crate::{config::QuantSpec, ModelError, TensorParallel, Weights};
 use mlxcel_mlx::{Array, Dtype};
 
@@ -72,6 +74,37 @@ impl QuantizedMatrix {
             )?
             .astype(dtype)?)
     }
+}
+
+thread_local! {
+    /// [`dequantized_matmul_rows`] of this thread's forwards.
+    static DEQUANTIZED_MATMUL_ROWS: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Sets the input row count (tokens of a step, summed over its rows) from
+/// which this thread's products with a quantized matrix dequantize the
+/// matrix for the product and run a dense matmul instead of the quantized
+/// one (`None`: always the quantized matmul). The engine sets it before it
+/// loads a model (`--dequant-matmul-rows`).
+///
+/// Why: a quantized matmul kernel reads 4x fewer weight bytes, which is
+/// what decode (a few rows) is bound by, but over many rows (prefill) the
+/// product is compute-bound and a dense GEMM runs far faster than the
+/// quantized one. Measured on an H100 with MLX 0.32.4 (bfloat16, 4-bit
+/// group 64, `benches/results/2026-12-07-dequantized-matmul-h100.md`):
+/// at 1,024 rows, Qwen2.5-1.5B's gate/up product takes 0.475 ms quantized
+/// and 0.212 ms dequantized then dense (the dequantization included), its
+/// down product 0.327 and 0.139 ms; at 512 rows the dense one wins by
+/// 1.3-1.7x on the large shapes and loses 2-10% on the smallest; at 256
+/// the quantized one still wins on the gate/up shape. The dequantized
+/// matrix lives only for the product.
+pub fn set_dequantized_matmul_rows(rows: Option<usize>) {
+    DEQUANTIZED_MATMUL_ROWS.with(|c| c.set(rows.filter(|&r| r > 0)));
+}
+
+/// The row count set by [`set_dequantized_matmul_rows`] on this thread.
+pub fn dequantized_matmul_rows() -> Option<usize> {
+    DEQUANTIZED_MATMUL_ROWS.with(Cell::get)
 }
 
 /// The weight of a linear layer.
@@ -157,10 +190,17 @@ impl Matrix {
         Ok(y.reshape(&shape)?)
     }
 
-    /// `x @ selfᵀ` as one product.
+    /// `x @ selfᵀ` as one product. A quantized matrix over at least
+    /// [`dequantized_matmul_rows`] input rows is dequantized into `x`'s
+    /// dtype for this product and multiplied densely.
     fn product(&self, x: &Array) -> Result<Array, ModelError> {
         Ok(match self {
             Matrix::Dense(w) => x.matmul(&w.t()?)?,
+            Matrix::Quantized(q)
+                if dequantized_matmul_rows().is_some_and(|min| input_rows(x) as usize >= min) =>
+            {
+                x.matmul(&q.dequantize(x.dtype())?.t()?)?
+            }
             Matrix::Quantized(q) => x.quantized_matmul(
                 &q.weight,
                 &q.scales,
@@ -920,5 +960,46 @@ mod tests {
         let group = LinearGroup::new(half_biased.clone()).unwrap();
         assert!(matches!(group, LinearGroup::Separate(_)));
         assert_same_as_parts(&group, &half_biased);
+    }
+
+    /// A quantized product over at least `dequantized_matmul_rows` rows is
+    /// the dense product with the dequantized matrix (bit for bit), and
+    /// agrees with the quantized kernel's within rounding; below the
+    /// threshold, and with it unset, the quantized kernel runs.
+    #[test]
+    fn many_rows_multiply_the_dequantized_matrix() {
+        let linear = quantized(96, 128, 8, 4);
+        let Matrix::Quantized(q) = &linear.weight else {
+            unreachable!()
+        };
+        let dense = q.dequantize(Dtype::Float32).unwrap();
+        let x = matrix(40, 128, 21).reshape(&[1, 40, 128]).unwrap();
+        let by_kernel = x
+            .quantized_matmul(&q.weight, &q.scales, &q.biases, true, 64, 4)
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        let by_dense = x.matmul(&dense.t().unwrap()).unwrap().to_vec_f32().unwrap();
+        assert_ne!(
+            by_kernel, by_dense,
+            "the two products round alike here: the test can't tell them apart"
+        );
+        let worst = by_kernel
+            .iter()
+            .zip(&by_dense)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-3, "dense product off by {worst}");
+
+        let run = |rows: Option<usize>| {
+            set_dequantized_matmul_rows(rows);
+            let y = linear.forward(&x).unwrap().to_vec_f32().unwrap();
+            set_dequantized_matmul_rows(None);
+            y
+        };
+        assert_eq!(run(Some(40)), by_dense, "40 rows at a threshold of 40");
+        assert_eq!(run(Some(41)), by_kernel, "40 rows under a threshold of 41");
+        assert_eq!(run(Some(0)), by_kernel, "a threshold of 0 is off");
+        assert_eq!(run(None), by_kernel, "no threshold");
     }
 }
