@@ -294,6 +294,17 @@ warmup = "off"
     }
 
     #[test]
+    fn dequant_matmul_rows_takes_auto_or_a_number() {
+        let args = parse(FILE, &[], &[]).unwrap();
+        assert_eq!(args.model.dequant_matmul_rows, crate::AutoOr::Auto);
+        let args = parse(FILE, &["--dequant-matmul-rows", "0"], &[]).unwrap();
+        assert_eq!(args.model.dequant_matmul_rows, crate::AutoOr::Value(0));
+        let args = parse(FILE, &["--dequant-matmul-rows=96"], &[]).unwrap();
+        assert_eq!(args.model.dequant_matmul_rows, crate::AutoOr::Value(96));
+        assert!(parse(FILE, &["--dequant-matmul-rows", "some"], &[]).is_err());
+    }
+
+    #[test]
     fn the_command_line_wins_over_the_file() {
         let args = parse(
             FILE,

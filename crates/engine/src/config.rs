@@ -33,8 +33,8 @@ pub mod defaults {
     /// dequantizes at load): MLX's CPU quantized matmul runs ~2 GFLOP/s at
     /// any row count, so dequantizing for the product pays from a few
     /// rows (SmolLM2 4-bit, float32, 700-token prompt on this 2-core
-    /// machine: prefill 15.5 -> 186 tok/s at 16; at 1 row, decode fell
-    /// from 9.9 to 1.8 tok/s).
+    /// machine: prefill 15.5 -> 186 tok/s at 16; at 1, decode fell from
+    /// 9.6 to 1.9 tok/s).
     pub const CPU_DEQUANT_MATMUL_ROWS: usize = 16;
     /// Most bytes of block files the prompt cache's disk tier keeps
     /// (`--prompt-cache-disk-size`): 16 GiB.

@@ -95,9 +95,12 @@ thread_local! {
 /// at 1,024 rows, Qwen2.5-1.5B's gate/up product takes 0.475 ms quantized
 /// and 0.212 ms dequantized then dense (the dequantization included), its
 /// down product 0.327 and 0.139 ms; at 512 rows the dense one wins by
-/// 1.3-1.7x on the large shapes and loses 2-10% on the smallest; at 256
-/// the quantized one still wins on the gate/up shape. The dequantized
-/// matrix lives only for the product.
+/// 1.2-1.7x on four of the six shapes measured and loses 2-12% on the
+/// other two (small ones); at 256 the quantized one still wins on the
+/// gate/up shape. The dequantized matrix is a temporary of the product.
+/// Under batch-invariant chunking ([`crate::invariant`]) every chunk takes
+/// the same kernel: dense only when a chunk of `pad_to` rows reaches the
+/// threshold.
 pub fn set_dequantized_matmul_rows(rows: Option<usize>) {
     DEQUANTIZED_MATMUL_ROWS.with(|c| c.set(rows.filter(|&r| r > 0)));
 }
@@ -105,6 +108,19 @@ pub fn set_dequantized_matmul_rows(rows: Option<usize>) {
 /// The row count set by [`set_dequantized_matmul_rows`] on this thread.
 pub fn dequantized_matmul_rows() -> Option<usize> {
     DEQUANTIZED_MATMUL_ROWS.with(Cell::get)
+}
+
+/// Runs `f` with [`dequantized_matmul_rows`] off on this thread (then
+/// restores it). For LM heads: with prompt logprobs, a vocabulary-wide
+/// head multiplies every prompt position, and dequantizing it would add
+/// vocab x hidden elements (467 MB for Qwen2.5-1.5B in bfloat16) that the
+/// KV budget never counted.
+pub fn with_quantized_matmul<T>(f: impl FnOnce() -> T) -> T {
+    let kept = dequantized_matmul_rows();
+    set_dequantized_matmul_rows(None);
+    let out = f();
+    set_dequantized_matmul_rows(kept);
+    out
 }
 
 /// The weight of a linear layer.
@@ -160,6 +176,10 @@ impl Matrix {
         let rows = input_rows(x);
         let flat = x.reshape(&[rows, input])?;
         let (step, pad_to) = (c.rows as i32, c.pad_to as i32);
+        // One kernel for every chunk, whatever its row count: dense when
+        // even the shortest chunk (`pad_to` rows) reaches the threshold,
+        // dequantized once for all of them.
+        let dense = self.dequantized_for(c.pad_to, x.dtype())?;
         let mut parts = Vec::with_capacity((rows / step + 1) as usize);
         let mut start = 0;
         while start < rows {
@@ -168,11 +188,11 @@ impl Matrix {
             let y = if n < pad_to {
                 let zeros = mlxcel_mlx::zeros(&[pad_to - n, input], x.dtype())?;
                 let padded = mlxcel_mlx::concatenate(&[&chunk, &zeros], 0)?;
-                let y = self.product(&padded)?;
+                let y = self.product_with(&padded, dense.as_ref())?;
                 let out = y.dim(1)?;
                 y.slice(&[0, 0], &[n, out])?
             } else {
-                self.product(&chunk)?
+                self.product_with(&chunk, dense.as_ref())?
             };
             parts.push(y);
             start += n;
@@ -194,14 +214,28 @@ impl Matrix {
     /// [`dequantized_matmul_rows`] input rows is dequantized into `x`'s
     /// dtype for this product and multiplied densely.
     fn product(&self, x: &Array) -> Result<Array, ModelError> {
-        Ok(match self {
-            Matrix::Dense(w) => x.matmul(&w.t()?)?,
-            Matrix::Quantized(q)
-                if dequantized_matmul_rows().is_some_and(|min| input_rows(x) as usize >= min) =>
-            {
-                x.matmul(&q.dequantize(x.dtype())?.t()?)?
+        let dense = self.dequantized_for(input_rows(x) as usize, x.dtype())?;
+        self.product_with(x, dense.as_ref())
+    }
+
+    /// The matrix dequantized into `dtype` when it is quantized and a
+    /// product over `rows` input rows should run dense
+    /// ([`dequantized_matmul_rows`]); `None` otherwise.
+    fn dequantized_for(&self, rows: usize, dtype: Dtype) -> Result<Option<Array>, ModelError> {
+        match self {
+            Matrix::Quantized(q) if dequantized_matmul_rows().is_some_and(|min| rows >= min) => {
+                Ok(Some(q.dequantize(dtype)?))
             }
-            Matrix::Quantized(q) => x.quantized_matmul(
+            _ => Ok(None),
+        }
+    }
+
+    /// `x @ selfᵀ`, with `dense` (this matrix dequantized) in place of the
+    /// quantized matrix when given.
+    fn product_with(&self, x: &Array, dense: Option<&Array>) -> Result<Array, ModelError> {
+        Ok(match (self, dense) {
+            (_, Some(w)) | (Matrix::Dense(w), None) => x.matmul(&w.t()?)?,
+            (Matrix::Quantized(q), None) => x.quantized_matmul(
                 &q.weight,
                 &q.scales,
                 &q.biases,
@@ -1001,5 +1035,43 @@ mod tests {
         assert_eq!(run(Some(41)), by_kernel, "40 rows under a threshold of 41");
         assert_eq!(run(Some(0)), by_kernel, "a threshold of 0 is off");
         assert_eq!(run(None), by_kernel, "no threshold");
+
+        // An LM head's product keeps the quantized kernel, and the
+        // threshold comes back after it.
+        set_dequantized_matmul_rows(Some(40));
+        let head = with_quantized_matmul(|| linear.forward(&x).unwrap().to_vec_f32().unwrap());
+        let kept = dequantized_matmul_rows();
+        set_dequantized_matmul_rows(None);
+        assert_eq!(head, by_kernel, "with_quantized_matmul ran dense");
+        assert_eq!(kept, Some(40));
+    }
+
+    /// Under batch-invariant chunking, a row's output is bit for bit the
+    /// same alone and beside other rows whatever the threshold: every
+    /// chunk takes one kernel (dense only when even a chunk of `pad_to`
+    /// rows reaches the threshold), never one chosen by its own row count.
+    #[test]
+    fn chunked_rows_take_one_kernel_whatever_their_chunk() {
+        let linear = quantized(96, 128, 9, 4);
+        let chunking = crate::invariant::Chunking { rows: 8, pad_to: 2 };
+        let x = matrix(21, 128, 23);
+        let alone = x.slice(&[0, 0], &[3, 128]).unwrap();
+        let first_rows = |y: Array| y.slice(&[0, 0], &[3, 96]).unwrap().to_vec_f32().unwrap();
+        let mut outs = Vec::new();
+        for threshold in [Some(2), Some(5), None] {
+            set_dequantized_matmul_rows(threshold);
+            crate::invariant::set(Some(chunking));
+            let batched = first_rows(linear.forward(&x).unwrap());
+            let single = first_rows(linear.forward(&alone).unwrap());
+            crate::invariant::set(None);
+            set_dequantized_matmul_rows(None);
+            assert_eq!(batched, single, "threshold {threshold:?}: alone != batched");
+            outs.push(single);
+        }
+        // A threshold of 5 lies inside the chunk sizes (3, 5 and 8 rows
+        // here): the quantized kernel everywhere, as with none; 2 is
+        // reached by every chunk: dense everywhere.
+        assert_eq!(outs[1], outs[2]);
+        assert_ne!(outs[0], outs[2], "the dense path was not taken");
     }
 }

@@ -15,7 +15,9 @@ use mlxcel_kv::LayerState;
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec};
 use mlxcel_model::gated_delta::{GatedDeltaNet, GatedDeltaSpec};
-use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::layers::{
+    with_quantized_matmul, Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm,
+};
 use mlxcel_model::mamba2::{Mamba2, Mamba2Spec};
 use mlxcel_model::moe::{MoeSpec, SparseMoe};
 use mlxcel_model::profile::{self, mark};
@@ -615,10 +617,10 @@ impl Model for Decoder {
         }
         let idx = Array::from_i32(&wanted, &[wanted.len() as i32])?;
         let last = self.norm.forward(&h.take(&idx, 1)?)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&last)?,
-            None => self.embed_tokens.as_linear(&last)?,
-        };
+        let logits = with_quantized_matmul(|| match &self.lm_head {
+            Some(head) => head.forward(&last),
+            None => self.embed_tokens.as_linear(&last),
+        })?;
         let logits = logits
             .reshape(&[wanted.len() as i32, -1])?
             .astype(Dtype::Float32)?;

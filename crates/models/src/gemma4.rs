@@ -52,7 +52,9 @@ use mlxcel_kv::{AttentionKv, KvLayout, LayerState};
 use mlxcel_mlx::{Array, Dtype};
 use mlxcel_model::attention::{Attention, AttentionSpec, QkNorm};
 use mlxcel_model::config::RopeScaling;
-use mlxcel_model::layers::{Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm};
+use mlxcel_model::layers::{
+    with_quantized_matmul, Activation, Embedding, Linear, LoadContext, Mlp, RmsNorm,
+};
 use mlxcel_model::moe::{ExpertGlu, ExpertLayout, ExpertNames, MoeSpec, Routing, SparseMoe};
 use mlxcel_model::profile::mark;
 use mlxcel_model::rope::RopeSpec;
@@ -929,10 +931,10 @@ impl Model for Gemma4 {
         }
         let idx = Array::from_i32(&wanted, &[wanted.len() as i32])?;
         let last = self.norm.forward(&h.take(&idx, 1)?)?;
-        let mut logits = match &self.lm_head {
-            Some(head) => head.forward(&last)?,
-            None => self.embed_tokens.as_linear(&last)?,
-        };
+        let mut logits = with_quantized_matmul(|| match &self.lm_head {
+            Some(head) => head.forward(&last),
+            None => self.embed_tokens.as_linear(&last),
+        })?;
         if let Some(cap) = self.softcap {
             let cap = Array::scalar(cap)?.astype(logits.dtype())?;
             logits = logits.divide(&cap)?.tanh()?.multiply(&cap)?;
