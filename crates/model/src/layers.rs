@@ -116,11 +116,17 @@ pub fn dequantized_matmul_rows() -> Option<usize> {
 /// vocab x hidden elements (467 MB for Qwen2.5-1.5B in bfloat16) that the
 /// KV budget never counted.
 pub fn with_quantized_matmul<T>(f: impl FnOnce() -> T) -> T {
-    let kept = dequantized_matmul_rows();
+    /// Restores the kept setting, also when `f` panics (the worker
+    /// catches a forward's panic and goes on serving).
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set_dequantized_matmul_rows(self.0);
+        }
+    }
+    let _restore = Restore(dequantized_matmul_rows());
     set_dequantized_matmul_rows(None);
-    let out = f();
-    set_dequantized_matmul_rows(kept);
-    out
+    f()
 }
 
 /// The weight of a linear layer.
