@@ -933,6 +933,14 @@ mod tests {
         }
     }
 
+    /// The largest `|a - b|` over two outputs of the same shape.
+    fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
     /// Each part's output of `group` against the part run alone, over a
     /// decode-sized input (the one fused matmul) and a prefill-sized one
     /// (the per-part products on row views).
@@ -947,11 +955,7 @@ mod tests {
                 let want = part.forward(&x).unwrap();
                 assert_eq!(out.shape(), want.shape());
                 let (got, want) = (out.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
+                let worst = max_abs_diff(&got, &want);
                 assert!(
                     worst <= 1e-4,
                     "{tokens} tokens: fused output off by {worst}"
@@ -1024,11 +1028,7 @@ mod tests {
             by_kernel, by_dense,
             "the two products round alike here: the test can't tell them apart"
         );
-        let worst = by_kernel
-            .iter()
-            .zip(&by_dense)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_diff(&by_kernel, &by_dense);
         assert!(worst < 1e-3, "dense product off by {worst}");
 
         let run = |rows: Option<usize>| {
