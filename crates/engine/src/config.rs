@@ -36,6 +36,14 @@ pub mod defaults {
     /// machine: prefill 15.5 -> 186 tok/s at 16; at 1, decode fell from
     /// 9.6 to 1.9 tok/s).
     pub const CPU_DEQUANT_MATMUL_ROWS: usize = 16;
+    /// Fewest weights (`out x in`) a quantized matrix needs for a GPU
+    /// product to dequantize it (`mlxcel_model::layers::
+    /// set_dequantized_matmul_min_weights`): 4 Mi. Smaller products are
+    /// launch-bound, where the dequantization only adds a kernel
+    /// (SmolLM2-135M's GPU prefill lost a third with its matrices of at
+    /// most 0.9 Mi weights dequantized). No floor on a CPU, where the
+    /// quantized matmul is slow at any size.
+    pub const GPU_DEQUANT_MATMUL_MIN_WEIGHTS: usize = 4 << 20;
     /// Most bytes of block files the prompt cache's disk tier keeps
     /// (`--prompt-cache-disk-size`): 16 GiB.
     pub const PROMPT_CACHE_DISK_SIZE: u64 = 16 << 30;
@@ -304,6 +312,28 @@ pub fn dequant_matmul_rows(rows: Option<usize>, gpu: bool) -> Option<usize> {
     }
 }
 
+/// The fewest weights a quantized matrix needs for
+/// [`dequant_matmul_rows`] to apply to it:
+/// [`defaults::GPU_DEQUANT_MATMUL_MIN_WEIGHTS`] on a GPU, 0 on a CPU.
+/// `MLXCEL_DEQUANT_MIN_WEIGHTS` (a count of weights) overrides it on
+/// either, for benchmarks (`benches/gpu_decode_modes.sh`).
+pub fn dequant_matmul_min_weights(gpu: bool) -> usize {
+    min_weights_from(
+        std::env::var("MLXCEL_DEQUANT_MIN_WEIGHTS").ok().as_deref(),
+        gpu,
+    )
+}
+
+/// [`dequant_matmul_min_weights`] given the variable's value (a value
+/// that is not a count is ignored).
+fn min_weights_from(var: Option<&str>, gpu: bool) -> usize {
+    var.and_then(|v| v.trim().parse().ok()).unwrap_or(if gpu {
+        defaults::GPU_DEQUANT_MATMUL_MIN_WEIGHTS
+    } else {
+        0
+    })
+}
+
 /// `--tensor-parallel` as the engine takes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorParallelConfig {
@@ -345,5 +375,12 @@ mod tests {
         assert_eq!(dequant_matmul_rows(Some(0), true), None);
         assert_eq!(dequant_matmul_rows(Some(0), false), None);
         assert_eq!(dequant_matmul_rows(Some(96), true), Some(96));
+        // The weights floor: 4 Mi on a GPU, none on a CPU, or the
+        // variable's count.
+        assert_eq!(min_weights_from(None, true), 4 << 20);
+        assert_eq!(min_weights_from(None, false), 0);
+        assert_eq!(min_weights_from(Some("1000"), true), 1000);
+        assert_eq!(min_weights_from(Some(" 0 "), true), 0);
+        assert_eq!(min_weights_from(Some("lots"), true), 4 << 20);
     }
 }

@@ -106,6 +106,8 @@ pub(crate) struct Opened {
     /// [`EngineConfig::dequant_matmul_rows`] decided for the device
     /// (`None`: never).
     pub(crate) dequant_matmul_rows: Option<usize>,
+    /// [`crate::config::dequant_matmul_min_weights`] for the device.
+    pub(crate) dequant_matmul_min_weights: usize,
 }
 
 impl Opened {
@@ -138,12 +140,14 @@ impl Opened {
         let options = load_options(config, &model_config, gpu);
         let dequant_matmul_rows =
             crate::config::dequant_matmul_rows(config.dequant_matmul_rows, gpu);
+        let dequant_matmul_min_weights = crate::config::dequant_matmul_min_weights(gpu);
         Ok(Opened {
             checkpoint,
             model_config,
             options,
             gpu,
             dequant_matmul_rows,
+            dequant_matmul_min_weights,
         })
     }
 
@@ -156,12 +160,14 @@ impl Opened {
     pub(crate) fn load(self) -> Result<Box<dyn Model>, EngineError> {
         mlxcel_mlx::use_device(self.gpu)?;
         mlxcel_model::layers::set_dequantized_matmul_rows(self.dequant_matmul_rows);
+        mlxcel_model::layers::set_dequantized_matmul_min_weights(self.dequant_matmul_min_weights);
         tracing::info!(
             dir = %self.checkpoint.path().display(),
             dtype = ?self.options.dtype,
             weight_mode = ?self.options.weight_mode,
             gpu = self.gpu,
             dequant_matmul_rows = ?self.dequant_matmul_rows,
+            dequant_matmul_min_weights = self.dequant_matmul_min_weights,
             "loading model"
         );
         Ok(self

@@ -63,6 +63,13 @@ pub struct QuantizedMatrix {
 }
 
 impl QuantizedMatrix {
+    /// Weights of the matrix (`out x in` elements): its scales
+    /// `[out, in / group_size]` times the group size.
+    pub fn weights(&self) -> usize {
+        let groups: i64 = self.scales.shape().iter().map(|&d| i64::from(d)).product();
+        (groups * i64::from(self.spec.group_size)).max(0) as usize
+    }
+
     fn dequantize(&self, dtype: Dtype) -> Result<Array, ModelError> {
         Ok(self
             .weight
@@ -79,6 +86,8 @@ impl QuantizedMatrix {
 thread_local! {
     /// [`dequantized_matmul_rows`] of this thread's forwards.
     static DEQUANTIZED_MATMUL_ROWS: Cell<Option<usize>> = const { Cell::new(None) };
+    /// [`dequantized_matmul_min_weights`] of this thread's forwards.
+    static DEQUANTIZED_MATMUL_MIN_WEIGHTS: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Sets the input row count (tokens of a step, summed over its rows) from
@@ -108,6 +117,29 @@ pub fn set_dequantized_matmul_rows(rows: Option<usize>) {
 /// The row count set by [`set_dequantized_matmul_rows`] on this thread.
 pub fn dequantized_matmul_rows() -> Option<usize> {
     DEQUANTIZED_MATMUL_ROWS.with(Cell::get)
+}
+
+/// Sets the fewest weights (`out x in` elements) a quantized matrix must
+/// have for [`set_dequantized_matmul_rows`] to apply to it on this thread;
+/// smaller matrices keep the quantized matmul at any row count (0: every
+/// matrix qualifies). The engine sets it with the row count.
+///
+/// Why: the product of a small matrix is bound by its launch, not its
+/// arithmetic, even over a thousand rows, so dequantizing it only adds a
+/// kernel and a temporary to the step. Measured on an H100 (MLX 0.32.4,
+/// bfloat16, 4-bit group 64, 1,024-token prefill,
+/// `benches/results/2026-12-07-dequantized-matmul-end-to-end-h100.md`): SmolLM2-135M
+/// (matrices of at most 0.9 Mi weights) prefilled ~101k tok/s with every
+/// product quantized and ~70k with every product from 512 rows
+/// dequantized, while Qwen2.5-1.5B (gate, up and down of 13.1 Mi weights)
+/// went from 34k to 60k.
+pub fn set_dequantized_matmul_min_weights(weights: usize) {
+    DEQUANTIZED_MATMUL_MIN_WEIGHTS.with(|c| c.set(weights));
+}
+
+/// The floor set by [`set_dequantized_matmul_min_weights`] on this thread.
+pub fn dequantized_matmul_min_weights() -> usize {
+    DEQUANTIZED_MATMUL_MIN_WEIGHTS.with(Cell::get)
 }
 
 /// Runs `f` with [`dequantized_matmul_rows`] off on this thread (then
@@ -224,12 +256,16 @@ impl Matrix {
         self.product_with(x, dense.as_ref())
     }
 
-    /// The matrix dequantized into `dtype` when it is quantized and a
-    /// product over `rows` input rows should run dense
-    /// ([`dequantized_matmul_rows`]); `None` otherwise.
+    /// The matrix dequantized into `dtype` when it is quantized, has at
+    /// least [`dequantized_matmul_min_weights`] weights and a product over
+    /// `rows` input rows should run dense ([`dequantized_matmul_rows`]);
+    /// `None` otherwise.
     fn dequantized_for(&self, rows: usize, dtype: Dtype) -> Result<Option<Array>, ModelError> {
         match self {
-            Matrix::Quantized(q) if dequantized_matmul_rows().is_some_and(|min| rows >= min) => {
+            Matrix::Quantized(q)
+                if dequantized_matmul_rows().is_some_and(|min| rows >= min)
+                    && q.weights() >= dequantized_matmul_min_weights() =>
+            {
                 Ok(Some(q.dequantize(dtype)?))
             }
             _ => Ok(None),
@@ -1041,6 +1077,17 @@ mod tests {
         assert_eq!(run(Some(41)), by_kernel, "40 rows under a threshold of 41");
         assert_eq!(run(Some(0)), by_kernel, "a threshold of 0 is off");
         assert_eq!(run(None), by_kernel, "no threshold");
+
+        // The weights floor: this matrix has 96 x 128 = 12,288 weights.
+        assert_eq!(q.weights(), 96 * 128);
+        let floored = |weights: usize| {
+            set_dequantized_matmul_min_weights(weights);
+            let y = run(Some(40));
+            set_dequantized_matmul_min_weights(0);
+            y
+        };
+        assert_eq!(floored(96 * 128), by_dense, "a matrix at the floor");
+        assert_eq!(floored(96 * 128 + 1), by_kernel, "a matrix under the floor");
 
         // An LM head's product keeps the quantized kernel, and the
         // threshold comes back after it.
