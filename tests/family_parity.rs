@@ -26,13 +26,20 @@ fn check_family(name: &str) {
     let (prompt, want) = (ids(&golden, "prompt"), ids(&golden, "greedy"));
     let want_logits = floats(&golden, "last_logits");
     let config = read_config(&dir).expect("config");
-    // Quantized checkpoints run both ways: dequantized at load (the CPU
-    // default) and kept quantized.
-    let modes: &[WeightMode] = match config.raw.get("quantization") {
-        Some(_) => &[WeightMode::Dequantized, WeightMode::Quantized],
-        None => &[WeightMode::Dequantized],
+    // Quantized checkpoints run three ways: dequantized at load (the CPU
+    // default), kept quantized, and kept quantized with every product
+    // dequantized for itself (`--dequant-matmul-rows 1`: linear layers'
+    // dense matmuls, experts' dense gathered matmuls).
+    let modes: &[(WeightMode, Option<usize>)] = match config.raw.get("quantization") {
+        Some(_) => &[
+            (WeightMode::Dequantized, None),
+            (WeightMode::Quantized, None),
+            (WeightMode::Quantized, Some(1)),
+        ],
+        None => &[(WeightMode::Dequantized, None)],
     };
-    for &weight_mode in modes {
+    for &(weight_mode, dequant_rows) in modes {
+        mlxcel_model::layers::set_dequantized_matmul_rows(dequant_rows);
         let options = LoadOptions {
             dtype: Dtype::Float32,
             weight_mode,
@@ -48,6 +55,7 @@ fn check_family(name: &str) {
             1e-3,
             ALL_STORAGES,
         );
+        mlxcel_model::layers::set_dequantized_matmul_rows(None);
     }
 }
 

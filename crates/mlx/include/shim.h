@@ -173,6 +173,7 @@ bool gpu_available();
 void set_cudnn_attention(bool enabled);
 void set_kernel_cache_dir(rust::Str dir);
 void use_device(bool gpu);
+bool default_device_is_gpu();
 rust::String version();
 rust::String device_name(bool gpu);
 

@@ -285,6 +285,7 @@ pub(crate) mod bridge {
         fn paged_attention_available() -> Result<bool>;
         fn set_paged_attention_split(split: bool);
         fn use_device(gpu: bool) -> Result<()>;
+        fn default_device_is_gpu() -> Result<bool>;
         fn version() -> Result<String>;
         fn device_name(gpu: bool) -> Result<String>;
     }

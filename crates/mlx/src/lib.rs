@@ -328,6 +328,11 @@ pub fn use_device(gpu: bool) -> Result<()> {
     Ok(bridge::use_device(gpu)?)
 }
 
+/// Whether MLX's default device ([`use_device`]) is the GPU.
+pub fn default_device_is_gpu() -> bool {
+    bridge::default_device_is_gpu().unwrap_or(false)
+}
+
 /// The MLX version string of the loaded `libmlx`.
 pub fn version() -> String {
     bridge::version().unwrap_or_default()

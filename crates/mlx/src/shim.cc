@@ -430,6 +430,7 @@ void set_cudnn_attention(bool enabled) { setenv("MLX_CUDA_USE_CUDNN_SDPA", enabl
 // compilation; a value the user already set wins.
 void set_kernel_cache_dir(rust::Str dir) { setenv("MLX_PTX_CACHE_DIR", std::string(dir).c_str(), 0); }
 void use_device(bool gpu) { mx::set_default_device(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)); }
+bool default_device_is_gpu() { return mx::default_device().type == mx::Device::gpu; }
 rust::String version() { return rust::String(mx::version()); }
 // "<device_name> (<architecture>)" from MLX's device_info, the parts it has.
 rust::String device_name(bool gpu) {

@@ -11,7 +11,9 @@
 //! routes many tokens (64 or more token-expert pairs) they are sorted by
 //! expert first, so each expert's matrix is read in one run, and put back
 //! after (on a CPU each product is the same either way; a GPU's sorted
-//! and unsorted kernels may round differently). The reference for the
+//! and unsorted kernels may round differently). A step of many tokens
+//! (prefill) multiplies quantized experts dequantized, through
+//! `gather_mm` (`SparseMoe::dequantize_experts`). The reference for the
 //! routing variants and the sort is mlx_lm's `models/switch_layers.py`,
 //! `qwen3_moe.py`, `qwen2_moe.py` and `mixtral.py`.
 //!
@@ -317,16 +319,38 @@ impl SwitchLinear {
     }
 
     /// `x` `[..., 1, in]` through the expert `indices` (uint32, broadcast
-    /// against `x`'s batch axes) -> `[..., 1, out]`.
-    fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
-        Ok(match &self.matrix {
-            ExpertMatrix::Dense(w) => x.gather_mm(&w.transpose(&[0, 2, 1])?, indices, sorted)?,
+    /// against `x`'s batch axes) -> `[..., 1, out]`. With `dequantize`,
+    /// quantized experts are dequantized into `x`'s dtype for this product
+    /// (all of them, `[experts, out, in]`, a temporary) and multiplied by
+    /// the dense gathered matmul ([`SparseMoe`]'s `dequantize_experts`).
+    fn forward(
+        &self,
+        x: &Array,
+        indices: &Array,
+        sorted: bool,
+        dequantize: bool,
+    ) -> Result<Array, ModelError> {
+        let dense = |w: &Array| -> Result<Array, ModelError> {
+            Ok(x.gather_mm(&w.transpose(&[0, 2, 1])?, indices, sorted)?)
+        };
+        match &self.matrix {
+            ExpertMatrix::Dense(w) => dense(w),
             ExpertMatrix::Quantized {
                 weight,
                 scales,
                 biases,
                 spec,
-            } => x.gather_qmm(
+            } if dequantize => dense(
+                &weight
+                    .dequantize(scales, biases, spec.group_size, spec.bits)?
+                    .astype(x.dtype())?,
+            ),
+            ExpertMatrix::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            } => Ok(x.gather_qmm(
                 weight,
                 scales,
                 biases,
@@ -334,8 +358,20 @@ impl SwitchLinear {
                 spec.group_size,
                 spec.bits,
                 sorted,
-            )?,
-        })
+            )?),
+        }
+    }
+
+    /// Weights of every expert (`experts x out x in`) when kept quantized;
+    /// `None` for dense experts.
+    fn quantized_weights(&self) -> Option<usize> {
+        match &self.matrix {
+            ExpertMatrix::Dense(_) => None,
+            ExpertMatrix::Quantized { scales, spec, .. } => {
+                let groups: i64 = scales.shape().iter().map(|&d| i64::from(d)).product();
+                Some((groups * i64::from(spec.group_size)).max(0) as usize)
+            }
+        }
     }
 
     fn arrays(&self) -> Vec<&Array> {
@@ -572,6 +608,7 @@ impl SparseMoe {
         // [tokens, k, hidden]: each token through each of its experts.
         // Batch-invariant execution never sorts: the sorted and unsorted
         // gathered matmuls may round differently (`crate::invariant`).
+        let dequantize = self.dequantize_experts(tokens as usize, dtype);
         let y = if pairs >= SORT_FROM_PAIRS && !crate::invariant::enabled() {
             // Sorted by expert: one run of rows per expert.
             let flat = inds.reshape(&[tokens * k])?;
@@ -580,11 +617,11 @@ impl SparseMoe {
             let rows = order.floor_divide(&Array::from_u32(&[k as u32], &[1])?)?;
             let xs = x.reshape(&[tokens, 1, hidden])?.take(&rows, 0)?;
             let sorted = flat.take(&order, 0)?;
-            let y = self.experts(&xs, &sorted, true)?;
+            let y = self.experts(&xs, &sorted, true, dequantize)?;
             y.take(&inverse, 0)?.reshape(&[tokens, k, hidden])?
         } else {
             let xs = x.reshape(&[tokens, 1, 1, hidden])?;
-            self.experts(&xs, &inds, false)?
+            self.experts(&xs, &inds, false, dequantize)?
                 .reshape(&[tokens, k, hidden])?
         };
         let scores = scores.reshape(&[tokens, k, 1])?.astype(dtype)?;
@@ -597,11 +634,49 @@ impl SparseMoe {
         Ok(out.reshape(&shape)?)
     }
 
+    /// Whether a step of `tokens` tokens (in `dtype`) multiplies this
+    /// layer's quantized experts dequantized, through the dense gathered
+    /// matmul: when the step reaches
+    /// [`crate::layers::dequantized_matmul_rows`] tokens and each
+    /// projection's experts together reach
+    /// [`crate::layers::dequantized_matmul_min_weights`], as for a linear
+    /// layer. Never under batch-invariant execution (the kernel would then
+    /// depend on the batch's token count), and never for a non-float32
+    /// dtype on a CPU (MLX's CPU `gather_mm` takes float32 only).
+    ///
+    /// Why: MLX's gathered quantized matmul does not speed up with many
+    /// tokens. Measured on an H100 (MLX 0.32.4, bfloat16, 4-bit group 64,
+    /// one projection of every token-expert pair, `benches/moe_prefill.py`,
+    /// `benches/results/2026-12-07-moe-prefill-h100.md`): at 1,024 tokens
+    /// gpt-oss-20b's experts take 18.8 ms sorted through `gather_qmm`
+    /// (3.6 TFLOP/s) and 1.54 ms dequantized then `gather_mm` (44 TFLOP/s),
+    /// Qwen3-30B-A3B's 5.39 and 1.16 ms; at 256 tokens 5.03 against 1.64
+    /// and 1.49 against 1.17 ms; at 64 tokens the quantized kernel wins on
+    /// Qwen3-30B-A3B (0.50 against 1.13 ms). The dequantized experts are a
+    /// temporary of the product: `experts x out x in` elements of the
+    /// compute dtype (531 MB for gpt-oss-20b's gate projection in
+    /// bfloat16).
+    fn dequantize_experts(&self, tokens: usize, dtype: Dtype) -> bool {
+        let Some(weights) = self.gate_proj.quantized_weights() else {
+            return false;
+        };
+        !crate::invariant::enabled()
+            && crate::layers::dequantized_matmul_rows().is_some_and(|min| tokens >= min)
+            && weights >= crate::layers::dequantized_matmul_min_weights()
+            && (dtype == Dtype::Float32 || mlxcel_mlx::default_device_is_gpu())
+    }
+
     /// The gated MLP of each row's expert: `x` `[..., 1, hidden]`,
     /// `indices` broadcast against its batch axes -> `[..., 1, hidden]`.
-    fn experts(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, ModelError> {
-        let g = self.gate_proj.forward(x, indices, sorted)?;
-        let u = self.up_proj.forward(x, indices, sorted)?;
+    fn experts(
+        &self,
+        x: &Array,
+        indices: &Array,
+        sorted: bool,
+        dequantize: bool,
+    ) -> Result<Array, ModelError> {
+        let g = self.gate_proj.forward(x, indices, sorted, dequantize)?;
+        let u = self.up_proj.forward(x, indices, sorted, dequantize)?;
         // Each row's expert's biases, `[..., 1, width]` like the products:
         // one gather, three views.
         let biases = match &self.biases {
@@ -642,7 +717,7 @@ impl SparseMoe {
                 mlxcel_mlx::clamped_swiglu(&g, &u, b, alpha, limit)?
             }
         };
-        let y = self.down_proj.forward(&h, indices, sorted)?;
+        let y = self.down_proj.forward(&h, indices, sorted, dequantize)?;
         Ok(match &biases {
             Some([_, _, bd]) => y.add(bd)?,
             None => y,
@@ -661,5 +736,93 @@ impl SparseMoe {
             v.extend(gate.arrays());
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `[experts * out, input]` of deterministic values in [-1, 1).
+    fn values(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| {
+                let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761) >> 8;
+                (h % 2000) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Quantized experts multiplied dequantized give the dense gathered
+    /// product of the dequantized experts bit for bit (sorted and unsorted
+    /// indices), which is not what the quantized kernel gives: the test
+    /// can tell the two paths apart.
+    #[test]
+    fn dequantized_experts_take_the_dense_gathered_product() {
+        let (experts, out, input) = (4usize, 32usize, 128usize);
+        let w = Array::from_f32(
+            &values(experts * out, input, 5),
+            &[experts as i32, out as i32, input as i32],
+        )
+        .unwrap();
+        let (weight, scales, biases) = w.quantize(64, 4).unwrap();
+        let spec = QuantSpec {
+            group_size: 64,
+            bits: 4,
+        };
+        let dense_w = weight
+            .dequantize(&scales, &biases, 64, 4)
+            .unwrap()
+            .astype(Dtype::Float32)
+            .unwrap();
+        let linear = SwitchLinear {
+            matrix: ExpertMatrix::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            },
+            out,
+            input,
+        };
+        assert_eq!(linear.quantized_weights(), Some(experts * out * input));
+        let tokens = 12usize;
+        let x =
+            Array::from_f32(&values(tokens, input, 9), &[tokens as i32, 1, input as i32]).unwrap();
+        let ids: Vec<u32> = (0..tokens as u32)
+            .map(|t| (t * 3 + 1) % experts as u32)
+            .collect();
+        let mut sorted_ids = ids.clone();
+        sorted_ids.sort_unstable();
+        for (ids, sorted) in [(ids, false), (sorted_ids, true)] {
+            let indices = Array::from_u32(&ids, &[tokens as i32]).unwrap();
+            let want = x
+                .gather_mm(&dense_w.transpose(&[0, 2, 1]).unwrap(), &indices, sorted)
+                .unwrap()
+                .to_vec_f32()
+                .unwrap();
+            let got = linear
+                .forward(&x, &indices, sorted, true)
+                .unwrap()
+                .to_vec_f32()
+                .unwrap();
+            let kernel = linear
+                .forward(&x, &indices, sorted, false)
+                .unwrap()
+                .to_vec_f32()
+                .unwrap();
+            assert_eq!(got.len(), tokens * out);
+            assert_eq!(got, want, "sorted {sorted}: not the dense product");
+            assert_ne!(kernel, want, "sorted {sorted}: the paths round alike here");
+            let worst = got
+                .iter()
+                .zip(&kernel)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-3,
+                "sorted {sorted}: dense off the kernel by {worst}"
+            );
+        }
     }
 }
