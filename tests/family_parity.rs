@@ -29,7 +29,7 @@ fn check_family(name: &str) {
     // Quantized checkpoints run three ways: dequantized at load (the CPU
     // default), kept quantized, and kept quantized with every product
     // dequantized for itself (`--dequant-matmul-rows 1`: linear layers'
-    // dense matmuls, experts' dense gathered matmuls).
+    // dense matmuls; experts dequantize so only on a GPU).
     let modes: &[(WeightMode, Option<usize>)] = match config.raw.get("quantization") {
         Some(_) => &[
             (WeightMode::Dequantized, None),

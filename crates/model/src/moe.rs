@@ -608,7 +608,7 @@ impl SparseMoe {
         // [tokens, k, hidden]: each token through each of its experts.
         // Batch-invariant execution never sorts: the sorted and unsorted
         // gathered matmuls may round differently (`crate::invariant`).
-        let dequantize = self.dequantize_experts(tokens as usize, dtype);
+        let dequantize = self.dequantize_experts(tokens as usize);
         let y = if pairs >= SORT_FROM_PAIRS && !crate::invariant::enabled() {
             // Sorted by expert: one run of rows per expert.
             let flat = inds.reshape(&[tokens * k])?;
@@ -634,15 +634,17 @@ impl SparseMoe {
         Ok(out.reshape(&shape)?)
     }
 
-    /// Whether a step of `tokens` tokens (in `dtype`) multiplies this
+    /// Whether a step of `tokens` tokens multiplies this
     /// layer's quantized experts dequantized, through the dense gathered
     /// matmul: when the step reaches
-    /// [`crate::layers::dequantized_matmul_rows`] tokens and each
+    /// [`crate::layers::dequantized_matmul_rows`] tokens and every
     /// projection's experts together reach
     /// [`crate::layers::dequantized_matmul_min_weights`], as for a linear
-    /// layer. Never under batch-invariant execution (the kernel would then
-    /// depend on the batch's token count), and never for a non-float32
-    /// dtype on a CPU (MLX's CPU `gather_mm` takes float32 only).
+    /// layer. Only on a GPU: a CPU's default dequantizes experts at load,
+    /// and with `--weights quantized` its 16-token threshold would
+    /// dequantize every expert of a layer for most steps (not measured
+    /// there). Never under batch-invariant execution (the kernel would then
+    /// depend on the batch's token count).
     ///
     /// Why: MLX's gathered quantized matmul does not speed up with many
     /// tokens. Measured on an H100 (MLX 0.32.4, bfloat16, 4-bit group 64,
@@ -655,15 +657,20 @@ impl SparseMoe {
     /// Qwen3-30B-A3B (0.50 against 1.13 ms). The dequantized experts are a
     /// temporary of the product: `experts x out x in` elements of the
     /// compute dtype (531 MB for gpt-oss-20b's gate projection in
-    /// bfloat16).
-    fn dequantize_experts(&self, tokens: usize, dtype: Dtype) -> bool {
-        let Some(weights) = self.gate_proj.quantized_weights() else {
+    /// bfloat16), memory the KV budget does not count, like any step's
+    /// activations.
+    fn dequantize_experts(&self, tokens: usize) -> bool {
+        let weights = [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .map(|p| p.quantized_weights())
+            .collect::<Option<Vec<usize>>>();
+        let Some(smallest) = weights.and_then(|w| w.into_iter().min()) else {
             return false;
         };
         !crate::invariant::enabled()
             && crate::layers::dequantized_matmul_rows().is_some_and(|min| tokens >= min)
-            && weights >= crate::layers::dequantized_matmul_min_weights()
-            && (dtype == Dtype::Float32 || mlxcel_mlx::default_device_is_gpu())
+            && smallest >= crate::layers::dequantized_matmul_min_weights()
+            && mlxcel_mlx::default_device_is_gpu()
     }
 
     /// The gated MLP of each row's expert: `x` `[..., 1, hidden]`,
