@@ -63,11 +63,9 @@ pub struct QuantizedMatrix {
 }
 
 impl QuantizedMatrix {
-    /// Weights of the matrix (`out x in` elements): its scales
-    /// `[out, in / group_size]` times the group size.
+    /// Weights of the matrix (`out x in` elements).
     pub fn weights(&self) -> usize {
-        let groups: i64 = self.scales.shape().iter().map(|&d| i64::from(d)).product();
-        (groups * i64::from(self.spec.group_size)).max(0) as usize
+        quantized_weights(&self.scales, self.spec.group_size)
     }
 
     fn dequantize(&self, dtype: Dtype) -> Result<Array, ModelError> {
@@ -142,6 +140,22 @@ pub fn set_dequantized_matmul_min_weights(weights: usize) {
 /// The floor set by [`set_dequantized_matmul_min_weights`] on this thread.
 pub fn dequantized_matmul_min_weights() -> usize {
     DEQUANTIZED_MATMUL_MIN_WEIGHTS.with(Cell::get)
+}
+
+/// Whether this thread's product over `rows` input rows with a quantized
+/// matrix of `weights` weights dequantizes it and runs dense: `rows`
+/// reaches [`dequantized_matmul_rows`] and `weights`
+/// [`dequantized_matmul_min_weights`].
+pub fn dequantizes_for(rows: usize, weights: usize) -> bool {
+    dequantized_matmul_rows().is_some_and(|min| rows >= min)
+        && weights >= dequantized_matmul_min_weights()
+}
+
+/// Weights (elements before packing) of an affine-quantized tensor from
+/// its scales `[..., out, in / group_size]`: every scale's group.
+pub fn quantized_weights(scales: &Array, group_size: i32) -> usize {
+    let groups: i64 = scales.shape().iter().map(|&d| i64::from(d)).product();
+    (groups * i64::from(group_size)).max(0) as usize
 }
 
 /// Runs `f` with [`dequantized_matmul_rows`] off on this thread (then
@@ -264,10 +278,7 @@ impl Matrix {
     /// `None` otherwise.
     fn dequantized_for(&self, rows: usize, dtype: Dtype) -> Result<Option<Array>, ModelError> {
         match self {
-            Matrix::Quantized(q)
-                if dequantized_matmul_rows().is_some_and(|min| rows >= min)
-                    && q.weights() >= dequantized_matmul_min_weights() =>
-            {
+            Matrix::Quantized(q) if dequantizes_for(rows, q.weights()) => {
                 Ok(Some(q.dequantize(dtype)?))
             }
             _ => Ok(None),
@@ -932,11 +943,12 @@ impl Mlp {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A deterministic `[rows, cols]` matrix with values in [-1, 1).
-    fn matrix(rows: usize, cols: usize, seed: u32) -> Array {
+    /// `[rows, cols]` float32 of deterministic values in [-1, 1).
+    pub(crate) fn matrix(rows: usize, cols: usize, seed: u32) -> Array {
         let data: Vec<f32> = (0..rows * cols)
             .map(|i| {
                 let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761) >> 8;

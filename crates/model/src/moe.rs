@@ -368,8 +368,7 @@ impl SwitchLinear {
         match &self.matrix {
             ExpertMatrix::Dense(_) => None,
             ExpertMatrix::Quantized { scales, spec, .. } => {
-                let groups: i64 = scales.shape().iter().map(|&d| i64::from(d)).product();
-                Some((groups * i64::from(spec.group_size)).max(0) as usize)
+                Some(crate::layers::quantized_weights(scales, spec.group_size))
             }
         }
     }
@@ -636,11 +635,9 @@ impl SparseMoe {
 
     /// Whether a step of `tokens` tokens multiplies this
     /// layer's quantized experts dequantized, through the dense gathered
-    /// matmul: when the step reaches
-    /// [`crate::layers::dequantized_matmul_rows`] tokens and every
-    /// projection's experts together reach
-    /// [`crate::layers::dequantized_matmul_min_weights`], as for a linear
-    /// layer. Only on a GPU: a CPU's default dequantizes experts at load,
+    /// matmul: when [`crate::layers::dequantizes_for`] holds for the
+    /// step's tokens and every projection's experts together, as for a
+    /// linear layer. Only on a GPU: a CPU's default dequantizes experts at load,
     /// and with `--weights quantized` its 16-token threshold would
     /// dequantize every expert of a layer for most steps (not measured
     /// there). Never under batch-invariant execution (the kernel would then
@@ -668,8 +665,7 @@ impl SparseMoe {
             return false;
         };
         !crate::invariant::enabled()
-            && crate::layers::dequantized_matmul_rows().is_some_and(|min| tokens >= min)
-            && smallest >= crate::layers::dequantized_matmul_min_weights()
+            && crate::layers::dequantizes_for(tokens, smallest)
             && mlxcel_mlx::default_device_is_gpu()
     }
 
@@ -749,16 +745,7 @@ impl SparseMoe {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `[experts * out, input]` of deterministic values in [-1, 1).
-    fn values(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
-        (0..rows * cols)
-            .map(|i| {
-                let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761) >> 8;
-                (h % 2000) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::layers::tests::matrix;
 
     /// Quantized experts multiplied dequantized give the dense gathered
     /// product of the dequantized experts bit for bit (sorted and unsorted
@@ -767,11 +754,9 @@ mod tests {
     #[test]
     fn dequantized_experts_take_the_dense_gathered_product() {
         let (experts, out, input) = (4usize, 32usize, 128usize);
-        let w = Array::from_f32(
-            &values(experts * out, input, 5),
-            &[experts as i32, out as i32, input as i32],
-        )
-        .unwrap();
+        let w = matrix(experts * out, input, 5)
+            .reshape(&[experts as i32, out as i32, input as i32])
+            .unwrap();
         let (weight, scales, biases) = w.quantize(64, 4).unwrap();
         let spec = QuantSpec {
             group_size: 64,
@@ -794,8 +779,9 @@ mod tests {
         };
         assert_eq!(linear.quantized_weights(), Some(experts * out * input));
         let tokens = 12usize;
-        let x =
-            Array::from_f32(&values(tokens, input, 9), &[tokens as i32, 1, input as i32]).unwrap();
+        let x = matrix(tokens, input, 9)
+            .reshape(&[tokens as i32, 1, input as i32])
+            .unwrap();
         let ids: Vec<u32> = (0..tokens as u32)
             .map(|t| (t * 3 + 1) % experts as u32)
             .collect();
