@@ -4,7 +4,8 @@
 
   python3 benches/gpu_models.py NAME OUT_DIR --tokenizer DIR [--group-size 64] [--bits 4]
 
-NAME: smollm2-135m (Llama), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2), gemma3-270m,
+NAME: smollm2-135m (Llama), smollm2-thin (its 30 layers and vocabulary at a
+width of 64: host-bound on a CPU too), qwen2.5-0.5b, qwen2.5-1.5b (Qwen2), gemma3-270m,
 qwen3-30b-a3b (Qwen3-MoE: 128 experts, 8 per token), qwen3.5-0.8b and
 qwen3.5-35b-a3b (Qwen3.5 hybrids, the latter 256 experts, 8 per token),
 qwen3.5-small (a 4-layer Qwen3.5 for CPU and float32 parity runs),
@@ -29,6 +30,14 @@ from pathlib import Path
 SHAPES = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # SmolLM2's 30 layers and vocabulary at a width of 64: a step's
+    # arithmetic is negligible even on a CPU, so decode speed measures the
+    # host's work a step (kernels encoded, engine and server), the regime a
+    # GPU's single-stream decode is in.
+    "smollm2-thin": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
                          rms_norm_eps=1e-5, tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,

@@ -154,6 +154,15 @@ pub struct ModelArgs {
     /// default queues the next step first, overlapping host and device).
     #[arg(long)]
     pub no_decode_pipeline: bool,
+    /// Verify prompt-lookup drafts inside the decode pipeline: the step
+    /// after a queued one takes each row's token in flight as its first
+    /// input and verifies a draft looked up after a guess of that token
+    /// (a step behind a rejected draft is discarded). Experimental: on a
+    /// CPU it decodes slower than verifying synchronously (the default);
+    /// meant for GPUs, where a step's host work dominates, not measured
+    /// there yet. Output unchanged.
+    #[arg(long)]
+    pub pipelined_verification: bool,
     /// Speculative decoding: `ngram` lets each decode row propose the
     /// tokens that followed the last few tokens earlier in the prompt or
     /// reply (prompt lookup), `draft` the greedy tokens of
@@ -401,6 +410,7 @@ impl ModelArgs {
             dir => Some(PathBuf::from(dir)),
         };
         c.pipeline = !self.no_decode_pipeline;
+        c.pipelined_verification = self.pipelined_verification;
         c.speculative = mlxcel_engine::SpeculativeConfig {
             method: match self.speculative {
                 SpeculativeArg::Auto => mlxcel_engine::SpeculativeMethod::Auto,

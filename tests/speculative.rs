@@ -41,7 +41,19 @@ fn prompts() -> Vec<Prompt> {
 }
 
 fn engine(speculative: bool, parallel: usize, backend: StorageBackend) -> Engine {
+    engine_with(speculative, parallel, backend, false)
+}
+
+/// [`engine`], verifying inside the decode pipeline when `pipelined`
+/// (`--pipelined-verification`).
+fn engine_with(
+    speculative: bool,
+    parallel: usize,
+    backend: StorageBackend,
+    pipelined: bool,
+) -> Engine {
     let mut c = EngineConfig::new(model_dir());
+    c.pipelined_verification = pipelined;
     c.parallel = parallel;
     c.storage_backend = Some(backend);
     c.prefill_tile = Some(0);
@@ -119,18 +131,35 @@ fn greedy_replies_are_identical_with_prompt_lookup() {
     assert_eq!(speculation(&settled(&reference_engine)), (0, 0, 0));
     drop(reference_engine);
 
+    // Verifying synchronously (the default) and inside the decode
+    // pipeline (`--pipelined-verification`).
+    for pipelined in [false, true] {
+        check_prompt_lookup(&prompts, &reference, &reference_stopped, pipelined);
+    }
+}
+
+/// [`greedy_replies_are_identical_with_prompt_lookup`] with verification
+/// inside the decode pipeline or not: every reply is the reference's.
+fn check_prompt_lookup(
+    prompts: &[Prompt],
+    reference: &[Vec<u32>],
+    reference_stopped: &[u32],
+    pipelined: bool,
+) {
+    let stop = ["sleeps"];
     // Alone, dense storage.
-    let dense = engine(true, 1, StorageBackend::Dense);
+    let dense = engine_with(true, 1, StorageBackend::Dense, pipelined);
     for (i, p) in prompts.iter().enumerate() {
         assert_eq!(
             run(&dense, p, MAX_TOKENS, &[]),
             reference[i],
-            "prompt {i}, dense"
+            "prompt {i}, dense, pipelined {pipelined}"
         );
     }
     assert_eq!(
         run(&dense, &prompts[1], MAX_TOKENS, &stop),
-        reference_stopped
+        reference_stopped,
+        "stopped, pipelined {pipelined}"
     );
     let stats = settled(&dense);
     let (verified, proposed, accepted) = speculation(&stats);
@@ -141,9 +170,25 @@ fn greedy_replies_are_identical_with_prompt_lookup() {
     );
     assert_eq!(stats.kv_blocks_active, 0, "dense: blocks conserved");
     eprintln!(
-        "alone: (verifications, proposed, accepted) = {:?}",
-        speculation(&stats)
+        "alone, pipelined {pipelined}: (verifications, proposed, accepted) = {:?}, pipelined verify steps {}, discarded {}",
+        speculation(&stats),
+        stats.pipelined_verify_steps,
+        stats.discarded_steps
     );
+    // With `pipelined`, verification runs inside the decode pipeline (the
+    // replies above are the reference's): steps queued behind another one,
+    // and some of them discarded after a rejected draft. Without, none.
+    if pipelined {
+        assert!(
+            stats.pipelined_verify_steps > 0 && stats.discarded_steps > 0,
+            "pipelined verification: {stats:?}"
+        );
+    } else {
+        assert_eq!(
+            (stats.pipelined_verify_steps, stats.discarded_steps),
+            (0, 0)
+        );
+    }
     // A request that opts out verifies nothing.
     let mut r = greedy_request(prompts[1].clone(), MAX_TOKENS);
     r.speculative = false;
@@ -155,12 +200,18 @@ fn greedy_replies_are_identical_with_prompt_lookup() {
     drop(dense);
 
     // Batched, paged storage, cold then warm prefix cache.
-    let paged = engine(true, 4, StorageBackend::Paged);
-    let cold = run_concurrently(&paged, &prompts, MAX_TOKENS);
-    let warm = run_concurrently(&paged, &prompts, MAX_TOKENS);
+    let paged = engine_with(true, 4, StorageBackend::Paged, pipelined);
+    let cold = run_concurrently(&paged, prompts, MAX_TOKENS);
+    let warm = run_concurrently(&paged, prompts, MAX_TOKENS);
     for (i, want) in reference.iter().enumerate() {
-        assert_eq!(&cold[i], want, "prompt {i}, batched, cold");
-        assert_eq!(&warm[i], want, "prompt {i}, batched, warm");
+        assert_eq!(
+            &cold[i], want,
+            "prompt {i}, batched, cold, pipelined {pipelined}"
+        );
+        assert_eq!(
+            &warm[i], want,
+            "prompt {i}, batched, warm, pipelined {pipelined}"
+        );
     }
     // max_tokens landing anywhere in an accepted run (the prompts come
     // from the prefix cache now).
@@ -169,7 +220,7 @@ fn greedy_replies_are_identical_with_prompt_lookup() {
             assert_eq!(
                 run(&paged, &prompts[i], n, &[]),
                 first(&reference[i], n),
-                "prompt {i}, max_tokens {n}"
+                "prompt {i}, max_tokens {n}, pipelined {pipelined}"
             );
         }
     }
@@ -182,8 +233,15 @@ fn greedy_replies_are_identical_with_prompt_lookup() {
     );
     assert_eq!(stats.kv_blocks_active, 0, "paged: blocks conserved");
     eprintln!(
-        "batched: (verifications, proposed, accepted) = {:?}",
-        speculation(&stats)
+        "batched, pipelined {pipelined}: (verifications, proposed, accepted) = {:?}, pipelined verify steps {}, discarded {}",
+        speculation(&stats),
+        stats.pipelined_verify_steps,
+        stats.discarded_steps
+    );
+    assert_eq!(
+        stats.pipelined_verify_steps > 0,
+        pipelined,
+        "batched rows verified inside the pipeline: {stats:?}"
     );
 }
 
@@ -204,8 +262,9 @@ fn kv_groups_give_the_same_greedy_tokens_when_speculating() {
     let mut repeated = prompt.clone();
     repeated.extend(&prompt);
     let prompts = [prompt[..20].to_vec(), prompt.clone(), repeated];
-    let start = |method: Option<SpeculativeMethod>| {
+    let start_with = |method: Option<SpeculativeMethod>, pipelined: bool| {
         let mut c = common::tiny_engine_config(&dir, 4);
+        c.pipelined_verification = pipelined;
         if let Some(method) = method {
             c.speculative = SpeculativeConfig {
                 method,
@@ -218,6 +277,7 @@ fn kv_groups_give_the_same_greedy_tokens_when_speculating() {
         }
         Engine::start(c).expect("engine")
     };
+    let start = |method| start_with(method, false);
     let replies = |e: &Engine| -> Vec<Vec<u32>> {
         let streams: Vec<_> = prompts
             .iter()
@@ -244,6 +304,21 @@ fn kv_groups_give_the_same_greedy_tokens_when_speculating() {
     assert!(verified > 0, "drafts verified");
     assert!(accepted < proposed, "some drafts rejected (and truncated)");
     assert!(stats.prefix_cache_hits > 0);
+    assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
+    drop(on);
+    // Inside the decode pipeline: verification steps queued behind
+    // others across the window, those behind a rejected draft discarded.
+    let on = start_with(Some(SpeculativeMethod::Ngram), true);
+    assert_eq!(replies(&on), want, "prompt lookup pipelined, cold");
+    assert_eq!(replies(&on), want, "prompt lookup pipelined, warm");
+    let stats = settled(&on);
+    eprintln!(
+        "tiny gemma3, prompt lookup pipelined: {:?}, pipelined verify steps {}, discarded {}",
+        speculation(&stats),
+        stats.pipelined_verify_steps,
+        stats.discarded_steps
+    );
+    assert!(stats.pipelined_verify_steps > 0 && stats.discarded_steps > 0);
     assert_eq!(stats.kv_blocks_active, 0, "blocks conserved");
     drop(on);
     let on = start(Some(SpeculativeMethod::Draft));

@@ -117,6 +117,15 @@ pub struct EngineConfig {
     /// Pipeline decode steps whose rows sample on the device: the next step
     /// is queued before the current step's tokens are read (default true).
     pub pipeline: bool,
+    /// Prompt lookup verifies inside the decode pipeline: a step with
+    /// verification rows is queued like a decode step, and the step after
+    /// it takes each row's token in flight as its first input, with a
+    /// draft looked up after a guess of that token (`worker/pipeline.rs`;
+    /// `--pipelined-verification`, default false). Off by default: on a
+    /// CPU it lost 17-26% of prompt lookup's decode speed (a CPU is bound
+    /// by the steps' arithmetic, which wrong guesses and discarded steps
+    /// add to; `CHANGELOG.md`), and it is not measured on a GPU yet.
+    pub pipelined_verification: bool,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`):
     /// decode rows verify draft tokens several at a time
     /// ([`crate::speculative`]). Not with tensor parallelism.
@@ -235,6 +244,7 @@ impl EngineConfig {
             special_tokens_in_content: false,
             reasoning_parser: ReasoningParser::Auto,
             pipeline: true,
+            pipelined_verification: false,
             speculative: crate::speculative::SpeculativeConfig::default(),
             draft_model: None,
             warmup: None,

@@ -95,6 +95,7 @@ impl EnginePlan {
                 check_invariants: config.check_invariants,
                 max_kv_size: config.max_kv_size,
                 pipeline: config.pipeline,
+                pipelined_verification: config.pipelined_verification,
                 speculative: config.speculative,
                 batch_invariant: config
                     .deterministic

@@ -255,6 +255,16 @@ impl RowSpeculation {
         self.k
     }
 
+    /// The draft tokens the row's next verification may propose, without
+    /// counting a step (0 while paused).
+    pub(crate) fn proposal(&self) -> usize {
+        if self.active() {
+            self.k
+        } else {
+            0
+        }
+    }
+
     /// Whether the row would propose this step (without counting down).
     pub(crate) fn active(&self) -> bool {
         self.max > 0 && self.paused == 0

@@ -159,7 +159,7 @@ impl EngineMetrics {
             ),
             steps: counter_vec(
                 "mlxcel_steps_total",
-                "Engine steps with prefill rows / decode rows / decode steps queued before the previous step's tokens were read (pipelined)",
+                "Engine steps with prefill rows / decode rows / decode steps queued before the previous step's tokens were read (pipelined) / pipelined steps with verification rows (pipelined_verify) / queued steps rolled back unread after a rejected draft (discarded)",
                 &["kind"],
             ),
             step_tokens: counter_vec(
@@ -313,6 +313,14 @@ impl EngineMetrics {
         catch_up(
             &self.steps.with_label_values(&["pipelined"]),
             s.pipelined_steps,
+        );
+        catch_up(
+            &self.steps.with_label_values(&["pipelined_verify"]),
+            s.pipelined_verify_steps,
+        );
+        catch_up(
+            &self.steps.with_label_values(&["discarded"]),
+            s.discarded_steps,
         );
         catch_up(
             &self.step_tokens.with_label_values(&["prefill"]),

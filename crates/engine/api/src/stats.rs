@@ -123,6 +123,13 @@ pub struct EngineStats {
     /// Decode steps queued before the previous step's tokens were read
     /// (pipelined decode).
     pub pipelined_steps: u64,
+    /// Pipelined steps with verification rows (prompt lookup verifying
+    /// inside the decode pipeline), queued from the host or behind
+    /// another step.
+    pub pipelined_verify_steps: u64,
+    /// Queued steps rolled back unread: a verification before them
+    /// rejected a draft they took as kept.
+    pub discarded_steps: u64,
     /// How decode rows propose draft tokens (`--speculative`: "off",
     /// "ngram", "draft").
     pub speculative_method: String,

@@ -204,19 +204,28 @@ impl StepRunner for LocalRunner<'_> {
         input: DecodeInput<'_>,
     ) -> Result<Pending, StepError> {
         let started = Instant::now();
-        if batch.rows.iter().any(|r| r.padded() != 1 || r.real != 1) {
-            return Err(StepError::Internal("a queued decode row of several tokens"));
+        if batch.rows.iter().any(|r| {
+            r.padded() != r.real
+                || r.device_argmax != (0..r.real)
+                || !r.host_logits.is_empty()
+                || !r.hidden.is_empty()
+        }) {
+            return Err(StepError::Internal(
+                "a queued decode row must be unpadded with every token's argmax on the device",
+            ));
         }
         // Everything that can fail before the positions are reserved.
         let device_ids = match input {
             DecodeInput::Host => None,
-            DecodeInput::Device { after, picks: None } => Some(after.tokens.clone()),
-            DecodeInput::Device {
-                after,
-                picks: Some(picks),
-            } => {
-                let picks = Array::from_i32(picks, &[picks.len() as i32])?;
-                Some(after.tokens.take(&picks, 0)?)
+            DecodeInput::Device { after, picks } => {
+                let firsts = match picks {
+                    None => after.tokens.clone(),
+                    Some(picks) => {
+                        let picks = Array::from_i32(picks, &[picks.len() as i32])?;
+                        after.tokens.take(&picks, 0)?
+                    }
+                };
+                Some(device_first_tokens(&batch.rows, firsts)?)
             }
         };
         let reserve: Vec<RowReserve<'_>> = batch
@@ -224,13 +233,14 @@ impl StepRunner for LocalRunner<'_> {
             .iter()
             .map(|r| RowReserve {
                 seq: r.kv,
-                real: 1,
-                padded: 1,
+                real: r.real,
+                padded: r.real,
             })
             .collect();
         let reservation = kv.reserve_step(&reserve)?;
         let rows = batch.model_rows();
-        let kv_rows: Vec<(&KvSequence, usize)> = batch.rows.iter().map(|r| (r.kv, 1)).collect();
+        let kv_rows: Vec<(&KvSequence, usize)> =
+            batch.rows.iter().map(|r| (r.kv, r.real)).collect();
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             let mut view = kv.step(&kv_rows)?;
             let logits = self
@@ -273,6 +283,31 @@ impl StepRunner for LocalRunner<'_> {
             }
         })
     }
+}
+
+/// The packed token ids `[tokens]` of a queued step whose rows start with
+/// a token still on the device: `firsts` (uint32 `[rows]`, row `r`'s
+/// first token) put at each row's first position, the rest of each row
+/// from its host tokens (a verification row's draft). Rows of one token
+/// take `firsts` as it is.
+///
+/// # Errors
+/// A row whose input is not tokens, an MLX failure.
+fn device_first_tokens(rows: &[BatchRow<'_>], firsts: Array) -> Result<Array, StepError> {
+    if rows.iter().all(|r| r.real == 1) {
+        return Ok(firsts);
+    }
+    let (mut ids, mut starts) = (Vec::new(), Vec::with_capacity(rows.len()));
+    for r in rows {
+        let mlxcel_model::RowInput::Tokens(t) = r.input else {
+            return Err(StepError::Internal("a queued decode row of embeddings"));
+        };
+        starts.push(ids.len() as i32);
+        ids.extend_from_slice(t.get(..r.real).unwrap_or_default());
+    }
+    let host = Array::from_u32(&ids, &[ids.len() as i32])?;
+    let starts = Array::from_i32(&starts, &[starts.len() as i32])?;
+    Ok(host.put_along_axis(&starts, &firsts, 0)?)
 }
 
 /// Where each row's wanted positions sit among the step's logits rows
@@ -445,6 +480,34 @@ mod tests {
             .map(|r| r.logits.clone())
             .collect();
         assert_eq!(rows, vec![0..5, 0..0, 1..5]);
+    }
+
+    #[test]
+    fn a_queued_steps_first_tokens_come_from_the_device_and_drafts_from_the_host() {
+        let mut kv = cache();
+        let (a, b, c) = (kv.new_sequence(), kv.new_sequence(), kv.new_sequence());
+        // A decode row, a verification row of 3 drafts, another of 1; the
+        // stand-in first tokens (0) are replaced by the device's.
+        let (decode, verify, short) = ([0u32], [0u32, 11, 12, 13], [0u32, 21]);
+        fn row<'a>(kv: &'a KvSequence, t: &'a [u32]) -> BatchRow<'a> {
+            BatchRow {
+                kv,
+                input: RowInput::Tokens(t),
+                real: t.len(),
+                host_logits: 0..0,
+                device_argmax: 0..t.len(),
+                hidden: 0..0,
+            }
+        }
+        let rows = [row(&a, &decode), row(&b, &verify), row(&c, &short)];
+        let firsts = Array::from_u32(&[7, 8, 9], &[3]).unwrap();
+        let ids = device_first_tokens(&rows, firsts).unwrap();
+        assert_eq!(ids.to_vec_u32().unwrap(), vec![7, 8, 11, 12, 13, 9, 21]);
+        // Rows of one token take the device's tokens as they are.
+        let firsts = Array::from_u32(&[4, 5], &[2]).unwrap();
+        let decode_rows = [rows[0].clone(), row(&b, &decode)];
+        let ids = device_first_tokens(&decode_rows, firsts).unwrap();
+        assert_eq!(ids.to_vec_u32().unwrap(), vec![4, 5]);
     }
 
     #[test]

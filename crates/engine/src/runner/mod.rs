@@ -169,7 +169,9 @@ pub(crate) struct StepOutput {
 /// yet (pipelined decode: the next step is built from these tokens before
 /// they reach the host).
 pub(crate) struct Pending {
-    /// The sampled tokens, uint32 `[rows]`, being evaluated.
+    /// The greedy token after every position of every row, uint32
+    /// `[tokens]` packed in row order (one per plain decode row, `1 +
+    /// draft` per verification row), being evaluated.
     pub(crate) tokens: Array,
     /// The positions it reserved (already completed): rolled back if the
     /// evaluation fails.
@@ -189,8 +191,11 @@ impl Drop for Pending {
 pub(crate) enum DecodeInput<'a> {
     /// The rows' host tokens (`BatchRow::input`).
     Host,
-    /// A queued step's sampled tokens, not read yet: all of them in order
-    /// (`picks: None`) or those at `picks`.
+    /// A queued step's sampled tokens, not read yet: each row's first
+    /// token is `after`'s at `picks[row]` (`picks: None`: `after` had one
+    /// token per row and this step has its rows in the same order); a
+    /// verification row's draft tokens after it come from its
+    /// `BatchRow::input` (whose first token is a stand-in).
     Device {
         after: &'a Pending,
         picks: Option<&'a [i32]>,
@@ -228,13 +233,18 @@ pub(crate) trait StepRunner {
     /// inputs from the host).
     fn can_queue(&self) -> bool;
 
-    /// Reserves and queues a greedy decode step (one token per row, every
-    /// row's token taken by argmax on the device) without reading it back.
-    /// The reservation is completed at once; [`StepRunner::read`] rolls it
-    /// back if the evaluation fails.
+    /// Reserves and queues a greedy decode step without reading it back:
+    /// rows of one token (decode) or of `1 + draft` tokens (a
+    /// verification: its last token and its draft), unpadded, the greedy
+    /// token after every position taken by argmax on the device
+    /// (`BatchRow::device_argmax` of `0..real`, nothing for the host). The
+    /// reservation is completed at once; [`StepRunner::read`] rolls it
+    /// back if the evaluation fails, [`StepRunner::discard`] when the step
+    /// is not wanted any more.
     ///
     /// # Errors
-    /// Any [`StepError`] while building (nothing stays reserved).
+    /// Any [`StepError`] while building (nothing stays reserved), a row
+    /// that is padded or wants logits on the host.
     fn queue_decode(
         &mut self,
         kv: &mut KvCache,
@@ -242,12 +252,28 @@ pub(crate) trait StepRunner {
         input: DecodeInput<'_>,
     ) -> Result<Pending, StepError>;
 
-    /// Waits for a queued step and reads its tokens (one per row).
+    /// Waits for a queued step and reads its tokens (every position's, in
+    /// [`Pending::tokens`]' order).
     ///
     /// # Errors
     /// The evaluation failed: `pending`'s positions (and those of any step
     /// queued behind it, which ends later) are rolled back.
     fn read(&mut self, kv: &mut KvCache, pending: &Pending) -> Result<Vec<u32>, StepError>;
+
+    /// Rolls back a queued step that will not be read (it was built on a
+    /// guess the step before it proved wrong: a rejected draft): its
+    /// rows' positions go back to where they were before it. It must be
+    /// the last step queued. Its device work may still be running: a step
+    /// built after this reads the cache's storage through that step's
+    /// writes, so it runs after them, and the caller keeps `pending`
+    /// until then (dropping it waits for its evaluation).
+    ///
+    /// # Errors
+    /// The rollback failed.
+    fn discard(&mut self, kv: &mut KvCache, pending: &Pending) -> Result<(), StepError> {
+        kv.complete_step(pending.reservation.clone(), false)?;
+        Ok(())
+    }
 
     /// `Err` once the runner can run no step any more (a broken
     /// tensor-parallel group).

@@ -105,6 +105,9 @@ pub(crate) struct WorkerConfig {
     /// Queue decode steps of device-sampled rows before reading the
     /// previous step's tokens (see `worker/pipeline.rs`).
     pub(crate) pipeline: bool,
+    /// Verification rows run inside the decode pipeline (see
+    /// `worker/pipeline.rs`).
+    pub(crate) pipelined_verification: bool,
     /// Speculative decoding ([`crate::speculative`]).
     pub(crate) speculative: crate::speculative::SpeculativeConfig,
     /// Batch-invariant execution (`--deterministic`,
@@ -152,6 +155,9 @@ pub(crate) struct Worker<'m> {
     done: Vec<u64>,
     /// A pipelined decode step whose tokens are not read yet.
     inflight: Option<pipeline::Queued>,
+    /// A discarded pipelined step (`worker/pipeline.rs`), kept until the
+    /// step after it is built: dropping it waits for its evaluation.
+    retired: Option<crate::runner::Pending>,
     /// The last pipelined step failed: the next step runs synchronously.
     pipeline_paused: bool,
     counters: EngineStats,
@@ -214,6 +220,7 @@ impl<'m> Worker<'m> {
             next_id: 0,
             done: Vec::new(),
             inflight: None,
+            retired: None,
             pipeline_paused: false,
             counters,
             published,
@@ -236,6 +243,7 @@ impl<'m> Worker<'m> {
             let _ = s.job.events.send(failed.clone());
         }
         self.inflight = None;
+        self.retired = None;
         true
     }
 
@@ -255,6 +263,7 @@ impl<'m> Worker<'m> {
             if self.running.is_empty() {
                 // Every sequence of a queued step left: nothing to read.
                 self.inflight = None;
+                self.retired = None;
             }
             if self.fail_all_if_broken() {
                 self.reclaim();

@@ -55,14 +55,63 @@ impl Worker<'_> {
         s.speculation.active() && s.forks.is_empty()
     }
 
-    /// Whether a pipelined chain should stop so that sequence `seq` can
-    /// verify a draft: it speculates with a draft model, or its tokens so
-    /// far already end in a recurring n-gram (the token in flight is not
-    /// known yet; the synchronous step after the chain looks again).
-    pub(super) fn wants_to_speculate(&self, seq: usize) -> bool {
+    /// Whether a pipelined chain stops so that sequence `seq` can verify
+    /// a draft in the synchronous step after it: it drafts with a model
+    /// (which proposes from the tokens read), or verification does not run
+    /// inside the pipeline and its tokens so far already end in a
+    /// recurring n-gram (the token in flight is not known yet; the
+    /// synchronous step looks again).
+    pub(super) fn ends_chain(&self, seq: usize) -> bool {
         self.speculates(seq)
-            && (self.config.speculative.method == SpeculativeMethod::Draft
-                || !ngram_draft(&self.running[seq].tokens, 1).is_empty())
+            && match self.config.speculative.method {
+                SpeculativeMethod::Draft => true,
+                _ => {
+                    !self.config.pipelined_verification
+                        && !ngram_draft(&self.running[seq].tokens, 1).is_empty()
+                }
+            }
+    }
+
+    /// The prompt-lookup draft of sequence `seq` for a step queued behind
+    /// one whose tokens are not read yet: the lookup runs over the
+    /// sequence's tokens followed by `queued_draft` (the drafts the step
+    /// in flight verifies, taken as kept), and the first token it
+    /// proposes is its guess of the token in flight, the row's input, so
+    /// the draft is what follows that guess: `(guess, draft)`. At most
+    /// the row's adaptive length, `left - 1` (`left`: tokens the row may
+    /// still emit after the step in flight) and a prefill chunk less one;
+    /// no draft when the row does not speculate or no suffix recurs.
+    pub(super) fn guess_draft(
+        &self,
+        seq: usize,
+        queued_draft: &[u32],
+        left: usize,
+    ) -> (Option<u32>, Vec<u32>) {
+        if !self.config.speculative.method.proposes() || !self.speculates(seq) {
+            return (None, Vec::new());
+        }
+        let s = &self.running[seq];
+        let chunk = self.config.scheduler.prefill_chunk_size;
+        let k = s
+            .speculation
+            .proposal()
+            .min(left.saturating_sub(1))
+            .min(chunk.saturating_sub(1));
+        if k == 0 {
+            return (None, Vec::new());
+        }
+        let guess = if queued_draft.is_empty() {
+            ngram_draft(&s.tokens, k + 1).to_vec()
+        } else {
+            let mut tokens = Vec::with_capacity(s.tokens.len() + queued_draft.len());
+            tokens.extend_from_slice(&s.tokens);
+            tokens.extend_from_slice(queued_draft);
+            ngram_draft(&tokens, k + 1).to_vec()
+        };
+        match guess.split_first() {
+            Some((&first, draft)) if !draft.is_empty() => (Some(first), draft.to_vec()),
+            _ => (None, Vec::new()),
+        }
     }
 
     /// A decode step of `seq` passed without a chance to propose (a
@@ -267,7 +316,11 @@ impl Worker<'_> {
         let s = &mut self.running[seq];
         s.picks = picks;
         let end = s.computed + 1 + accepted;
-        self.kv.truncate_tail(&s.kv, end)?;
+        if accepted < r.draft {
+            // (A kept draft leaves the cache as it is: a step queued
+            // behind this one may hold positions past `end`.)
+            self.kv.truncate_tail(&s.kv, end)?;
+        }
         if let (Some(drafter), Some(kv)) = (self.drafter.as_mut(), &s.draft_kv) {
             // The draft cache keeps only what the target accepted, then
             // its window groups trim; a failure here costs the row its
@@ -293,6 +346,69 @@ impl Worker<'_> {
         c.speculative_accepted_tokens += accepted as u64;
         c.decode_tokens += accepted as u64;
         Ok(accepted)
+    }
+
+    /// Verifies and streams a verification row of a pipelined step
+    /// ([`Worker::verify`] over its greedy `tokens`, then
+    /// [`Worker::emit_verified`]). `guess`: the first token the draft was
+    /// looked up after, when that token was in flight; a wrong guess says
+    /// nothing of how well the row's drafts hold, so that verification
+    /// leaves the row's adaptive draft length as it was. `ahead`: tokens
+    /// of the row in a step queued behind this one, which assumed the
+    /// whole draft kept; when a draft was rejected, that step was
+    /// discarded (`ahead` is 0) unless the row stopped at an end of text
+    /// inside its kept drafts, which ends it.
+    pub(super) fn emit_pipelined_verification(
+        &mut self,
+        seq: usize,
+        draft: &[u32],
+        guess: Option<u32>,
+        tokens: &[u32],
+        ahead: usize,
+    ) {
+        let s = &mut self.running[seq];
+        // The row's first token (emitted by the step before) is known now.
+        let guessed_wrong = guess.is_some_and(|g| s.tokens.last() != Some(&g));
+        let adaptive = s.speculation;
+        s.draft = draft.to_vec();
+        let row = PlannedRow {
+            seq,
+            real: tokens.len(),
+            padded: tokens.len(),
+            sample: true,
+            draft: draft.len(),
+        };
+        let out = RowOutput {
+            tokens: tokens.to_vec(),
+            ..RowOutput::default()
+        };
+        let accepted = match self.verify(&row, &out) {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::error!(error = %e, "a pipelined verification failed");
+                self.fail(seq, &e);
+                return;
+            }
+        };
+        if guessed_wrong {
+            self.running[seq].speculation = adaptive;
+        }
+        let kept_ahead = if accepted == draft.len() { ahead } else { 0 };
+        if let Err(e) = self.advance(seq, 1 + accepted, kept_ahead) {
+            tracing::error!(error = %e, "row failed after its forward");
+            self.fail(seq, &e);
+            return;
+        }
+        self.emit_verified(seq);
+        let id = self.running[seq].id;
+        if ahead > kept_ahead && !self.done.contains(&id) {
+            // Its queued step's positions were truncated with the
+            // rejected drafts: only an end of text may stop it there.
+            self.fail(
+                seq,
+                &StepError::Internal("a pipelined verification stopped short of its queued step"),
+            );
+        }
     }
 
     /// Streams a verification row's picks (its agreeing drafts and the

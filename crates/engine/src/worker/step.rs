@@ -63,6 +63,9 @@ impl Sequence {
 impl Worker<'_> {
     /// Plans and runs one step (or continues the decode pipeline).
     pub(super) fn guarded_step(&mut self) {
+        // A step discarded in the last one is waited for once this one is
+        // built (dropped at the end of this function).
+        let _retired = self.retired.take();
         if let Some(queued) = self.inflight.take() {
             self.continue_pipeline(queued);
             self.remove_done();
@@ -81,8 +84,8 @@ impl Worker<'_> {
             });
         }
         if self.starts_pipeline(&plan) {
-            let ids: Vec<u64> = plan.rows.iter().map(|r| self.running[r.seq].id).collect();
-            match self.queue_decode(&ids, None) {
+            let rows = self.pipeline_rows(&plan);
+            match self.queue_decode(&rows, None) {
                 Ok(queued) => {
                     self.inflight = Some(queued);
                     profile::end_step();
