@@ -28,7 +28,6 @@ use super::{NextToken, Worker};
 use crate::error::StepError;
 use crate::runner::{BatchRow, DecodeInput, Pending, StepBatch};
 use crate::scheduler::{PlannedRow, StepPlan};
-use crate::speculative::accepted_prefix;
 
 /// A decode step queued on the device whose tokens are not read yet.
 pub(super) struct Queued {
@@ -432,8 +431,6 @@ fn guesses_hold(queued: &Queued, tokens: &[u32], next: &Queued) -> bool {
         .all(|((id, draft), start)| {
             draft.is_empty()
                 || !next.ids.contains(id)
-                || tokens
-                    .get(start..start + draft.len())
-                    .is_some_and(|row| accepted_prefix(draft, row) == draft.len())
+                || tokens.get(start..start + draft.len()) == Some(draft.as_slice())
         })
 }

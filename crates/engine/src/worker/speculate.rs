@@ -91,27 +91,28 @@ impl Worker<'_> {
             return (None, Vec::new());
         }
         let s = &self.running[seq];
-        let chunk = self.config.scheduler.prefill_chunk_size;
-        let k = s
-            .speculation
-            .proposal()
-            .min(left.saturating_sub(1))
-            .min(chunk.saturating_sub(1));
+        let k = self.draft_room(s.speculation.proposal(), left);
         if k == 0 {
             return (None, Vec::new());
         }
-        let guess = if queued_draft.is_empty() {
-            ngram_draft(&s.tokens, k + 1).to_vec()
+        let joined;
+        let tokens: &[u32] = if queued_draft.is_empty() {
+            &s.tokens
         } else {
-            let mut tokens = Vec::with_capacity(s.tokens.len() + queued_draft.len());
-            tokens.extend_from_slice(&s.tokens);
-            tokens.extend_from_slice(queued_draft);
-            ngram_draft(&tokens, k + 1).to_vec()
+            joined = [s.tokens.as_slice(), queued_draft].concat();
+            &joined
         };
-        match guess.split_first() {
+        match ngram_draft(tokens, k + 1).split_first() {
             Some((&first, draft)) if !draft.is_empty() => (Some(first), draft.to_vec()),
             _ => (None, Vec::new()),
         }
+    }
+
+    /// A row's draft length `k` bounded to stay one token short of the
+    /// `left` tokens it may still emit and of a prefill chunk.
+    fn draft_room(&self, k: usize, left: usize) -> usize {
+        k.min(left.saturating_sub(1))
+            .min(self.config.scheduler.prefill_chunk_size.saturating_sub(1))
     }
 
     /// A decode step of `seq` passed without a chance to propose (a
@@ -141,7 +142,6 @@ impl Worker<'_> {
         if decode == 0 || decode > self.config.speculative.max_rows {
             return;
         }
-        let chunk = self.config.scheduler.prefill_chunk_size;
         // (row of the plan, draft length) of every row that proposes.
         let mut wanted = Vec::new();
         for (i, r) in plan.rows[..decode].iter().enumerate() {
@@ -157,7 +157,7 @@ impl Worker<'_> {
                 .request
                 .max_tokens
                 .saturating_sub(s.usage.completion_tokens);
-            let k = k.min(left.saturating_sub(1)).min(chunk.saturating_sub(1));
+            let k = self.draft_room(k, left);
             if k > 0 {
                 wanted.push((i, k));
             }
