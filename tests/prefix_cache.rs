@@ -181,7 +181,7 @@ fn quantized_kv_answers_warm_as_cold_batched_as_alone_and_near_float_kv() {
     // and cold runs (measured: see the printed values; the logits span
     // about 30).
     for (kv_dtype, bound, warm_bound) in [
-        (KvCacheDtype::Int8, 0.5, 0.25),
+        (KvCacheDtype::Int8, 0.5, INT8_WARM_BOUND),
         (KvCacheDtype::Int4, 8.0, 3.0),
     ] {
         let mut kv = cache(kv_dtype);
@@ -228,29 +228,104 @@ fn quantized_kv_answers_warm_as_cold_batched_as_alone_and_near_float_kv() {
             );
         }
     }
-    // The int8 engine: 4 prompts at once answer as each alone.
+    // The int8 engine: 4 prompts at once answer as each alone, up to a
+    // tie. A batched prompt's K/V come from products of other shapes than
+    // its alone run's (OpenBLAS picks its kernel by the row count), so a
+    // float ulp can move a value across a quantizer boundary, as between
+    // warm and cold above. The runs sample on the device, pipelined, as
+    // any greedy request does. Where a prompt's two answers part, its
+    // alone run is repeated with logprobs (sampled on the host, the same
+    // tokens): there batched's token must be among its five most likely,
+    // less than INT8_WARM_BOUND below alone's (a strict bound: logits that
+    // each move by up to the bound could swap tokens twice as far apart).
+    // Measured: identical on a Xeon with AVX-512; on an AMD EPYC
+    // (2026-12-08) prompt 2 parts at token 12 (batched took alone's second
+    // token, 0.0003 below) and prompt 3 at token 4 (0.078 below).
     let prompts: Vec<Prompt> = [40, 90, 150, 260]
         .iter()
         .map(|&n| Prompt::Tokens(ids[300..300 + n].to_vec()))
         .collect();
-    let run = |p: &Prompt| {
+    let run = |p: &Prompt, logprobs: Option<usize>| {
         let mut r = greedy_request(p.clone(), 16);
         r.ignore_eos = true;
         r.cache_prompt = false;
+        r.logprobs = logprobs;
         r
     };
     let streams: Vec<_> = prompts
         .iter()
-        .map(|p| engine.submit(run(p)).expect("submit"))
+        .map(|p| engine.submit(run(p, None)).expect("submit"))
         .collect();
     let together: Vec<Vec<u32>> = streams
         .into_iter()
         .map(|s| collect_tokens(s).expect("run").0)
         .collect();
+    let mut parted = 0;
     for (i, p) in prompts.iter().enumerate() {
-        let (alone, _) = collect_tokens(engine.submit(run(p)).expect("submit")).expect("run");
-        assert_eq!(alone, together[i], "prompt {i}: batched == alone (int8)");
+        let (alone, _) = collect_tokens(engine.submit(run(p, None)).expect("submit")).expect("run");
+        assert_eq!(alone.len(), 16, "prompt {i}: alone ran 16 tokens");
+        assert_eq!(together[i].len(), 16, "prompt {i}: batched ran 16 tokens");
+        let Some(at) = (0..16).find(|&t| alone[t] != together[i][t]) else {
+            continue;
+        };
+        parted += 1;
+        let traced = traced_tokens(engine.submit(run(p, Some(5))).expect("submit"));
+        let got: Vec<u32> = traced.iter().map(|t| t.0).collect();
+        assert_eq!(got, alone, "prompt {i}: alone with logprobs == alone");
+        let top = &traced[at].1;
+        assert_eq!(top.len(), 5, "prompt {i}: five alternatives");
+        assert_eq!(top[0].0, alone[at], "prompt {i}: alone took its top token");
+        let Some(&(_, batched_lp)) = top.iter().find(|t| t.0 == together[i][at]) else {
+            panic!(
+                "prompt {i}: batched took {} at token {at}, not among alone's top five {top:?}",
+                together[i][at]
+            )
+        };
+        let gap = top[0].1 - batched_lp;
+        eprintln!(
+            "int8 prompt {i}: batched parts from alone at token {at}: {} vs {}, \
+             alone's top five {top:?} (gap {gap})",
+            together[i][at], alone[at]
+        );
+        assert!(
+            gap < INT8_WARM_BOUND,
+            "prompt {i}: batched parts from alone at token {at} where alone's margin is {gap}"
+        );
     }
+    // A tie is a prompt's accident, not every prompt's: at least one must
+    // answer batched exactly as alone.
+    assert!(
+        parted < prompts.len(),
+        "every prompt parted batched from alone"
+    );
+}
+
+/// The largest logit difference allowed between a warm and a cold int8
+/// run (measured: 0.13 at 65 tokens, 0.18 at 200), and the largest margin
+/// at which a batched int8 answer may part from its alone run.
+const INT8_WARM_BOUND: f32 = 0.25;
+
+/// A request's tokens, each with its alternatives (id, logprob), most
+/// likely first.
+type Traced = Vec<(u32, Vec<(u32, f32)>)>;
+
+/// Drains a stream of a request with logprobs into its [`Traced`] tokens.
+fn traced_tokens(mut stream: mlxcel_engine::api::EventStream) -> Traced {
+    use mlxcel_engine::api::GenerationEvent;
+    let mut out = Vec::new();
+    while let Some(event) = stream.blocking_recv() {
+        match event {
+            GenerationEvent::Delta {
+                token,
+                logprobs: Some(l),
+                ..
+            } => out.push((token, l.top.iter().map(|t| (t.id, t.logprob)).collect())),
+            GenerationEvent::Finished { .. } => return out,
+            GenerationEvent::Failed { message, .. } => panic!("{message}"),
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+    panic!("the stream ended without Finished")
 }
 
 #[test]
