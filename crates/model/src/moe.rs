@@ -424,6 +424,11 @@ pub struct SparseMoe {
     routing: Routing,
     activation: Activation,
     glu: ExpertGlu,
+    /// Constants of every step, made once at load so that a step uploads
+    /// none per layer: `-1` (float32, negates the router's scores for
+    /// the top-k partition) and `[top_k]` (uint32, a sorted pair's token).
+    neg_one: Array,
+    top_k_divisor: Array,
 }
 
 impl SparseMoe {
@@ -514,6 +519,8 @@ impl SparseMoe {
             routing: spec.routing,
             activation: spec.activation,
             glu: spec.glu,
+            neg_one: Array::scalar(-1.0)?,
+            top_k_divisor: Array::from_u32(&[spec.top_k as u32], &[1])?,
         })
     }
 
@@ -525,7 +532,7 @@ impl SparseMoe {
         // The k largest: the first k of an argpartition of the negated
         // logits (the order mlx_lm's Mixtral and Qwen2-MoE take them in).
         let top = |x: &Array| -> Result<Array, ModelError> {
-            let neg = x.multiply(&Array::scalar(-1.0)?)?;
+            let neg = x.multiply(&self.neg_one)?;
             let part = neg.argpartition(k - 1, -1)?;
             let mut stop = part.shape();
             let begin = vec![0; stop.len()];
@@ -613,7 +620,7 @@ impl SparseMoe {
             let flat = inds.reshape(&[tokens * k])?;
             let order = flat.argsort(0)?;
             let inverse = order.argsort(0)?;
-            let rows = order.floor_divide(&Array::from_u32(&[k as u32], &[1])?)?;
+            let rows = order.floor_divide(&self.top_k_divisor)?;
             let xs = x.reshape(&[tokens, 1, hidden])?.take(&rows, 0)?;
             let sorted = flat.take(&order, 0)?;
             let y = self.experts(&xs, &sorted, true, dequantize)?;
