@@ -141,6 +141,14 @@ def test_seed_reproducibility(client, model):
             model=model, messages=ask("Write a short poem."), max_tokens=10, temperature=1.0, seed=seed
         ).choices[0].message.content
 
+    # The first request of a prompt prefills it cold; later ones resume from
+    # the prefix cache, whose logits differ from the cold run's by float
+    # noise (~1e-6; bit-identical only under --deterministic). At
+    # temperature 1 that can swap two tail tokens of near-equal logits in
+    # the sampler's order and change a draw (on an AMD EPYC this prompt's
+    # cold and warm draws of seed 42 part at the first token). So compare
+    # two warm requests: the same seed on the same path gives the same text.
+    sample(42)
     first = sample(42)
     assert sample(42) == first
     assert any(sample(s) != first for s in (43, 44, 45))
@@ -189,7 +197,12 @@ def test_chat_logprobs(client, model):
         model=model, messages=ask("Count to three."), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
     ))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # The streamed request resumes from the prefix cache: the same greedy
+    # tokens, logprobs within float noise of the cold run's (measured up to
+    # 3.5e-6 on an AMD EPYC, where rounding to 4 places parted -1.63415).
+    assert [t.token for t in streamed] == [t.token for t in content]
+    for s_t, c_t in zip(streamed, content):
+        assert math.isclose(s_t.logprob, c_t.logprob, abs_tol=1e-4), (s_t.token, s_t.logprob, c_t.logprob)
 
 
 def test_legacy_completion_logprobs(client, model):
