@@ -27,9 +27,14 @@ the runs lose or tie (below 8 all columns make the same one call), so
 mlxcel keeps the single `gather_qmm` call.
 """
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_prefill import quantized_experts  # noqa: E402
 
 SHAPES = {
     "gpt-oss-20b": (32, 4, 2880, 2880),
@@ -80,10 +85,7 @@ def main():
           f"g{a.group_size}, {a.layers} calls a step")
     shapes = {"tiny": (8, 2, 256, 128)} if a.tiny else SHAPES
     for name, (experts, k, hidden, width) in shapes.items():
-        w = (mx.random.normal((experts, width, hidden)) * 0.02).astype(dt)
-        wq, s, b = mx.quantize(w, **q)
-        del w
-        mx.eval(wq, s, b)
+        wq, s, b = quantized_experts(experts, width, hidden, dt, q)
         for t in TOKENS:
             pairs = t * k
             xs = [mx.random.normal((t, hidden)).astype(dt) for _ in range(a.layers)]

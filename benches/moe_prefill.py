@@ -32,6 +32,16 @@ SHAPES = {
 TOKENS = (16, 64, 256, 1024, 2048)
 
 
+def quantized_experts(experts, width, hidden, dtype, q):
+    """Random expert weights `[experts, width, hidden]` of `dtype`,
+    quantized by `q` (group size and bits), evaluated: (w, scales, biases)."""
+    w = (mx.random.normal((experts, width, hidden)) * 0.02).astype(dtype)
+    wq, s, b = mx.quantize(w, **q)
+    del w
+    mx.eval(wq, s, b)
+    return wq, s, b
+
+
 def bench(f, n=10):
     for _ in range(3):
         mx.eval(f())
@@ -55,10 +65,7 @@ def main():
     print(f"device {mx.default_device()} mlx {mx.__version__} {a.dtype} {a.bits}-bit g{a.group_size}")
     shapes = {"tiny": (8, 2, 256, 128)} if a.tiny else SHAPES
     for name, (experts, k, hidden, width) in shapes.items():
-        w = (mx.random.normal((experts, width, hidden)) * 0.02).astype(dt)
-        wq, s, b = mx.quantize(w, **q)
-        del w
-        mx.eval(wq, s, b)
+        wq, s, b = quantized_experts(experts, width, hidden, dt, q)
         for t in TOKENS:
             x = mx.random.normal((t, hidden)).astype(dt)
             inds = mx.random.randint(0, experts, (t, k)).astype(mx.uint32)
